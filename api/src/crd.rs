@@ -1,0 +1,139 @@
+//! gpupool's custom resources (cluster-scoped, `gpupool.dev/v1alpha1`): `GpuModel` and `ComputeProfile`.
+//!
+//! The CRD manifests in `deploy/` are generated from these types (`CustomResourceExt::crd`).
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// A GPU model of the pool and its compute weight: the unit that makes different cards comparable.
+/// The controller manages one DeviceClass per GpuModel; the node driver publishes the weight as the
+/// `computeWeight` attribute of each matching device.
+#[derive(CustomResource, Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "gpupool.dev",
+    version = "v1alpha1",
+    kind = "GpuModel",
+    plural = "gpumodels",
+    shortname = "gm",
+    status = "GpuModelStatus",
+    printcolumn = r#"{"name":"Model","type":"string","jsonPath":".spec.model"}"#,
+    printcolumn = r#"{"name":"Weight","type":"integer","jsonPath":".spec.computeWeight"}"#,
+    printcolumn = r#"{"name":"Devices","type":"integer","jsonPath":".status.devices"}"#,
+    printcolumn = r#"{"name":"Nodes","type":"integer","jsonPath":".status.nodes"}"#,
+    printcolumn = r#"{"name":"Memory","type":"string","jsonPath":".status.memory"}"#,
+    printcolumn = r#"{"name":"Class","type":"string","jsonPath":".status.deviceClassName"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuModelSpec {
+    /// Matches devices whose `model` attribute equals this (e.g. "A100-SXM4-40GB").
+    /// Exactly one of `model` and `productName` is set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// Matches devices whose `productName` attribute equals this (e.g. "NVIDIA A100-SXM4-40GB").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub product_name: Option<String>,
+    /// Compute of one whole card of this model, in the pool's weight units (e.g. 312 for an A100).
+    pub compute_weight: i64,
+    /// DeviceClass to manage; default `gpupool.dev-<model in lower case>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_class_name: Option<String>,
+    /// Optional tier (e.g. "training"): the controller also manages a DeviceClass per tier.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tier: Option<String>,
+}
+
+/// What the controller observed of a GpuModel.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuModelStatus {
+    /// Devices published by gpupool nodes that this GpuModel matches.
+    #[serde(default)]
+    pub devices: i64,
+    /// Nodes with at least one such device.
+    #[serde(default)]
+    pub nodes: i64,
+    /// Total memory of those devices, as a quantity ("80Gi").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<String>,
+    /// The DeviceClass the controller manages for this model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_class_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// `Ready`, `NoMatchingDevices`, `Conflict`, `Invalid`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(schema_with = "conditions_schema")]
+    pub conditions: Vec<Condition>,
+}
+
+/// Which way a ComputeProfile orders the models it may use.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum Preference {
+    /// Highest weight first: spread work onto the strongest free cards.
+    #[default]
+    Strongest,
+    /// Lowest weight first: bin-pack onto the weakest card that can serve it.
+    Weakest,
+}
+
+/// An amount of compute in weight units, served by whichever allowed model is free. The controller keeps
+/// a ResourceClaimTemplate of the profile's name in each served namespace.
+#[derive(CustomResource, Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "gpupool.dev",
+    version = "v1alpha1",
+    kind = "ComputeProfile",
+    plural = "computeprofiles",
+    shortname = "cprof",
+    status = "ComputeProfileStatus",
+    printcolumn = r#"{"name":"Compute","type":"integer","jsonPath":".spec.compute"}"#,
+    printcolumn = r#"{"name":"Memory","type":"string","jsonPath":".spec.memory"}"#,
+    printcolumn = r#"{"name":"Preference","type":"string","jsonPath":".spec.preference"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct ComputeProfileSpec {
+    /// Compute in weight units (156 = half an A100 at weight 312).
+    pub compute: i64,
+    /// Device memory per claim, as a quantity ("8Gi"); default: the whole card.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<String>,
+    /// Names of the GpuModels that may serve this profile; default all.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub models: Vec<String>,
+    #[serde(default)]
+    pub preference: Preference,
+    /// Namespaces that get the ResourceClaimTemplate.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub namespaces: Vec<String>,
+    /// Or: namespaces whose labels match.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace_selector: Option<LabelSelector>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ComputeProfileStatus {
+    /// Namespaces that hold the profile's ResourceClaimTemplate.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub namespaces: Vec<String>,
+    /// The subrequests of the template, e.g. "A100-SXM4-40GB cores=50".
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub subrequests: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// `Ready`, `Invalid`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(schema_with = "conditions_schema")]
+    pub conditions: Vec<Condition>,
+}
+
+/// Conditions as a plain list of objects in the schema: the API server keeps them unpruned.
+fn conditions_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    serde_json::from_value(serde_json::json!({
+        "type": "array",
+        "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}
+    }))
+    .expect("static schema")
+}

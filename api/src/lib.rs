@@ -1,0 +1,11 @@
+//! gpupool's types and contracts, shared by the driver, the controller and the test harness.
+//!
+//! Nothing here does I/O: every function takes values and returns values, so each rule is tested directly.
+
+pub mod cdi;
+pub mod config;
+pub mod crd;
+pub mod inventory;
+pub mod names;
+pub mod quantity;
+pub mod validation;

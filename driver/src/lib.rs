@@ -1,0 +1,5 @@
+//! gpupool's node agent. The path a GPU takes, one module per step:
+//! NVML or fake profile -> [`inventory`] -> [`slices`] (pure) -> [`publisher`] (API) ->
+//! [`plugin`] (kubelet sockets) -> [`prepare`] (claim -> limits -> CDI spec + checkpoint).
+
+pub mod prepare;
