@@ -19,11 +19,15 @@ use serde::{Deserialize, Serialize};
     shortname = "gm",
     status = "GpuModelStatus",
     printcolumn = r#"{"name":"Model","type":"string","jsonPath":".spec.model"}"#,
+    printcolumn = r#"{"name":"Product","type":"string","jsonPath":".spec.productName","priority":1}"#,
     printcolumn = r#"{"name":"Weight","type":"integer","jsonPath":".spec.computeWeight"}"#,
     printcolumn = r#"{"name":"Devices","type":"integer","jsonPath":".status.devices"}"#,
     printcolumn = r#"{"name":"Nodes","type":"integer","jsonPath":".status.nodes"}"#,
     printcolumn = r#"{"name":"Memory","type":"string","jsonPath":".status.memory"}"#,
-    printcolumn = r#"{"name":"Class","type":"string","jsonPath":".status.deviceClassName"}"#
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Class","type":"string","jsonPath":".status.deviceClassName","priority":1}"#,
+    printcolumn = r#"{"name":"Tier","type":"string","jsonPath":".spec.tier","priority":1}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
 pub struct GpuModelSpec {
@@ -36,10 +40,11 @@ pub struct GpuModelSpec {
     pub product_name: Option<String>,
     /// Compute of one whole card of this model, in the pool's weight units (e.g. 312 for an A100).
     pub compute_weight: i64,
-    /// DeviceClass to manage; default `gpupool.dev-<model in lower case>`.
+    /// DeviceClass to manage; default `<model in lower case>.gpupool.dev` (e.g. `a100-sxm4-40gb.gpupool.dev`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_class_name: Option<String>,
-    /// Optional tier (e.g. "training"): the controller also manages a DeviceClass per tier.
+    /// Optional tier (e.g. "training"): the controller also manages a DeviceClass `tier-<tier>.gpupool.dev`
+    /// selecting every model of that tier.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tier: Option<String>,
 }
@@ -90,7 +95,9 @@ pub enum Preference {
     status = "ComputeProfileStatus",
     printcolumn = r#"{"name":"Compute","type":"integer","jsonPath":".spec.compute"}"#,
     printcolumn = r#"{"name":"Memory","type":"string","jsonPath":".spec.memory"}"#,
-    printcolumn = r#"{"name":"Preference","type":"string","jsonPath":".spec.preference"}"#
+    printcolumn = r#"{"name":"Preference","type":"string","jsonPath":".spec.preference"}"#,
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
 pub struct ComputeProfileSpec {

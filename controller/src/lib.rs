@@ -1,0 +1,6 @@
+//! gpupool's controller: GpuModel -> DeviceClass, ComputeProfile -> ResourceClaimTemplate, pool status.
+//!
+//! The decisions are pure functions (`models`, `profiles`, `conditions`, `plan`, the leader rules);
+//! `reconcile` and `leader` do the talking to the API server.
+
+pub mod crds;
