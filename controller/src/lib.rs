@@ -4,3 +4,5 @@
 //! `reconcile` and `leader` do the talking to the API server.
 
 pub mod crds;
+pub mod models;
+pub mod status;
