@@ -1,1 +1,5 @@
+//! gpupool end to end: a kubelet emulator, a test harness that runs the real driver and controller
+//! binaries against the API server emulator (or a real cluster), and the sandbox.
 
+pub mod grpc;
+pub mod kubelet;

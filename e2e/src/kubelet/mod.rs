@@ -1,0 +1,1043 @@
+//! Kubelet emulator: registers DRA plugins from a registry folder and prepares the claims of the pods
+//! bound to its node over the plugin's gRPC socket, the way the kubelet does.
+
+mod pods;
+
+pub use pods::{claim_ready_for_pod, pick_version, pod_claim_names, retry_backoff, DraVersion};
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use gpupool_proto::{dra_v1, dra_v1beta1, health_v1alpha1, registration};
+use k8s_openapi::api::core::v1::{Event, Node, ObjectReference, Pod};
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, Time};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::{Api, Client};
+use serde_json::json;
+use tokio::task::JoinHandle;
+use tonic::transport::Channel;
+
+use crate::grpc::{connect_unix, connect_unix_lazy, GrpcError, KUBELET_CALL_TIMEOUT};
+
+/// Event reason the kubelet uses when a pod's claims cannot be prepared.
+pub const FAILED_PREPARE_REASON: &str = "FailedPrepareDynamicResources";
+
+#[derive(Debug, thiserror::Error)]
+pub enum KubeletError {
+    #[error("kubelet {node}: {source}")]
+    Kube {
+        node: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("DRA driver {0} is not registered with this kubelet")]
+    NotRegistered(String),
+    #[error("DRA driver {driver}: {call} failed: {status}")]
+    Rpc {
+        driver: String,
+        call: &'static str,
+        status: tonic::Status,
+    },
+    #[error(transparent)]
+    Grpc(#[from] GrpcError),
+    #[error("timed out after {0:?} waiting for {1}")]
+    Timeout(Duration, String),
+}
+
+/// How one kubelet emulator behaves.
+#[derive(Clone, Debug)]
+pub struct KubeletConfig {
+    pub node_name: String,
+    /// Folder watched for `*-reg.sock` (the kubelet's `plugins_registry`).
+    pub registry_dir: PathBuf,
+    /// DRA versions this kubelet speaks, in order of preference (short names).
+    pub known_versions: Vec<String>,
+    /// Timeout of every DRA call.
+    pub call_timeout: Duration,
+    /// How often the registry folder and the node's pods are looked at.
+    pub poll_interval: Duration,
+    /// Create the Node object on start, like a kubelet registering its node.
+    pub register_node: bool,
+    /// Watch pods bound to the node and prepare their claims; off when a real kubelet does that.
+    pub manage_pods: bool,
+}
+
+impl KubeletConfig {
+    pub fn new(node_name: impl Into<String>, registry_dir: impl Into<PathBuf>) -> Self {
+        KubeletConfig {
+            node_name: node_name.into(),
+            registry_dir: registry_dir.into(),
+            known_versions: vec![
+                gpupool_proto::versions::DRA_V1.to_string(),
+                gpupool_proto::versions::DRA_V1BETA1.to_string(),
+            ],
+            call_timeout: KUBELET_CALL_TIMEOUT,
+            poll_interval: Duration::from_millis(100),
+            register_node: true,
+            manage_pods: true,
+        }
+    }
+}
+
+/// A claim as the kubelet names it in DRA calls.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ClaimRef {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+}
+
+impl ClaimRef {
+    pub fn of(claim: &ResourceClaim) -> Self {
+        ClaimRef {
+            namespace: claim.metadata.namespace.clone().unwrap_or_default(),
+            name: claim.metadata.name.clone().unwrap_or_default(),
+            uid: claim.metadata.uid.clone().unwrap_or_default(),
+        }
+    }
+}
+
+/// One device of a prepared claim, as the plugin answered (v1beta1 has no share id).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PreparedDevice {
+    pub request_names: Vec<String>,
+    pub pool_name: String,
+    pub device_name: String,
+    pub cdi_device_ids: Vec<String>,
+    pub share_id: Option<String>,
+}
+
+/// A claim the kubelet believes prepared, and the pods on this node that use it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PreparedClaim {
+    pub claim: ClaimRef,
+    pub devices: Vec<PreparedDevice>,
+    pub pod_uids: BTreeSet<String>,
+}
+
+impl PreparedClaim {
+    pub fn cdi_device_ids(&self) -> Vec<String> {
+        self.devices
+            .iter()
+            .flat_map(|d| d.cdi_device_ids.iter().cloned())
+            .collect()
+    }
+}
+
+/// Per-claim outcome of a DRA call, keyed by claim UID; `Err` is the plugin's `error` string.
+pub type PrepareOutcome = BTreeMap<String, Result<Vec<PreparedDevice>, String>>;
+pub type UnprepareOutcome = BTreeMap<String, Result<(), String>>;
+
+/// A plugin accepted by the kubelet.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Registration {
+    pub driver: String,
+    pub socket: PathBuf,
+    pub endpoint: PathBuf,
+    pub version: DraVersion,
+    pub advertised_versions: Vec<String>,
+    pub health_advertised: bool,
+}
+
+/// A registration socket the kubelet refused, and why (what it told the plugin).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rejection {
+    pub socket: PathBuf,
+    pub error: String,
+}
+
+/// The latest health the plugin reported for one device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceHealthReport {
+    pub pool_name: String,
+    pub device_name: String,
+    pub health: health_v1alpha1::HealthStatus,
+    pub last_updated_time: i64,
+    pub message: String,
+}
+
+struct Plugin {
+    registration: Registration,
+    channel: Channel,
+    health_task: Option<JoinHandle<()>>,
+}
+
+#[derive(Default)]
+struct PodRecord {
+    namespace: String,
+    name: String,
+    claim_uids: BTreeSet<String>,
+    running: bool,
+    attempts: u32,
+    next_attempt: Option<Instant>,
+    last_error: Option<String>,
+}
+
+#[derive(Default)]
+struct State {
+    /// Registry socket path -> (inode, mtime) of the socket last seen there.
+    seen_sockets: HashMap<PathBuf, (u64, i64)>,
+    plugins: BTreeMap<String, Plugin>,
+    rejections: Vec<Rejection>,
+    health: BTreeMap<String, Vec<DeviceHealthReport>>,
+    prepared: BTreeMap<String, PreparedClaim>,
+    pods: BTreeMap<String, PodRecord>,
+}
+
+struct Inner {
+    client: Client,
+    config: KubeletConfig,
+    state: Mutex<State>,
+}
+
+/// A running kubelet emulator; its background tasks stop when it is dropped.
+pub struct Kubelet {
+    inner: Arc<Inner>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Drop for Kubelet {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+        let mut state = self.inner.state.lock().unwrap();
+        for plugin in state.plugins.values_mut() {
+            if let Some(task) = plugin.health_task.take() {
+                task.abort();
+            }
+        }
+    }
+}
+
+impl Kubelet {
+    /// Registers the node (when asked) and starts watching the registry folder and the node's pods.
+    pub async fn start(client: Client, config: KubeletConfig) -> Result<Kubelet, KubeletError> {
+        let inner = Arc::new(Inner {
+            client,
+            config,
+            state: Mutex::new(State::default()),
+        });
+        if inner.config.register_node {
+            inner.register_node().await?;
+        }
+        let mut tasks = Vec::new();
+        let registry = inner.clone();
+        tasks.push(tokio::spawn(async move {
+            loop {
+                registry.scan_registry().await;
+                tokio::time::sleep(registry.config.poll_interval).await;
+            }
+        }));
+        if inner.config.manage_pods {
+            let pods = inner.clone();
+            tasks.push(tokio::spawn(async move {
+                loop {
+                    if let Err(err) = pods.sync_pods().await {
+                        tracing::warn!(node = %pods.config.node_name, "pod sync: {err}");
+                    }
+                    tokio::time::sleep(pods.inner_pod_interval()).await;
+                }
+            }));
+        }
+        Ok(Kubelet { inner, tasks })
+    }
+
+    pub fn node_name(&self) -> &str {
+        &self.inner.config.node_name
+    }
+
+    pub fn registrations(&self) -> Vec<Registration> {
+        let state = self.inner.state.lock().unwrap();
+        state
+            .plugins
+            .values()
+            .map(|p| p.registration.clone())
+            .collect()
+    }
+
+    pub fn registration(&self, driver: &str) -> Option<Registration> {
+        let state = self.inner.state.lock().unwrap();
+        state.plugins.get(driver).map(|p| p.registration.clone())
+    }
+
+    /// Waits until `driver` is registered and returns its registration.
+    pub async fn wait_for_registration(
+        &self,
+        driver: &str,
+        timeout: Duration,
+    ) -> Result<Registration, KubeletError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(reg) = self.registration(driver) {
+                return Ok(reg);
+            }
+            if Instant::now() >= deadline {
+                return Err(KubeletError::Timeout(
+                    timeout,
+                    format!(
+                        "driver {driver} to register on node {} (rejections: {:?})",
+                        self.node_name(),
+                        self.rejections()
+                    ),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub fn rejections(&self) -> Vec<Rejection> {
+        self.inner.state.lock().unwrap().rejections.clone()
+    }
+
+    /// Claims (by UID) the kubelet believes prepared.
+    pub fn prepared_claims(&self) -> BTreeMap<String, PreparedClaim> {
+        self.inner.state.lock().unwrap().prepared.clone()
+    }
+
+    /// The latest health the driver streamed for its devices.
+    pub fn device_health(&self, driver: &str) -> Vec<DeviceHealthReport> {
+        let state = self.inner.state.lock().unwrap();
+        state.health.get(driver).cloned().unwrap_or_default()
+    }
+
+    /// The last prepare error of a pod on this node, if it is still failing.
+    pub fn pod_error(&self, namespace: &str, name: &str) -> Option<String> {
+        let state = self.inner.state.lock().unwrap();
+        state
+            .pods
+            .values()
+            .find(|p| p.namespace == namespace && p.name == name)
+            .and_then(|p| p.last_error.clone())
+    }
+
+    /// Calls NodePrepareResources directly, for tests that craft requests; the kubelet's own
+    /// bookkeeping is left alone.
+    pub async fn prepare(
+        &self,
+        driver: &str,
+        claims: &[ClaimRef],
+    ) -> Result<PrepareOutcome, KubeletError> {
+        self.inner.call_prepare(driver, claims).await
+    }
+
+    /// Calls NodeUnprepareResources directly (bookkeeping left alone).
+    pub async fn unprepare(
+        &self,
+        driver: &str,
+        claims: &[ClaimRef],
+    ) -> Result<UnprepareOutcome, KubeletError> {
+        self.inner.call_unprepare(driver, claims).await
+    }
+}
+
+fn now_time() -> Time {
+    Time(k8s_openapi::jiff::Timestamp::now())
+}
+
+fn is_conflict_or_exists(err: &kube::Error) -> bool {
+    matches!(err, kube::Error::Api(status) if status.code == 409)
+}
+
+fn is_not_found(err: &kube::Error) -> bool {
+    matches!(err, kube::Error::Api(status) if status.code == 404)
+}
+
+impl Inner {
+    fn inner_pod_interval(&self) -> Duration {
+        self.config.poll_interval.max(Duration::from_millis(100))
+    }
+
+    fn kube_err(&self, source: kube::Error) -> KubeletError {
+        KubeletError::Kube {
+            node: self.config.node_name.clone(),
+            source,
+        }
+    }
+
+    async fn register_node(&self) -> Result<(), KubeletError> {
+        let name = &self.config.node_name;
+        let node: Node = serde_json::from_value(json!({
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": name,
+                "labels": {
+                    "kubernetes.io/hostname": name,
+                    "kubernetes.io/os": "linux",
+                    "kubernetes.io/arch": std::env::consts::ARCH,
+                    "gpupool.dev/emulated": "true",
+                }
+            },
+            "status": {
+                "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                                "message": "kubelet emulator is posting ready status"}],
+                "nodeInfo": {"kubeletVersion": "v1.34.0-gpupool-emulator", "operatingSystem": "linux",
+                             "architecture": std::env::consts::ARCH, "machineID": "", "systemUUID": "",
+                             "bootID": "", "kernelVersion": "", "osImage": "", "containerRuntimeVersion": "",
+                             "kubeProxyVersion": ""}
+            }
+        }))
+        .expect("node literal is a valid Node");
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        match nodes.create(&PostParams::default(), &node).await {
+            Ok(_) => Ok(()),
+            Err(err) if is_conflict_or_exists(&err) => Ok(()),
+            Err(err) => Err(self.kube_err(err)),
+        }
+    }
+
+    async fn scan_registry(self: &Arc<Self>) {
+        let dir = &self.config.registry_dir;
+        let mut present: HashMap<PathBuf, (u64, i64)> = HashMap::new();
+        if let Ok(entries) = std::fs::read_dir(dir) {
+            for entry in entries.flatten() {
+                let path = entry.path();
+                let is_reg = path
+                    .file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.ends_with("-reg.sock"));
+                let Ok(meta) = entry.metadata() else { continue };
+                if is_reg && meta.file_type().is_socket() {
+                    present.insert(path, (meta.ino(), meta.mtime_nsec() ^ meta.mtime()));
+                }
+            }
+        }
+        // Sockets that went away (or were replaced) take their plugin with them.
+        let gone: Vec<PathBuf> = {
+            let state = self.state.lock().unwrap();
+            state
+                .seen_sockets
+                .iter()
+                .filter(|(path, id)| present.get(*path) != Some(id))
+                .map(|(path, _)| path.clone())
+                .collect()
+        };
+        for path in gone {
+            self.forget_socket(&path);
+        }
+        for (path, id) in present {
+            let known = self.state.lock().unwrap().seen_sockets.get(&path) == Some(&id);
+            if !known && self.register_socket(&path).await {
+                self.state.lock().unwrap().seen_sockets.insert(path, id);
+            }
+        }
+    }
+
+    fn forget_socket(&self, socket: &Path) {
+        let mut state = self.state.lock().unwrap();
+        state.seen_sockets.remove(socket);
+        let drivers: Vec<String> = state
+            .plugins
+            .iter()
+            .filter(|(_, p)| p.registration.socket == socket)
+            .map(|(d, _)| d.clone())
+            .collect();
+        for driver in drivers {
+            if let Some(mut plugin) = state.plugins.remove(&driver) {
+                tracing::info!(node = %self.config.node_name, %driver, "plugin deregistered");
+                if let Some(task) = plugin.health_task.take() {
+                    task.abort();
+                }
+            }
+            state.health.remove(&driver);
+        }
+    }
+
+    /// Runs the registration handshake; `false` when the socket did not answer (tried again later).
+    async fn register_socket(self: &Arc<Self>, socket: &Path) -> bool {
+        let Ok(channel) = connect_unix(socket, Duration::from_secs(5)).await else {
+            return false;
+        };
+        let mut client = registration::registration_client::RegistrationClient::new(channel);
+        let info = match client.get_info(registration::InfoRequest {}).await {
+            Ok(info) => info.into_inner(),
+            Err(status) => {
+                tracing::debug!(socket = %socket.display(), "GetInfo failed: {status}");
+                return false;
+            }
+        };
+        let verdict = self.judge_plugin(socket, &info);
+        let (registered, error) = match &verdict {
+            Ok(_) => (true, String::new()),
+            Err(error) => (false, error.clone()),
+        };
+        let notified = client
+            .notify_registration_status(registration::RegistrationStatus {
+                plugin_registered: registered,
+                error: error.clone(),
+            })
+            .await;
+        if let Err(status) = notified {
+            tracing::warn!(socket = %socket.display(), "NotifyRegistrationStatus failed: {status}");
+        }
+        match verdict {
+            Ok(reg) => {
+                tracing::info!(node = %self.config.node_name, driver = %reg.driver,
+                    version = reg.version.short_name(), "plugin registered");
+                let channel = connect_unix_lazy(&reg.endpoint, self.config.call_timeout);
+                let health_task = reg.health_advertised.then(|| {
+                    let inner = self.clone();
+                    let driver = reg.driver.clone();
+                    let endpoint = reg.endpoint.clone();
+                    tokio::spawn(async move { inner.watch_health(driver, endpoint).await })
+                });
+                let mut state = self.state.lock().unwrap();
+                if let Some(mut old) = state.plugins.insert(
+                    reg.driver.clone(),
+                    Plugin {
+                        registration: reg,
+                        channel,
+                        health_task,
+                    },
+                ) {
+                    if let Some(task) = old.health_task.take() {
+                        task.abort();
+                    }
+                }
+            }
+            Err(error) => {
+                tracing::warn!(socket = %socket.display(), "plugin rejected: {error}");
+                self.state.lock().unwrap().rejections.push(Rejection {
+                    socket: socket.to_path_buf(),
+                    error,
+                });
+            }
+        }
+        true
+    }
+
+    fn judge_plugin(
+        &self,
+        socket: &Path,
+        info: &registration::PluginInfo,
+    ) -> Result<Registration, String> {
+        if info.r#type != gpupool_proto::DRA_PLUGIN_TYPE {
+            return Err(format!(
+                "plugin type {:?} is not supported (want {:?})",
+                info.r#type,
+                gpupool_proto::DRA_PLUGIN_TYPE
+            ));
+        }
+        if info.name.is_empty() {
+            return Err("plugin name is empty".to_string());
+        }
+        if info.endpoint.is_empty() {
+            return Err(format!("plugin {} advertised no endpoint", info.name));
+        }
+        let version = pick_version(&self.config.known_versions, &info.supported_versions)
+            .ok_or_else(|| {
+                format!(
+                    "none of the versions supported by plugin {} ({:?}) is known to this kubelet ({:?})",
+                    info.name, info.supported_versions, self.config.known_versions
+                )
+            })?;
+        Ok(Registration {
+            driver: info.name.clone(),
+            socket: socket.to_path_buf(),
+            endpoint: PathBuf::from(&info.endpoint),
+            version,
+            advertised_versions: info.supported_versions.clone(),
+            health_advertised: info
+                .supported_versions
+                .iter()
+                .any(|v| v == gpupool_proto::versions::HEALTH_V1ALPHA1),
+        })
+    }
+
+    async fn watch_health(self: Arc<Self>, driver: String, endpoint: PathBuf) {
+        use health_v1alpha1::dra_resource_health_client::DraResourceHealthClient;
+        loop {
+            // A stream has no call timeout: it lives as long as the plugin.
+            let channel = connect_unix_lazy(&endpoint, Duration::from_secs(24 * 3600));
+            let mut client = DraResourceHealthClient::new(channel);
+            if let Ok(response) = client
+                .node_watch_resources(health_v1alpha1::NodeWatchResourcesRequest {})
+                .await
+            {
+                let mut stream = response.into_inner();
+                while let Ok(Some(update)) = stream.message().await {
+                    let reports = update
+                        .devices
+                        .iter()
+                        .map(|d| DeviceHealthReport {
+                            pool_name: d
+                                .device
+                                .as_ref()
+                                .map(|i| i.pool_name.clone())
+                                .unwrap_or_default(),
+                            device_name: d
+                                .device
+                                .as_ref()
+                                .map(|i| i.device_name.clone())
+                                .unwrap_or_default(),
+                            health: d.health(),
+                            last_updated_time: d.last_updated_time,
+                            message: d.message.clone(),
+                        })
+                        .collect();
+                    self.state
+                        .lock()
+                        .unwrap()
+                        .health
+                        .insert(driver.clone(), reports);
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+
+    fn plugin_channel(&self, driver: &str) -> Result<(Channel, DraVersion), KubeletError> {
+        let state = self.state.lock().unwrap();
+        let plugin = state
+            .plugins
+            .get(driver)
+            .ok_or_else(|| KubeletError::NotRegistered(driver.to_string()))?;
+        Ok((plugin.channel.clone(), plugin.registration.version))
+    }
+
+    async fn call_prepare(
+        &self,
+        driver: &str,
+        claims: &[ClaimRef],
+    ) -> Result<PrepareOutcome, KubeletError> {
+        let (channel, version) = self.plugin_channel(driver)?;
+        let rpc_err = |status| KubeletError::Rpc {
+            driver: driver.to_string(),
+            call: "NodePrepareResources",
+            status,
+        };
+        let outcome = match version {
+            DraVersion::V1 => {
+                let mut client = dra_v1::dra_plugin_client::DraPluginClient::new(channel);
+                let request = dra_v1::NodePrepareResourcesRequest {
+                    claims: claims
+                        .iter()
+                        .map(|c| dra_v1::Claim {
+                            namespace: c.namespace.clone(),
+                            uid: c.uid.clone(),
+                            name: c.name.clone(),
+                        })
+                        .collect(),
+                };
+                let response = client
+                    .node_prepare_resources(request)
+                    .await
+                    .map_err(rpc_err)?;
+                response
+                    .into_inner()
+                    .claims
+                    .into_iter()
+                    .map(|(uid, r)| {
+                        let result = if r.error.is_empty() {
+                            Ok(r.devices
+                                .into_iter()
+                                .map(|d| PreparedDevice {
+                                    request_names: d.request_names,
+                                    pool_name: d.pool_name,
+                                    device_name: d.device_name,
+                                    cdi_device_ids: d.cdi_device_ids,
+                                    share_id: d.share_id,
+                                })
+                                .collect())
+                        } else {
+                            Err(r.error)
+                        };
+                        (uid, result)
+                    })
+                    .collect()
+            }
+            DraVersion::V1beta1 => {
+                let mut client = dra_v1beta1::dra_plugin_client::DraPluginClient::new(channel);
+                let request = dra_v1beta1::NodePrepareResourcesRequest {
+                    claims: claims
+                        .iter()
+                        .map(|c| dra_v1beta1::Claim {
+                            namespace: c.namespace.clone(),
+                            uid: c.uid.clone(),
+                            name: c.name.clone(),
+                        })
+                        .collect(),
+                };
+                let response = client
+                    .node_prepare_resources(request)
+                    .await
+                    .map_err(rpc_err)?;
+                response
+                    .into_inner()
+                    .claims
+                    .into_iter()
+                    .map(|(uid, r)| {
+                        let result = if r.error.is_empty() {
+                            Ok(r.devices
+                                .into_iter()
+                                .map(|d| PreparedDevice {
+                                    request_names: d.request_names,
+                                    pool_name: d.pool_name,
+                                    device_name: d.device_name,
+                                    cdi_device_ids: d.cdi_device_ids,
+                                    share_id: None,
+                                })
+                                .collect())
+                        } else {
+                            Err(r.error)
+                        };
+                        (uid, result)
+                    })
+                    .collect()
+            }
+        };
+        Ok(outcome)
+    }
+
+    async fn call_unprepare(
+        &self,
+        driver: &str,
+        claims: &[ClaimRef],
+    ) -> Result<UnprepareOutcome, KubeletError> {
+        let (channel, version) = self.plugin_channel(driver)?;
+        let rpc_err = |status| KubeletError::Rpc {
+            driver: driver.to_string(),
+            call: "NodeUnprepareResources",
+            status,
+        };
+        let to_result = |error: String| if error.is_empty() { Ok(()) } else { Err(error) };
+        let outcome = match version {
+            DraVersion::V1 => {
+                let mut client = dra_v1::dra_plugin_client::DraPluginClient::new(channel);
+                let request = dra_v1::NodeUnprepareResourcesRequest {
+                    claims: claims
+                        .iter()
+                        .map(|c| dra_v1::Claim {
+                            namespace: c.namespace.clone(),
+                            uid: c.uid.clone(),
+                            name: c.name.clone(),
+                        })
+                        .collect(),
+                };
+                let response = client
+                    .node_unprepare_resources(request)
+                    .await
+                    .map_err(rpc_err)?;
+                response
+                    .into_inner()
+                    .claims
+                    .into_iter()
+                    .map(|(uid, r)| (uid, to_result(r.error)))
+                    .collect()
+            }
+            DraVersion::V1beta1 => {
+                let mut client = dra_v1beta1::dra_plugin_client::DraPluginClient::new(channel);
+                let request = dra_v1beta1::NodeUnprepareResourcesRequest {
+                    claims: claims
+                        .iter()
+                        .map(|c| dra_v1beta1::Claim {
+                            namespace: c.namespace.clone(),
+                            uid: c.uid.clone(),
+                            name: c.name.clone(),
+                        })
+                        .collect(),
+                };
+                let response = client
+                    .node_unprepare_resources(request)
+                    .await
+                    .map_err(rpc_err)?;
+                response
+                    .into_inner()
+                    .claims
+                    .into_iter()
+                    .map(|(uid, r)| (uid, to_result(r.error)))
+                    .collect()
+            }
+        };
+        Ok(outcome)
+    }
+
+    async fn sync_pods(&self) -> Result<(), KubeletError> {
+        let pods: Api<Pod> = Api::all(self.client.clone());
+        let selector = format!("spec.nodeName={}", self.config.node_name);
+        let list = pods
+            .list(&ListParams::default().fields(&selector))
+            .await
+            .map_err(|e| self.kube_err(e))?;
+        let mut live = BTreeSet::new();
+        for pod in &list.items {
+            // Guard against a server that ignores the field selector.
+            let on_node = pod.spec.as_ref().and_then(|s| s.node_name.as_deref())
+                == Some(self.config.node_name.as_str());
+            let Some(uid) = pod.metadata.uid.clone() else {
+                continue;
+            };
+            if !on_node {
+                continue;
+            }
+            if pod.metadata.deletion_timestamp.is_some() {
+                self.release_pod(&uid).await;
+                let ns = pod.metadata.namespace.clone().unwrap_or_default();
+                let name = pod.metadata.name.clone().unwrap_or_default();
+                let api: Api<Pod> = Api::namespaced(self.client.clone(), &ns);
+                // What the kubelet does once the containers are gone: finish the deletion.
+                let _ = api
+                    .delete(&name, &DeleteParams::default().grace_period(0))
+                    .await;
+                continue;
+            }
+            live.insert(uid.clone());
+            let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+            if matches!(phase, Some("Succeeded") | Some("Failed")) {
+                continue;
+            }
+            let due = {
+                let state = self.state.lock().unwrap();
+                match state.pods.get(&uid) {
+                    Some(record) if record.running => false,
+                    Some(record) => record.next_attempt.is_none_or(|t| Instant::now() >= t),
+                    None => true,
+                }
+            };
+            if due {
+                self.start_pod(pod, &uid).await;
+            }
+        }
+        let gone: Vec<String> = {
+            let state = self.state.lock().unwrap();
+            state
+                .pods
+                .keys()
+                .filter(|uid| !live.contains(*uid))
+                .cloned()
+                .collect()
+        };
+        for uid in gone {
+            self.release_pod(&uid).await;
+        }
+        Ok(())
+    }
+
+    /// Prepares the claims of a pod that has them all allocated and reserved, then marks it running.
+    async fn start_pod(&self, pod: &Pod, pod_uid: &str) {
+        let namespace = pod.metadata.namespace.clone().unwrap_or_default();
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        {
+            let mut state = self.state.lock().unwrap();
+            let record = state.pods.entry(pod_uid.to_string()).or_default();
+            record.namespace = namespace.clone();
+            record.name = name.clone();
+        }
+        // Pods without claims run at once; pods with claims wait until the scheduler is done with them.
+        let Ok(claim_names) = pod_claim_names(pod) else {
+            return;
+        };
+        let claims_api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), &namespace);
+        let mut ready: Vec<(ClaimRef, BTreeSet<String>)> = Vec::new();
+        for claim_name in &claim_names {
+            let Ok(Some(claim)) = claims_api.get_opt(claim_name).await else {
+                return;
+            };
+            match claim_ready_for_pod(&claim, pod_uid) {
+                Ok(drivers) => ready.push((ClaimRef::of(&claim), drivers)),
+                Err(_) => return,
+            }
+        }
+
+        let mut errors: Vec<String> = Vec::new();
+        let mut by_driver: BTreeMap<String, Vec<ClaimRef>> = BTreeMap::new();
+        for (claim, drivers) in &ready {
+            let already = self.state.lock().unwrap().prepared.contains_key(&claim.uid);
+            if already {
+                self.attach(pod_uid, claim, Vec::new());
+                continue;
+            }
+            for driver in drivers {
+                by_driver
+                    .entry(driver.clone())
+                    .or_default()
+                    .push(claim.clone());
+            }
+        }
+        for (driver, claims) in by_driver {
+            match self.call_prepare(&driver, &claims).await {
+                Ok(outcome) => {
+                    for claim in &claims {
+                        match outcome.get(&claim.uid) {
+                            Some(Ok(devices)) => self.attach(pod_uid, claim, devices.clone()),
+                            Some(Err(error)) => errors.push(format!(
+                                "prepare dynamic resources: NodePrepareResources failed for ResourceClaim {}: {error}",
+                                claim.name
+                            )),
+                            None => errors.push(format!(
+                                "prepare dynamic resources: NodePrepareResources skipped 1 ResourceClaim {}",
+                                claim.name
+                            )),
+                        }
+                    }
+                }
+                Err(err) => errors.push(format!(
+                    "prepare dynamic resources: NodePrepareResources for claims {:?}: {err}",
+                    claims.iter().map(|c| c.name.as_str()).collect::<Vec<_>>()
+                )),
+            }
+        }
+
+        if errors.is_empty() {
+            if let Err(err) = self.mark_running(&namespace, &name).await {
+                tracing::warn!(pod = %name, "marking pod running: {err}");
+                return;
+            }
+            let mut state = self.state.lock().unwrap();
+            if let Some(record) = state.pods.get_mut(pod_uid) {
+                record.running = true;
+                record.last_error = None;
+            }
+        } else {
+            let message = errors.join("; ");
+            let attempts = {
+                let mut state = self.state.lock().unwrap();
+                let record = state.pods.entry(pod_uid.to_string()).or_default();
+                record.attempts += 1;
+                record.next_attempt = Some(Instant::now() + retry_backoff(record.attempts));
+                record.last_error = Some(message.clone());
+                record.attempts
+            };
+            tracing::info!(pod = %name, attempts, "{message}");
+            if let Err(err) = self.post_pod_event(pod, &message).await {
+                tracing::warn!(pod = %name, "posting event: {err}");
+            }
+        }
+    }
+
+    fn attach(&self, pod_uid: &str, claim: &ClaimRef, devices: Vec<PreparedDevice>) {
+        let mut state = self.state.lock().unwrap();
+        let entry = state
+            .prepared
+            .entry(claim.uid.clone())
+            .or_insert_with(|| PreparedClaim {
+                claim: claim.clone(),
+                devices: Vec::new(),
+                pod_uids: BTreeSet::new(),
+            });
+        entry.devices.extend(devices);
+        entry.pod_uids.insert(pod_uid.to_string());
+        if let Some(record) = state.pods.get_mut(pod_uid) {
+            record.claim_uids.insert(claim.uid.clone());
+        }
+    }
+
+    /// Forgets a pod; claims no other pod on the node uses are unprepared.
+    async fn release_pod(&self, pod_uid: &str) {
+        let to_unprepare: Vec<ClaimRef> = {
+            let mut state = self.state.lock().unwrap();
+            let Some(record) = state.pods.remove(pod_uid) else {
+                return;
+            };
+            let mut out = Vec::new();
+            for claim_uid in record.claim_uids {
+                if let Some(prepared) = state.prepared.get_mut(&claim_uid) {
+                    prepared.pod_uids.remove(pod_uid);
+                    if prepared.pod_uids.is_empty() {
+                        out.push(prepared.claim.clone());
+                    }
+                }
+            }
+            out
+        };
+        let drivers: Vec<String> = self.state.lock().unwrap().plugins.keys().cloned().collect();
+        for claim in to_unprepare {
+            let mut failed = false;
+            for driver in &drivers {
+                match self
+                    .call_unprepare(driver, std::slice::from_ref(&claim))
+                    .await
+                {
+                    Ok(outcome) => {
+                        if let Some(Err(error)) = outcome.get(&claim.uid) {
+                            tracing::warn!(claim = %claim.name, %driver, "unprepare: {error}");
+                            failed = true;
+                        }
+                    }
+                    Err(err) => {
+                        tracing::warn!(claim = %claim.name, %driver, "unprepare: {err}");
+                        failed = true;
+                    }
+                }
+            }
+            if !failed {
+                self.state.lock().unwrap().prepared.remove(&claim.uid);
+            }
+        }
+    }
+
+    async fn mark_running(&self, namespace: &str, name: &str) -> Result<(), kube::Error> {
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        let now = now_time();
+        let patch = json!({
+            "status": {
+                "phase": "Running",
+                "hostIP": "127.0.0.1",
+                "podIP": "127.0.0.1",
+                "startTime": now,
+                "conditions": [
+                    {"type": "Initialized", "status": "True", "lastTransitionTime": now},
+                    {"type": "ContainersReady", "status": "True", "lastTransitionTime": now},
+                    {"type": "Ready", "status": "True", "lastTransitionTime": now}
+                ]
+            }
+        });
+        match api
+            .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(_) => Ok(()),
+            // A server without the pods/status subresource takes the status on the object itself.
+            Err(err)
+                if is_not_found(&err) || matches!(&err, kube::Error::Api(s) if s.code == 405) =>
+            {
+                api.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                    .map(|_| ())
+            }
+            Err(err) => Err(err),
+        }
+    }
+
+    async fn post_pod_event(&self, pod: &Pod, message: &str) -> Result<(), kube::Error> {
+        let namespace = pod.metadata.namespace.clone().unwrap_or_default();
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        let now = now_time();
+        let event = Event {
+            metadata: ObjectMeta {
+                name: Some(format!("{name}.{}", uuid::Uuid::new_v4().simple())),
+                namespace: Some(namespace.clone()),
+                ..Default::default()
+            },
+            involved_object: ObjectReference {
+                api_version: Some("v1".into()),
+                kind: Some("Pod".into()),
+                name: Some(name),
+                namespace: Some(namespace.clone()),
+                uid: pod.metadata.uid.clone(),
+                ..Default::default()
+            },
+            reason: Some(FAILED_PREPARE_REASON.into()),
+            message: Some(message.to_string()),
+            type_: Some("Warning".into()),
+            count: Some(1),
+            first_timestamp: Some(now.clone()),
+            last_timestamp: Some(now.clone()),
+            event_time: None::<MicroTime>,
+            reporting_component: Some("kubelet".into()),
+            reporting_instance: Some(self.config.node_name.clone()),
+            source: Some(k8s_openapi::api::core::v1::EventSource {
+                component: Some("kubelet".into()),
+                host: Some(self.config.node_name.clone()),
+            }),
+            ..Default::default()
+        };
+        let api: Api<Event> = Api::namespaced(self.client.clone(), &namespace);
+        api.create(&PostParams::default(), &event).await.map(|_| ())
+    }
+}
