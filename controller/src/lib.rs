@@ -5,4 +5,5 @@
 
 pub mod crds;
 pub mod models;
+pub mod profiles;
 pub mod status;
