@@ -5,5 +5,6 @@
 
 pub mod crds;
 pub mod models;
+pub mod plan;
 pub mod profiles;
 pub mod status;
