@@ -1,0 +1,753 @@
+//! The install manifests as an operator gets them: the kustomize base and overlays rendered by the real
+//! `kubectl kustomize`, checked for what the DaemonSet mounts, the RBAC it grants, the controller's
+//! shape, the CRD copies, and (where Go is installed) the Helm chart rendered with the same values.
+//!
+//! Without `kubectl` (or `go`, for the chart) a test prints why and returns: the tools are the point.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::Value;
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("e2e/ has a parent")
+        .to_path_buf()
+}
+
+fn deploy_dir() -> PathBuf {
+    repo_root().join("deploy")
+}
+
+fn have(tool: &str, version_arg: &str) -> bool {
+    Command::new(tool)
+        .arg(version_arg)
+        .output()
+        .map(|out| out.status.success())
+        .unwrap_or(false)
+}
+
+fn kubectl_missing(test: &str) -> bool {
+    if have("kubectl", "version") || have("kubectl", "--help") {
+        return false;
+    }
+    println!("skipping {test}: kubectl is not installed, and the real `kubectl kustomize` is what is tested");
+    true
+}
+
+/// Every YAML document of a multi-document stream, as JSON values (empty documents dropped).
+fn parse_documents(yaml: &str, origin: &str) -> Vec<Value> {
+    serde_yaml::Deserializer::from_str(yaml)
+        .map(|doc| {
+            let value: Value = serde::Deserialize::deserialize(doc)
+                .unwrap_or_else(|e| panic!("{origin}: not YAML: {e}"));
+            value
+        })
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+/// `kubectl kustomize deploy/<dir>`, parsed.
+fn kustomize(dir: &str) -> Vec<Value> {
+    let path = deploy_dir().join(dir);
+    let out = Command::new("kubectl")
+        .arg("kustomize")
+        .arg(&path)
+        .output()
+        .expect("run kubectl kustomize");
+    assert!(
+        out.status.success(),
+        "kubectl kustomize {} failed:\n{}",
+        path.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    parse_documents(&String::from_utf8_lossy(&out.stdout), dir)
+}
+
+const RENDERED: [&str; 3] = ["base", "overlays/fake-gpus", "overlays/nvidia"];
+
+fn key(obj: &Value) -> String {
+    format!(
+        "{} {} {}/{}",
+        obj["apiVersion"].as_str().unwrap_or("?"),
+        obj["kind"].as_str().unwrap_or("?"),
+        obj["metadata"]["namespace"].as_str().unwrap_or(""),
+        obj["metadata"]["name"].as_str().unwrap_or("?")
+    )
+}
+
+fn find<'a>(objects: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    objects
+        .iter()
+        .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+        .unwrap_or_else(|| {
+            panic!(
+                "no {kind} {name} among {:?}",
+                objects.iter().map(key).collect::<Vec<_>>()
+            )
+        })
+}
+
+fn of_kind<'a>(objects: &'a [Value], kind: &str) -> Vec<&'a Value> {
+    objects.iter().filter(|o| o["kind"] == kind).collect()
+}
+
+fn strings(value: &Value) -> Vec<String> {
+    value
+        .as_array()
+        .map(|items| {
+            items
+                .iter()
+                .filter_map(|v| v.as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn container<'a>(workload: &'a Value, name: &str) -> &'a Value {
+    workload["spec"]["template"]["spec"]["containers"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["name"] == name))
+        .unwrap_or_else(|| panic!("{}: no container {name}", key(workload)))
+}
+
+/// The value of `--flag=value` in a container's args.
+fn flag(container: &Value, flag: &str) -> Option<String> {
+    let prefix = format!("{flag}=");
+    strings(&container["args"])
+        .into_iter()
+        .find_map(|a| a.strip_prefix(&prefix).map(str::to_owned))
+}
+
+/// host path -> (mount path, read only) of each hostPath volume mounted by the container.
+fn host_mounts(workload: &Value, container_name: &str) -> BTreeMap<String, (String, bool)> {
+    let pod = &workload["spec"]["template"]["spec"];
+    let volumes: BTreeMap<String, &Value> = pod["volumes"]
+        .as_array()
+        .map(|vs| {
+            vs.iter()
+                .map(|v| (v["name"].as_str().unwrap_or_default().to_owned(), v))
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut mounts = BTreeMap::new();
+    for mount in container(workload, container_name)["volumeMounts"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+    {
+        let name = mount["name"].as_str().unwrap_or_default();
+        let volume = volumes
+            .get(name)
+            .unwrap_or_else(|| panic!("{}: mount of undeclared volume {name}", key(workload)));
+        let host = volume["hostPath"]["path"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{}: volume {name} is not a hostPath", key(workload)));
+        mounts.insert(
+            host.to_owned(),
+            (
+                mount["mountPath"].as_str().unwrap_or_default().to_owned(),
+                mount["readOnly"].as_bool().unwrap_or(false),
+            ),
+        );
+    }
+    assert_eq!(
+        mounts.len(),
+        volumes.len(),
+        "{}: every volume is mounted, and only once",
+        key(workload)
+    );
+    mounts
+}
+
+const REGISTRY_DIR: &str = "/var/lib/kubelet/plugins_registry";
+const PLUGIN_DIR: &str = "/var/lib/kubelet/plugins/gpupool.dev";
+const CDI_ROOT: &str = "/var/run/cdi";
+const VGPU_LIB_DIR: &str = "/usr/local/vgpu";
+
+#[test]
+fn base_and_overlays_render_with_kubectl_kustomize() {
+    if kubectl_missing("base_and_overlays_render_with_kubectl_kustomize") {
+        return;
+    }
+    for dir in RENDERED {
+        let objects = kustomize(dir);
+        let mut seen = BTreeSet::new();
+        for obj in &objects {
+            assert!(
+                obj["apiVersion"].is_string() && obj["kind"].is_string(),
+                "{dir}: {obj}"
+            );
+            assert!(seen.insert(key(obj)), "{dir}: {} twice", key(obj));
+        }
+        let kinds: BTreeSet<&str> = objects.iter().filter_map(|o| o["kind"].as_str()).collect();
+        for kind in [
+            "Namespace",
+            "CustomResourceDefinition",
+            "ServiceAccount",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "Role",
+            "RoleBinding",
+            "ValidatingAdmissionPolicy",
+            "ValidatingAdmissionPolicyBinding",
+            "DaemonSet",
+            "Deployment",
+            "GpuModel",
+        ] {
+            assert!(kinds.contains(kind), "{dir} renders no {kind}");
+        }
+        // Namespaced objects live in the install's namespace; nothing lands in default.
+        for obj in &objects {
+            if let Some(ns) = obj["metadata"]["namespace"].as_str() {
+                assert_eq!(ns, "gpupool", "{dir}: {}", key(obj));
+            }
+        }
+    }
+}
+
+#[test]
+fn driver_daemonset_mounts_exactly_what_it_needs() {
+    if kubectl_missing("driver_daemonset_mounts_exactly_what_it_needs") {
+        return;
+    }
+    for dir in RENDERED {
+        let objects = kustomize(dir);
+        let ds = find(&objects, "DaemonSet", "gpupool-driver");
+        let driver = container(ds, "driver");
+        let fake = dir.ends_with("fake-gpus");
+
+        let mounts = host_mounts(ds, "driver");
+        let mut expected: BTreeSet<&str> =
+            [REGISTRY_DIR, PLUGIN_DIR, CDI_ROOT, VGPU_LIB_DIR].into();
+        if !fake {
+            expected.insert("/dev");
+        }
+        assert_eq!(
+            mounts.keys().map(String::as_str).collect::<BTreeSet<_>>(),
+            expected,
+            "{dir}: host paths mounted into the driver"
+        );
+        for (host, (in_container, read_only)) in &mounts {
+            assert_eq!(
+                host, in_container,
+                "{dir}: {host} is mounted at the same path"
+            );
+            let should_be_read_only = host == "/dev" || host == VGPU_LIB_DIR;
+            assert_eq!(*read_only, should_be_read_only, "{dir}: readOnly of {host}");
+        }
+
+        // The flags point at the mounted folders (the driver writes where the kubelet looks).
+        for (name, path) in [
+            ("--registry-dir", REGISTRY_DIR),
+            ("--plugin-dir", PLUGIN_DIR),
+            ("--state-dir", PLUGIN_DIR),
+            ("--cdi-root", CDI_ROOT),
+            ("--vgpu-lib-dir", VGPU_LIB_DIR),
+        ] {
+            assert_eq!(flag(driver, name).as_deref(), Some(path), "{dir}: {name}");
+        }
+        assert_eq!(
+            flag(driver, "--fake-gpus").is_some(),
+            fake,
+            "{dir}: --fake-gpus"
+        );
+        assert_eq!(
+            strings(&driver["command"]),
+            ["gpupool-driver", "run"],
+            "{dir}"
+        );
+
+        let node_name = driver["env"]
+            .as_array()
+            .and_then(|env| env.iter().find(|e| e["name"] == "NODE_NAME"))
+            .unwrap_or_else(|| panic!("{dir}: no NODE_NAME"));
+        assert_eq!(
+            node_name["valueFrom"]["fieldRef"]["fieldPath"], "spec.nodeName",
+            "{dir}"
+        );
+
+        // Probes hit the driver's own health endpoint on the port it listens on.
+        let healthz =
+            flag(driver, "--healthz-addr").unwrap_or_else(|| panic!("{dir}: --healthz-addr"));
+        let port: u64 = healthz
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .expect("port");
+        let port_name = driver["ports"]
+            .as_array()
+            .and_then(|ps| ps.iter().find(|p| p["containerPort"] == port))
+            .and_then(|p| p["name"].as_str())
+            .unwrap_or_else(|| panic!("{dir}: port {port} not declared"));
+        for probe in ["livenessProbe", "readinessProbe"] {
+            assert_eq!(
+                driver[probe]["httpGet"]["path"], "/healthz",
+                "{dir}: {probe}"
+            );
+            assert_eq!(
+                driver[probe]["httpGet"]["port"], port_name,
+                "{dir}: {probe}"
+            );
+        }
+
+        let privileged = driver["securityContext"]["privileged"]
+            .as_bool()
+            .unwrap_or(false);
+        assert_eq!(
+            privileged, !fake,
+            "{dir}: privileged only where NVML opens device nodes"
+        );
+        let pod = &ds["spec"]["template"]["spec"];
+        assert_eq!(
+            pod["hostNetwork"].as_bool().unwrap_or(false),
+            false,
+            "{dir}"
+        );
+        assert_eq!(pod["hostPID"].as_bool().unwrap_or(false), false, "{dir}");
+
+        let tolerated: BTreeSet<String> = pod["tolerations"]
+            .as_array()
+            .map(|ts| {
+                ts.iter()
+                    .filter_map(|t| t["key"].as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default();
+        for taint in ["nvidia.com/gpu", "gpupool.dev/gpu"] {
+            assert!(tolerated.contains(taint), "{dir}: tolerates {taint}");
+        }
+        let gpu_node_terms = pod["affinity"]["nodeAffinity"]
+            ["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+            .to_string();
+        assert_eq!(
+            gpu_node_terms.contains("nvidia.com/gpu.present")
+                && gpu_node_terms.contains("gpupool.dev/gpu-node"),
+            !fake,
+            "{dir}: GPU-node affinity (fake GPUs go on every node)"
+        );
+        assert_eq!(
+            pod["runtimeClassName"].as_str(),
+            dir.ends_with("nvidia").then_some("nvidia"),
+            "{dir}: runtimeClassName"
+        );
+    }
+}
+
+/// (apiGroup, resource) -> verbs, over all rules of a role.
+fn grants(role: &Value) -> BTreeMap<(String, String), BTreeSet<String>> {
+    let mut out: BTreeMap<(String, String), BTreeSet<String>> = BTreeMap::new();
+    for rule in role["rules"].as_array().expect("rules") {
+        for group in strings(&rule["apiGroups"]) {
+            for resource in strings(&rule["resources"]) {
+                out.entry((group.clone(), resource))
+                    .or_default()
+                    .extend(strings(&rule["verbs"]));
+            }
+        }
+    }
+    out
+}
+
+fn expect_grants(
+    entries: &[(&str, &str, &[&str])],
+) -> BTreeMap<(String, String), BTreeSet<String>> {
+    entries
+        .iter()
+        .map(|(group, resource, verbs)| {
+            (
+                (group.to_string(), resource.to_string()),
+                verbs.iter().map(|v| v.to_string()).collect(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn rbac_grants_least_privilege() {
+    if kubectl_missing("rbac_grants_least_privilege") {
+        return;
+    }
+    let objects = kustomize("base");
+    for role in of_kind(&objects, "ClusterRole")
+        .into_iter()
+        .chain(of_kind(&objects, "Role"))
+    {
+        for rule in role["rules"].as_array().expect("rules") {
+            for field in ["apiGroups", "resources", "verbs", "resourceNames"] {
+                assert!(
+                    !strings(&rule[field]).iter().any(|s| s.contains('*')),
+                    "{}: {field} has *",
+                    key(role)
+                );
+            }
+            for resource in strings(&rule["resources"]) {
+                assert!(
+                    ![
+                        "secrets",
+                        "configmaps",
+                        "pods",
+                        "serviceaccounts",
+                        "nodes/proxy"
+                    ]
+                    .contains(&resource.as_str()),
+                    "{}: grants {resource}",
+                    key(role)
+                );
+            }
+            for verb in strings(&rule["verbs"]) {
+                assert!(
+                    !["escalate", "bind", "impersonate"].contains(&verb.as_str()),
+                    "{}: {verb}",
+                    key(role)
+                );
+            }
+        }
+    }
+
+    let driver = grants(find(&objects, "ClusterRole", "gpupool-driver"));
+    assert_eq!(
+        driver,
+        expect_grants(&[
+            ("resource.k8s.io", "resourceclaims", &["get"]),
+            (
+                "resource.k8s.io",
+                "resourceclaims/status",
+                &["patch", "update"]
+            ),
+            (
+                "resource.k8s.io",
+                "resourceslices",
+                &["get", "list", "watch", "create", "update", "delete"]
+            ),
+            ("gpupool.dev", "gpumodels", &["list", "watch"]),
+            ("", "nodes", &["get"]),
+            ("", "events", &["create", "patch"]),
+            ("events.k8s.io", "events", &["create", "patch"]),
+        ]),
+        "driver ClusterRole"
+    );
+
+    let read = &["get", "list", "watch"][..];
+    let manage = &["get", "list", "watch", "create", "update", "delete"][..];
+    let controller = grants(find(&objects, "ClusterRole", "gpupool-controller"));
+    assert_eq!(
+        controller,
+        expect_grants(&[
+            ("gpupool.dev", "gpumodels", read),
+            ("gpupool.dev", "computeprofiles", read),
+            ("gpupool.dev", "gpumodels/status", &["update", "patch"]),
+            (
+                "gpupool.dev",
+                "computeprofiles/status",
+                &["update", "patch"]
+            ),
+            ("resource.k8s.io", "resourceslices", read),
+            ("", "namespaces", read),
+            ("resource.k8s.io", "deviceclasses", manage),
+            ("resource.k8s.io", "resourceclaimtemplates", manage),
+            ("", "events", &["create", "patch"]),
+            ("events.k8s.io", "events", &["create", "patch"]),
+        ]),
+        "controller ClusterRole"
+    );
+
+    // Leases only in the controller's namespace, and only the one it elects with may be renewed.
+    let lease_role = find(&objects, "Role", "gpupool-controller-leader-election");
+    assert_eq!(lease_role["metadata"]["namespace"], "gpupool");
+    for rule in lease_role["rules"].as_array().expect("rules") {
+        assert_eq!(strings(&rule["resources"]), ["leases"]);
+        let verbs = strings(&rule["verbs"]);
+        if verbs != ["create"] {
+            assert_eq!(
+                strings(&rule["resourceNames"]),
+                ["gpupool-controller"],
+                "{verbs:?} by name only"
+            );
+        }
+    }
+    let deployment = find(&objects, "Deployment", "gpupool-controller");
+    let controller_container = container(deployment, "controller");
+    assert_eq!(
+        flag(controller_container, "--lease-namespace").as_deref(),
+        Some("$(POD_NAMESPACE)")
+    );
+    let pod_namespace = controller_container["env"]
+        .as_array()
+        .and_then(|env| env.iter().find(|e| e["name"] == "POD_NAMESPACE"))
+        .expect("POD_NAMESPACE");
+    assert_eq!(
+        pod_namespace["valueFrom"]["fieldRef"]["fieldPath"],
+        "metadata.namespace"
+    );
+
+    // Each binding gives its role to the ServiceAccount the workload runs as, and to nothing else.
+    let daemonset = find(&objects, "DaemonSet", "gpupool-driver");
+    for (binding_kind, binding, workload) in [
+        ("ClusterRoleBinding", "gpupool-driver", daemonset),
+        ("ClusterRoleBinding", "gpupool-controller", deployment),
+        (
+            "RoleBinding",
+            "gpupool-controller-leader-election",
+            deployment,
+        ),
+    ] {
+        let b = find(&objects, binding_kind, binding);
+        let sa = workload["spec"]["template"]["spec"]["serviceAccountName"]
+            .as_str()
+            .expect("serviceAccountName");
+        find(&objects, "ServiceAccount", sa);
+        let subjects = b["subjects"].as_array().expect("subjects");
+        assert_eq!(subjects.len(), 1, "{binding}");
+        assert_eq!(subjects[0]["kind"], "ServiceAccount");
+        assert_eq!(subjects[0]["name"], sa, "{binding}");
+        assert_eq!(
+            subjects[0]["namespace"], workload["metadata"]["namespace"],
+            "{binding}"
+        );
+        let role_kind = b["roleRef"]["kind"].as_str().expect("roleRef.kind");
+        find(
+            &objects,
+            role_kind,
+            b["roleRef"]["name"].as_str().expect("roleRef.name"),
+        );
+    }
+}
+
+#[test]
+fn resourceslice_policy_confines_the_driver_to_its_node() {
+    if kubectl_missing("resourceslice_policy_confines_the_driver_to_its_node") {
+        return;
+    }
+    let objects = kustomize("base");
+    let policy = find(
+        &objects,
+        "ValidatingAdmissionPolicy",
+        "gpupool-driver-resourceslices",
+    );
+    let binding = find(
+        &objects,
+        "ValidatingAdmissionPolicyBinding",
+        "gpupool-driver-resourceslices",
+    );
+    assert_eq!(policy["apiVersion"], "admissionregistration.k8s.io/v1");
+    assert_eq!(
+        binding["spec"]["policyName"],
+        "gpupool-driver-resourceslices"
+    );
+    assert_eq!(strings(&binding["spec"]["validationActions"]), ["Deny"]);
+    assert_eq!(policy["spec"]["failurePolicy"], "Fail");
+
+    let rules = &policy["spec"]["matchConstraints"]["resourceRules"];
+    assert_eq!(strings(&rules[0]["resources"]), ["resourceslices"]);
+    assert_eq!(
+        strings(&rules[0]["operations"]),
+        ["CREATE", "UPDATE", "DELETE"]
+    );
+
+    // The policy names the ServiceAccount the DaemonSet really runs as.
+    let ds = find(&objects, "DaemonSet", "gpupool-driver");
+    let user = format!(
+        "system:serviceaccount:{}:{}",
+        ds["metadata"]["namespace"].as_str().expect("namespace"),
+        ds["spec"]["template"]["spec"]["serviceAccountName"]
+            .as_str()
+            .expect("serviceAccountName")
+    );
+    let condition = policy["spec"]["matchConditions"][0]["expression"]
+        .as_str()
+        .expect("matchCondition");
+    assert!(
+        condition.contains(&format!("\"{user}\"")),
+        "{condition} names {user}"
+    );
+
+    let text = policy["spec"].to_string();
+    assert!(
+        text.contains("authentication.kubernetes.io/node-name"),
+        "node name from the token"
+    );
+    assert!(
+        text.contains("nodeName"),
+        "compared with the slice's spec.nodeName"
+    );
+    for validation in policy["spec"]["validations"]
+        .as_array()
+        .expect("validations")
+    {
+        // The API server refuses a message with a line break.
+        if let Some(message) = validation["message"].as_str() {
+            assert!(!message.contains('\n'), "{message:?}");
+        }
+    }
+}
+
+#[test]
+fn controller_runs_two_non_root_replicas_named_after_their_pods() {
+    if kubectl_missing("controller_runs_two_non_root_replicas_named_after_their_pods") {
+        return;
+    }
+    for dir in RENDERED {
+        let objects = kustomize(dir);
+        let deployment = find(&objects, "Deployment", "gpupool-controller");
+        assert_eq!(deployment["spec"]["replicas"], 2, "{dir}");
+        let pod = &deployment["spec"]["template"]["spec"];
+        assert_eq!(pod["securityContext"]["runAsNonRoot"], true, "{dir}");
+        assert_ne!(pod["securityContext"]["runAsUser"], 0, "{dir}");
+        let controller = container(deployment, "controller");
+        assert_eq!(
+            strings(&controller["command"]),
+            ["gpupool-controller", "run"],
+            "{dir}"
+        );
+        assert_eq!(
+            flag(controller, "--identity").as_deref(),
+            Some("$(POD_NAME)"),
+            "{dir}"
+        );
+        let pod_name = controller["env"]
+            .as_array()
+            .and_then(|env| env.iter().find(|e| e["name"] == "POD_NAME"))
+            .expect("POD_NAME");
+        assert_eq!(
+            pod_name["valueFrom"]["fieldRef"]["fieldPath"], "metadata.name",
+            "{dir}"
+        );
+        assert_eq!(
+            controller["securityContext"]["allowPrivilegeEscalation"], false,
+            "{dir}"
+        );
+        assert_eq!(
+            strings(&controller["securityContext"]["capabilities"]["drop"]),
+            ["ALL"],
+            "{dir}"
+        );
+    }
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()))
+}
+
+#[test]
+fn crd_copies_equal_the_generated_crds() {
+    let generated = deploy_dir().join("crds");
+    let mut names: Vec<String> = std::fs::read_dir(&generated)
+        .expect("deploy/crds")
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".yaml"))
+        .collect();
+    names.sort();
+    assert!(!names.is_empty(), "deploy/crds holds the generated CRDs");
+    let hint = "refresh with: cp deploy/crds/*.yaml deploy/base/crds/ && cp deploy/crds/*.yaml deploy/helm/gpupool/crds/";
+    for copy_dir in ["base/crds", "helm/gpupool/crds"] {
+        let copies = deploy_dir().join(copy_dir);
+        let mut copy_names: Vec<String> = std::fs::read_dir(&copies)
+            .unwrap_or_else(|e| panic!("deploy/{copy_dir}: {e}"))
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        copy_names.sort();
+        assert_eq!(
+            copy_names, names,
+            "deploy/{copy_dir} holds the same files as deploy/crds; {hint}"
+        );
+        for name in &names {
+            assert!(
+                read(&generated.join(name)) == read(&copies.join(name)),
+                "deploy/{copy_dir}/{name} differs from deploy/crds/{name}; {hint}"
+            );
+        }
+    }
+
+    if kubectl_missing("crd_copies_equal_the_generated_crds (rendered part)") {
+        return;
+    }
+    let mut expected: Vec<Value> = names
+        .iter()
+        .flat_map(|n| parse_documents(&read(&generated.join(n)), n))
+        .collect();
+    expected.sort_by_key(key);
+    let mut rendered: Vec<Value> = of_kind(&kustomize("base"), "CustomResourceDefinition")
+        .into_iter()
+        .cloned()
+        .collect();
+    rendered.sort_by_key(key);
+    assert_eq!(
+        rendered, expected,
+        "the base installs exactly the generated CRDs"
+    );
+}
+
+#[test]
+fn default_gpumodels_are_valid_and_agree_with_the_examples() {
+    let base = parse_documents(
+        &read(&deploy_dir().join("base/gpumodels.yaml")),
+        "base/gpumodels.yaml",
+    );
+    let mut models = BTreeSet::new();
+    for gm in &base {
+        assert_eq!(gm["apiVersion"], "gpupool.dev/v1alpha1");
+        assert_eq!(gm["kind"], "GpuModel");
+        let name = gm["metadata"]["name"].as_str().expect("name");
+        let spec = &gm["spec"];
+        assert!(
+            spec["computeWeight"].as_i64().unwrap_or(0) > 0,
+            "{name}: computeWeight > 0"
+        );
+        assert!(
+            spec["model"].is_string() ^ spec["productName"].is_string(),
+            "{name}: model xor productName"
+        );
+        let model = spec["model"]
+            .as_str()
+            .or(spec["productName"].as_str())
+            .unwrap_or_default();
+        assert!(
+            models.insert(model.to_owned()),
+            "{name}: a second GpuModel for {model} would conflict"
+        );
+        assert_eq!(
+            name,
+            model.to_ascii_lowercase(),
+            "{name}: named after its model"
+        );
+    }
+    for model in [
+        "A100-SXM4-40GB",
+        "V100-SXM2-32GB",
+        "RTX-3090",
+        "H100-80GB-HBM3",
+        "L40S",
+        "T4",
+    ] {
+        assert!(models.contains(model), "a default GpuModel for {model}");
+    }
+
+    // Applying the examples after an install must not fight over the same cards.
+    let examples_path = deploy_dir().join("examples/gpumodels.yaml");
+    if !examples_path.exists() {
+        return;
+    }
+    for example in parse_documents(&read(&examples_path), "examples/gpumodels.yaml") {
+        let model = example["spec"]["model"]
+            .as_str()
+            .or(example["spec"]["productName"].as_str());
+        let same_card = base.iter().find(|gm| {
+            gm["spec"]["model"]
+                .as_str()
+                .or(gm["spec"]["productName"].as_str())
+                == model
+        });
+        if let Some(default) = same_card {
+            assert_eq!(
+                default["metadata"]["name"], example["metadata"]["name"],
+                "{model:?}"
+            );
+            assert_eq!(default["spec"], example["spec"], "{model:?}");
+        }
+    }
+}
