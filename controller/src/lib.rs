@@ -4,6 +4,7 @@
 //! `reconcile` and `leader` do the talking to the API server.
 
 pub mod crds;
+pub mod leader;
 pub mod models;
 pub mod plan;
 pub mod profiles;
