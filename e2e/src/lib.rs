@@ -2,4 +2,5 @@
 //! binaries against the API server emulator (or a real cluster), and the sandbox.
 
 pub mod grpc;
+pub mod harness;
 pub mod kubelet;

@@ -141,6 +141,9 @@ pub struct Registration {
     pub version: DraVersion,
     pub advertised_versions: Vec<String>,
     pub health_advertised: bool,
+    /// Increases with every registration this kubelet accepts, so a re-registration (after a driver
+    /// restart) is told apart from the one before.
+    pub sequence: u64,
 }
 
 /// A registration socket the kubelet refused, and why (what it told the plugin).
@@ -186,6 +189,7 @@ struct State {
     health: BTreeMap<String, Vec<DeviceHealthReport>>,
     prepared: BTreeMap<String, PreparedClaim>,
     pods: BTreeMap<String, PodRecord>,
+    registrations_accepted: u64,
 }
 
 struct Inner {
@@ -487,6 +491,9 @@ impl Inner {
                     tokio::spawn(async move { inner.watch_health(driver, endpoint).await })
                 });
                 let mut state = self.state.lock().unwrap();
+                state.registrations_accepted += 1;
+                let mut reg = reg;
+                reg.sequence = state.registrations_accepted;
                 if let Some(mut old) = state.plugins.insert(
                     reg.driver.clone(),
                     Plugin {
@@ -546,6 +553,7 @@ impl Inner {
                 .supported_versions
                 .iter()
                 .any(|v| v == gpupool_proto::versions::HEALTH_V1ALPHA1),
+            sequence: 0,
         })
     }
 

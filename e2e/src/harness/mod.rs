@@ -1,0 +1,830 @@
+//! `TestCluster`: the whole system on one machine for e2e tests and the sandbox.
+//!
+//! Emulated (default): the API server emulator and the scheduler stand-in in process, one kubelet
+//! emulator per node, the real `gpupool-driver` per node (fake GPUs, its own folders) and optionally
+//! the real `gpupool-controller`. With `GPUPOOL_E2E_KUBECONFIG` set: that cluster instead (its
+//! kube-scheduler allocates; nodes from `GPUPOOL_E2E_NODE`); the kubelet emulator still drives the
+//! driver unless `GPUPOOL_E2E_REAL_KUBELET=1`.
+
+pub mod apply;
+pub mod cleanup;
+pub mod process;
+mod upstream;
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use kube::api::{ListParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Api, Client, Config};
+use serde_json::Value;
+
+use crate::kubelet::{Kubelet, KubeletConfig, KubeletError, Registration};
+pub use apply::{apply_objects, parse_manifests, ApplyError};
+pub use process::{find_binary, ManagedProcess, ProcessError};
+
+pub const DRIVER_BIN: &str = "gpupool-driver";
+pub const CONTROLLER_BIN: &str = "gpupool-controller";
+
+/// Environment that points the harness at a real cluster (see the module docs).
+pub mod env {
+    pub const KUBECONFIG: &str = "GPUPOOL_E2E_KUBECONFIG";
+    pub const NODE: &str = "GPUPOOL_E2E_NODE";
+    pub const REAL_KUBELET: &str = "GPUPOOL_E2E_REAL_KUBELET";
+    pub const REGISTRY_DIR: &str = "GPUPOOL_E2E_REGISTRY_DIR";
+    pub const PLUGIN_DIR: &str = "GPUPOOL_E2E_PLUGIN_DIR";
+    pub const CDI_DIR: &str = "GPUPOOL_E2E_CDI_DIR";
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum HarnessError {
+    #[error(transparent)]
+    Process(#[from] ProcessError),
+    #[error(transparent)]
+    Apply(#[from] ApplyError),
+    #[error(transparent)]
+    Kubelet(#[from] KubeletError),
+    #[error("API server emulator: {0}")]
+    ApiServer(String),
+    #[error("kubeconfig {path}: {message}")]
+    Kubeconfig { path: PathBuf, message: String },
+    #[error("{what}: {source}")]
+    Kube {
+        what: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("`kubectl {args}` failed ({status}): {stderr}")]
+    Kubectl {
+        args: String,
+        status: String,
+        stderr: String,
+    },
+    #[error("timed out after {after:?} waiting for {what}")]
+    Timeout { what: String, after: Duration },
+    #[error("no node {0} in this cluster")]
+    UnknownNode(String),
+    #[error("{0}")]
+    Setup(String),
+}
+
+fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> HarnessError {
+    let what = what.into();
+    move |source| HarnessError::Io { what, source }
+}
+
+/// One node of the test cluster.
+#[derive(Clone, Debug)]
+pub struct NodeSpec {
+    pub name: String,
+    /// `--fake-gpus` profile, e.g. `a100-40gb:2`.
+    pub fake_gpus: String,
+    /// DRA versions the node's kubelet emulator speaks (default v1 then v1beta1).
+    pub kubelet_versions: Option<Vec<String>>,
+    /// Extra `gpupool-driver run` arguments.
+    pub extra_driver_args: Vec<String>,
+}
+
+impl NodeSpec {
+    pub fn new(name: impl Into<String>, fake_gpus: impl Into<String>) -> Self {
+        NodeSpec {
+            name: name.into(),
+            fake_gpus: fake_gpus.into(),
+            kubelet_versions: None,
+            extra_driver_args: Vec::new(),
+        }
+    }
+
+    pub fn kubelet_versions(mut self, versions: &[&str]) -> Self {
+        self.kubelet_versions = Some(versions.iter().map(|s| s.to_string()).collect());
+        self
+    }
+}
+
+/// What to start.
+#[derive(Clone, Debug, Default)]
+pub struct ClusterSpec {
+    pub nodes: Vec<NodeSpec>,
+    /// Run the real controller (and install its CRDs).
+    pub controller: bool,
+    /// Wait this long for each driver to register (default 30 s).
+    pub registration_timeout: Option<Duration>,
+}
+
+impl ClusterSpec {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn node(mut self, name: &str, fake_gpus: &str) -> Self {
+        self.nodes.push(NodeSpec::new(name, fake_gpus));
+        self
+    }
+
+    pub fn with_node(mut self, node: NodeSpec) -> Self {
+        self.nodes.push(node);
+        self
+    }
+
+    pub fn with_controller(mut self) -> Self {
+        self.controller = true;
+        self
+    }
+}
+
+/// Where the cluster comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Backend {
+    Emulator,
+    Real { real_kubelet: bool },
+}
+
+impl Backend {
+    pub fn from_env() -> Backend {
+        match std::env::var_os(env::KUBECONFIG) {
+            None => Backend::Emulator,
+            Some(_) => Backend::Real {
+                real_kubelet: std::env::var(env::REAL_KUBELET)
+                    .is_ok_and(|v| v == "1" || v == "true"),
+            },
+        }
+    }
+}
+
+/// A node's host folders, as the driver and the kubelet see them.
+#[derive(Clone, Debug)]
+pub struct NodeDirs {
+    pub registry: PathBuf,
+    pub plugin: PathBuf,
+    pub cdi: PathBuf,
+    pub state: PathBuf,
+}
+
+/// A node: its folders, kubelet emulator and driver process.
+pub struct TestNode {
+    pub name: String,
+    pub spec: NodeSpec,
+    pub dirs: NodeDirs,
+    pub kubelet: Option<Kubelet>,
+    driver: Mutex<ManagedProcess>,
+}
+
+impl TestNode {
+    pub fn kubelet(&self) -> &Kubelet {
+        self.kubelet
+            .as_ref()
+            .expect("this node's plugin is driven by a real kubelet, not the emulator")
+    }
+
+    pub fn driver(&self) -> MutexGuard<'_, ManagedProcess> {
+        self.driver.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn driver_log(&self) -> String {
+        self.driver().log()
+    }
+
+    /// Path of the CDI spec the driver writes for a claim.
+    pub fn cdi_spec_path(&self, claim_uid: &str) -> PathBuf {
+        self.dirs
+            .cdi
+            .join(gpupool_api::names::cdi_spec_file_name(claim_uid))
+    }
+
+    /// The claim's CDI spec, parsed, if it exists.
+    pub fn cdi_spec(&self, claim_uid: &str) -> Option<Value> {
+        let text = std::fs::read_to_string(self.cdi_spec_path(claim_uid)).ok()?;
+        serde_json::from_str(&text).ok()
+    }
+
+    /// Every gpupool CDI spec file in the node's CDI folder.
+    pub fn cdi_spec_files(&self) -> Vec<PathBuf> {
+        let prefix = format!("{}-claim_", gpupool_api::names::DRIVER_NAME);
+        let mut files: Vec<PathBuf> = std::fs::read_dir(&self.dirs.cdi)
+            .map(|entries| {
+                entries
+                    .flatten()
+                    .map(|e| e.path())
+                    .filter(|p| {
+                        p.file_name()
+                            .and_then(|n| n.to_str())
+                            .is_some_and(|n| n.starts_with(&prefix) && n.ends_with(".json"))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        files.sort();
+        files
+    }
+}
+
+/// The system under test; everything it started is stopped when it is dropped.
+pub struct TestCluster {
+    backend: Backend,
+    client: Client,
+    kubeconfig: PathBuf,
+    workdir: PathBuf,
+    nodes: Vec<TestNode>,
+    controller: Option<Mutex<ManagedProcess>>,
+    scheduler: Option<tokio::task::JoinHandle<()>>,
+    apiserver: Option<upstream::ApiServer>,
+    _workdir_guard: Option<tempfile::TempDir>,
+}
+
+impl Drop for TestCluster {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.print_logs();
+        }
+        // Processes first, so nothing talks to an API server that is going away.
+        for node in &self.nodes {
+            node.driver().kill();
+        }
+        if let Some(controller) = &self.controller {
+            controller.lock().unwrap_or_else(|e| e.into_inner()).kill();
+        }
+        if let Some(task) = &self.scheduler {
+            task.abort();
+        }
+    }
+}
+
+/// Polls `check` every 50 ms until it yields a value, or fails after `timeout` naming `what`.
+pub async fn wait_for<T, F, Fut>(
+    what: &str,
+    timeout: Duration,
+    mut check: F,
+) -> Result<T, HarnessError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(value) = check().await {
+            return Ok(value);
+        }
+        if Instant::now() >= deadline {
+            return Err(HarnessError::Timeout {
+                what: what.to_string(),
+                after: timeout,
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A kube client for a kubeconfig file.
+pub async fn client_for_kubeconfig(path: &Path) -> Result<Client, HarnessError> {
+    let kubeconfig_err = |message: String| HarnessError::Kubeconfig {
+        path: path.to_path_buf(),
+        message,
+    };
+    let kubeconfig = Kubeconfig::read_from(path).map_err(|e| kubeconfig_err(e.to_string()))?;
+    let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+        .await
+        .map_err(|e| kubeconfig_err(e.to_string()))?;
+    Client::try_from(config).map_err(|e| kubeconfig_err(e.to_string()))
+}
+
+/// The real kubectl: `$KUBECTL`, else `/usr/bin/kubectl`, else `kubectl` on PATH.
+pub fn kubectl_path() -> Option<PathBuf> {
+    if let Some(path) = std::env::var_os("KUBECTL") {
+        return Some(PathBuf::from(path));
+    }
+    let fixed = PathBuf::from("/usr/bin/kubectl");
+    if fixed.is_file() {
+        return Some(fixed);
+    }
+    std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|dir| dir.join("kubectl"))
+            .find(|p| p.is_file())
+    })
+}
+
+fn real_node_names() -> Vec<String> {
+    std::env::var(env::NODE)
+        .unwrap_or_default()
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
+fn mkdir(path: &Path) -> Result<(), HarnessError> {
+    std::fs::create_dir_all(path).map_err(io_err(format!("creating {}", path.display())))
+}
+
+impl TestCluster {
+    /// Starts everything in `spec` and waits until each driver has registered with its kubelet.
+    pub async fn start(spec: ClusterSpec) -> Result<TestCluster, HarnessError> {
+        let backend = Backend::from_env();
+        let guard = tempfile::Builder::new()
+            .prefix("gpupool-e2e-")
+            .tempdir()
+            .map_err(io_err("creating the work folder"))?;
+        let workdir = guard.path().to_path_buf();
+
+        let (apiserver, kubeconfig) = match &backend {
+            Backend::Emulator => {
+                let server = start_apiserver().await?;
+                let path = workdir.join("kubeconfig");
+                server
+                    .write_kubeconfig(&path)
+                    .map_err(|e| HarnessError::ApiServer(format!("writing kubeconfig: {e}")))?;
+                (Some(server), path)
+            }
+            Backend::Real { .. } => (
+                None,
+                PathBuf::from(
+                    std::env::var_os(env::KUBECONFIG).expect("checked by Backend::from_env"),
+                ),
+            ),
+        };
+        let client = client_for_kubeconfig(&kubeconfig).await?;
+
+        let scheduler = match backend {
+            Backend::Emulator => Some(start_scheduler(client.clone())),
+            Backend::Real { .. } => None,
+        };
+
+        let mut cluster = TestCluster {
+            backend,
+            client,
+            kubeconfig,
+            workdir,
+            nodes: Vec::new(),
+            controller: None,
+            scheduler,
+            apiserver,
+            _workdir_guard: Some(guard),
+        };
+        if spec.controller {
+            cluster.start_controller().await?;
+        }
+        let real_names = real_node_names();
+        for (i, node_spec) in spec.nodes.iter().enumerate() {
+            let name = match &cluster.backend {
+                Backend::Emulator => node_spec.name.clone(),
+                Backend::Real { .. } => real_names.get(i).cloned().ok_or_else(|| {
+                    HarnessError::Setup(format!(
+                        "this scenario needs {} node(s); {}={:?} names {}",
+                        spec.nodes.len(),
+                        env::NODE,
+                        std::env::var(env::NODE).unwrap_or_default(),
+                        real_names.len()
+                    ))
+                })?,
+            };
+            cluster.start_node(name, node_spec.clone()).await?;
+        }
+        let timeout = spec.registration_timeout.unwrap_or(Duration::from_secs(30));
+        for node in &cluster.nodes {
+            if let Some(kubelet) = &node.kubelet {
+                if let Err(err) = kubelet
+                    .wait_for_registration(gpupool_api::names::DRIVER_NAME, timeout)
+                    .await
+                {
+                    return Err(HarnessError::Setup(format!(
+                        "driver on {} did not register: {err}\n--- driver log ---\n{}",
+                        node.name,
+                        node.driver_log()
+                    )));
+                }
+            }
+        }
+        Ok(cluster)
+    }
+
+    /// Like `start`, but the child processes are spawned on a runtime worker thread, for a cluster kept
+    /// in a static and shared by a test file's tests (see `shared_runtime`): a child dies with the
+    /// thread that spawned it, and the first test's thread ends before the others.
+    pub async fn start_shared(spec: ClusterSpec) -> Result<TestCluster, HarnessError> {
+        let cluster = tokio::spawn(async move {
+            let mut cluster = TestCluster::start(spec).await?;
+            if let Some(guard) = cluster._workdir_guard.take() {
+                cleanup::remove_at_exit(guard.keep());
+            }
+            Ok::<_, HarnessError>(cluster)
+        })
+        .await
+        .map_err(|e| HarnessError::Setup(format!("starting the cluster: {e}")))?;
+        cluster
+    }
+
+    async fn start_controller(&mut self) -> Result<(), HarnessError> {
+        let binary = find_binary(CONTROLLER_BIN)?;
+        let output = tokio::process::Command::new(&binary)
+            .arg("crds")
+            .output()
+            .await
+            .map_err(io_err(format!("running {} crds", binary.display())))?;
+        if !output.status.success() {
+            return Err(HarnessError::Setup(format!(
+                "{CONTROLLER_BIN} crds: {}",
+                String::from_utf8_lossy(&output.stderr)
+            )));
+        }
+        let crds = parse_manifests(&String::from_utf8_lossy(&output.stdout))?;
+        apply_objects(&self.client, &crds, "default").await?;
+        let process = ManagedProcess::spawn(
+            CONTROLLER_BIN,
+            &binary,
+            vec![
+                "run".into(),
+                "--kubeconfig".into(),
+                self.kubeconfig.display().to_string(),
+            ],
+            self.workdir.join("controller.log"),
+        )?;
+        self.controller = Some(Mutex::new(process));
+        Ok(())
+    }
+
+    async fn start_node(&mut self, name: String, spec: NodeSpec) -> Result<(), HarnessError> {
+        let base = self.workdir.join(&name);
+        let real_kubelet = matches!(self.backend, Backend::Real { real_kubelet: true });
+        let from_env = |var: &str, default: PathBuf| {
+            if real_kubelet {
+                std::env::var_os(var).map(PathBuf::from).unwrap_or(default)
+            } else {
+                default
+            }
+        };
+        let dirs = NodeDirs {
+            registry: from_env(env::REGISTRY_DIR, base.join("plugins_registry")),
+            plugin: from_env(env::PLUGIN_DIR, base.join("plugins").join("gpupool.dev")),
+            cdi: from_env(env::CDI_DIR, base.join("cdi")),
+            state: base.join("state"),
+        };
+        for dir in [&dirs.registry, &dirs.plugin, &dirs.cdi, &dirs.state] {
+            mkdir(dir)?;
+        }
+        let kubelet = if real_kubelet {
+            None
+        } else {
+            let mut config = KubeletConfig::new(&name, &dirs.registry);
+            if let Some(versions) = &spec.kubelet_versions {
+                config.known_versions = versions.clone();
+            }
+            // On a real cluster the node exists already; creating it again is harmless (409).
+            Some(Kubelet::start(self.client.clone(), config).await?)
+        };
+        let binary = find_binary(DRIVER_BIN)?;
+        let mut args: Vec<String> = vec![
+            "run".into(),
+            "--node-name".into(),
+            name.clone(),
+            "--kubeconfig".into(),
+            self.kubeconfig.display().to_string(),
+            "--registry-dir".into(),
+            dirs.registry.display().to_string(),
+            "--plugin-dir".into(),
+            dirs.plugin.display().to_string(),
+            "--cdi-root".into(),
+            dirs.cdi.display().to_string(),
+            "--state-dir".into(),
+            dirs.state.display().to_string(),
+            "--fake-gpus".into(),
+            spec.fake_gpus.clone(),
+        ];
+        args.extend(spec.extra_driver_args.iter().cloned());
+        let driver = ManagedProcess::spawn(
+            &format!("{DRIVER_BIN} on {name}"),
+            &binary,
+            args,
+            self.workdir.join(format!("driver-{name}.log")),
+        )?;
+        self.nodes.push(TestNode {
+            name,
+            spec,
+            dirs,
+            kubelet,
+            driver: Mutex::new(driver),
+        });
+        Ok(())
+    }
+
+    pub fn backend(&self) -> &Backend {
+        &self.backend
+    }
+
+    pub fn is_emulated(&self) -> bool {
+        self.backend == Backend::Emulator
+    }
+
+    pub fn client(&self) -> Client {
+        self.client.clone()
+    }
+
+    pub fn kubeconfig_path(&self) -> &Path {
+        &self.kubeconfig
+    }
+
+    pub fn workdir(&self) -> &Path {
+        &self.workdir
+    }
+
+    pub fn apiserver(&self) -> Option<&upstream::ApiServer> {
+        self.apiserver.as_ref()
+    }
+
+    pub fn nodes(&self) -> &[TestNode] {
+        &self.nodes
+    }
+
+    /// The node started from the spec's `index`-th entry (its name differs on a real cluster).
+    pub fn node_at(&self, index: usize) -> &TestNode {
+        &self.nodes[index]
+    }
+
+    pub fn node(&self, name: &str) -> Result<&TestNode, HarnessError> {
+        self.nodes
+            .iter()
+            .find(|n| n.name == name || n.spec.name == name)
+            .ok_or_else(|| HarnessError::UnknownNode(name.to_string()))
+    }
+
+    pub fn controller_log(&self) -> Option<String> {
+        self.controller
+            .as_ref()
+            .map(|c| c.lock().unwrap_or_else(|e| e.into_inner()).log())
+    }
+
+    /// SIGKILL the node's driver (a crash).
+    pub fn kill_driver(&self, node: &str) -> Result<(), HarnessError> {
+        self.node(node)?.driver().kill();
+        Ok(())
+    }
+
+    /// SIGTERM the node's driver and wait up to 10 s for it to exit.
+    pub async fn stop_driver(
+        &self,
+        node: &str,
+    ) -> Result<Option<std::process::ExitStatus>, HarnessError> {
+        let node = self.node(node)?;
+        let mut process = std::mem::replace(&mut *node.driver(), ManagedProcess::placeholder());
+        let status = process.stop(Duration::from_secs(10)).await;
+        *node.driver() = process;
+        Ok(status)
+    }
+
+    /// Starts the node's driver again (killing it first if it runs) and waits for it to register.
+    pub async fn restart_driver(&self, node: &str) -> Result<Option<Registration>, HarnessError> {
+        let node = self.node(node)?;
+        let before = node
+            .kubelet
+            .as_ref()
+            .and_then(|k| k.registration(gpupool_api::names::DRIVER_NAME))
+            .map_or(0, |r| r.sequence);
+        {
+            let mut driver = node.driver();
+            driver.kill();
+            driver.start()?;
+        }
+        match &node.kubelet {
+            Some(kubelet) => {
+                let registration = wait_for(
+                    &format!("the restarted driver on {} to register again", node.name),
+                    Duration::from_secs(30),
+                    || async {
+                        kubelet
+                            .registration(gpupool_api::names::DRIVER_NAME)
+                            .filter(|r| r.sequence > before)
+                    },
+                )
+                .await
+                .map_err(|e| self.with_driver_log(&node.name, e))?;
+                Ok(Some(registration))
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// Runs the real kubectl against this cluster; stdout on success.
+    pub async fn kubectl(&self, args: &[&str]) -> Result<String, HarnessError> {
+        self.kubectl_with_input(args, None).await
+    }
+
+    /// Runs kubectl with `input` on stdin (e.g. `apply -f -`).
+    pub async fn kubectl_with_input(
+        &self,
+        args: &[&str],
+        input: Option<&str>,
+    ) -> Result<String, HarnessError> {
+        use tokio::io::AsyncWriteExt;
+        let kubectl =
+            kubectl_path().ok_or_else(|| HarnessError::Setup("kubectl not found".into()))?;
+        let mut child = tokio::process::Command::new(kubectl)
+            .args(args)
+            .env("KUBECONFIG", &self.kubeconfig)
+            .env("KUBECACHEDIR", self.workdir.join("kubectl-cache"))
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(io_err("starting kubectl"))?;
+        let mut stdin = child.stdin.take().expect("stdin is piped");
+        if let Some(input) = input {
+            stdin
+                .write_all(input.as_bytes())
+                .await
+                .map_err(io_err("writing kubectl's stdin"))?;
+        }
+        drop(stdin);
+        let output = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
+            .await
+            .map_err(|_| HarnessError::Timeout {
+                what: format!("kubectl {}", args.join(" ")),
+                after: Duration::from_secs(60),
+            })?
+            .map_err(io_err("running kubectl"))?;
+        if !output.status.success() {
+            return Err(HarnessError::Kubectl {
+                args: args.join(" "),
+                status: output.status.to_string(),
+                stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+            });
+        }
+        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+    }
+
+    /// Applies YAML through the kube client (creating, or merge-patching what exists).
+    pub async fn apply_yaml(&self, yaml: &str, namespace: &str) -> Result<(), HarnessError> {
+        let objects = parse_manifests(yaml)?;
+        apply_objects(&self.client, &objects, namespace).await?;
+        Ok(())
+    }
+
+    /// Applies a YAML file with the real kubectl when present, else through the kube client.
+    pub async fn apply_file(&self, path: &Path, namespace: &str) -> Result<(), HarnessError> {
+        if kubectl_path().is_some() {
+            let path = path.display().to_string();
+            self.kubectl(&["apply", "-n", namespace, "-f", &path])
+                .await?;
+            return Ok(());
+        }
+        let yaml =
+            std::fs::read_to_string(path).map_err(io_err(format!("reading {}", path.display())))?;
+        self.apply_yaml(&yaml, namespace).await
+    }
+
+    /// Creates a namespace named `<prefix>-<random>` and returns its name, so scenarios sharing a
+    /// cluster (or running on a real one) never see each other's objects.
+    pub async fn create_namespace(&self, prefix: &str) -> Result<String, HarnessError> {
+        let name = format!(
+            "{prefix}-{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..6]
+        );
+        let namespace: Namespace = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}
+        }))
+        .expect("namespace literal");
+        Api::<Namespace>::all(self.client.clone())
+            .create(&PostParams::default(), &namespace)
+            .await
+            .map_err(|source| HarnessError::Kube {
+                what: format!("creating namespace {name}"),
+                source,
+            })?;
+        Ok(name)
+    }
+
+    /// The ResourceSlices a node's driver published.
+    pub async fn slices_of(&self, node: &str) -> Result<Vec<ResourceSlice>, HarnessError> {
+        let slices: Api<ResourceSlice> = Api::all(self.client.clone());
+        let list = slices
+            .list(&ListParams::default())
+            .await
+            .map_err(|source| HarnessError::Kube {
+                what: "listing resourceslices".into(),
+                source,
+            })?;
+        Ok(list
+            .items
+            .into_iter()
+            .filter(|s| {
+                s.spec.driver == gpupool_api::names::DRIVER_NAME
+                    && s.spec.node_name.as_deref() == Some(node)
+            })
+            .collect())
+    }
+
+    /// Waits until the node's driver has published `devices` devices.
+    pub async fn wait_for_slices(
+        &self,
+        node: &str,
+        devices: usize,
+        timeout: Duration,
+    ) -> Result<Vec<ResourceSlice>, HarnessError> {
+        wait_for(
+            &format!("{devices} published device(s) on node {node}"),
+            timeout,
+            || async {
+                let slices = self.slices_of(node).await.ok()?;
+                let count: usize = slices
+                    .iter()
+                    .map(|s| s.spec.devices.as_ref().map_or(0, |d| d.len()))
+                    .sum();
+                (count >= devices).then_some(slices)
+            },
+        )
+        .await
+        .map_err(|e| self.with_driver_log(node, e))
+    }
+
+    fn with_driver_log(&self, node: &str, err: HarnessError) -> HarnessError {
+        match self.node(node) {
+            Ok(n) => HarnessError::Setup(format!(
+                "{err}\n--- driver log of {node} ---\n{}",
+                n.driver_log()
+            )),
+            Err(_) => err,
+        }
+    }
+
+    /// Every process log, keyed by process name.
+    pub fn logs(&self) -> BTreeMap<String, String> {
+        let mut logs = BTreeMap::new();
+        for node in &self.nodes {
+            let driver = node.driver();
+            logs.insert(driver.name().to_string(), driver.log());
+        }
+        if let Some(log) = self.controller_log() {
+            logs.insert(CONTROLLER_BIN.to_string(), log);
+        }
+        logs
+    }
+
+    /// Prints the last lines of every process log to stderr (the test's output on failure).
+    pub fn print_logs(&self) {
+        for (name, log) in self.logs() {
+            let lines: Vec<&str> = log.lines().collect();
+            let tail = &lines[lines.len().saturating_sub(150)..];
+            eprintln!(
+                "===== {name} (last {} lines) =====\n{}",
+                tail.len(),
+                tail.join("\n")
+            );
+        }
+    }
+
+    /// A guard that prints the process logs if the test panics while it is alive; for clusters shared
+    /// in a static, which are never dropped.
+    pub fn logs_on_failure(&self) -> LogsOnFailure<'_> {
+        LogsOnFailure { cluster: self }
+    }
+}
+
+pub struct LogsOnFailure<'a> {
+    cluster: &'a TestCluster,
+}
+
+impl Drop for LogsOnFailure<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.cluster.print_logs();
+        }
+    }
+}
+
+/// A multi-thread runtime that lives as long as the test process, for clusters shared by the tests
+/// of one file (each `#[test]` calls `shared_runtime().block_on(..)`).
+pub fn shared_runtime() -> &'static tokio::runtime::Runtime {
+    static RUNTIME: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
+    RUNTIME.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("building the shared test runtime")
+    })
+}
+
+async fn start_apiserver() -> Result<upstream::ApiServer, HarnessError> {
+    upstream::ApiServer::start()
+        .await
+        .map_err(|e| HarnessError::ApiServer(format!("{e:#}")))
+}
+
+fn start_scheduler(client: Client) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        if let Err(err) = upstream::run_scheduler(client).await {
+            tracing::error!("scheduler stand-in stopped: {err:#}");
+        }
+    })
+}

@@ -1,0 +1,201 @@
+//! The real binaries as child processes: found next to the running executable, logs to a file,
+//! killed with the harness (and with the harness's process, should it die first).
+
+use std::fs::File;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProcessError {
+    #[error(
+        "{name} not found (looked in {searched:?}); build the binaries first: `cargo build --bins` \
+         (or `cargo build -p gpupool-driver -p gpupool-controller`)"
+    )]
+    BinaryMissing {
+        name: String,
+        searched: Vec<PathBuf>,
+    },
+    #[error("starting {name}: {source}")]
+    Spawn {
+        name: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{name}: {source}")]
+    Io {
+        name: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Folders where cargo puts the workspace's binaries, seen from the running executable: its own
+/// folder (a binary in target/debug) and the one above it (a test in target/debug/deps).
+pub fn binary_dirs() -> Vec<PathBuf> {
+    let mut dirs = Vec::new();
+    if let Ok(exe) = std::env::current_exe() {
+        if let Some(dir) = exe.parent() {
+            dirs.push(dir.to_path_buf());
+            if let Some(up) = dir.parent() {
+                dirs.push(up.to_path_buf());
+            }
+        }
+    }
+    dirs
+}
+
+/// Path of a workspace binary; `GPUPOOL_<NAME>_BIN` (e.g. `GPUPOOL_DRIVER_BIN`) overrides the lookup.
+pub fn find_binary(name: &str) -> Result<PathBuf, ProcessError> {
+    let env_name = format!("{}_BIN", name.to_uppercase().replace('-', "_"));
+    if let Some(path) = std::env::var_os(&env_name) {
+        return Ok(PathBuf::from(path));
+    }
+    let searched = binary_dirs();
+    searched
+        .iter()
+        .map(|dir| dir.join(name))
+        .find(|p| p.is_file())
+        .ok_or_else(|| ProcessError::BinaryMissing {
+            name: name.to_string(),
+            searched,
+        })
+}
+
+/// A child process whose stdout and stderr go to a log file; killed when dropped.
+pub struct ManagedProcess {
+    name: String,
+    program: PathBuf,
+    args: Vec<String>,
+    log_path: PathBuf,
+    child: Option<Child>,
+}
+
+impl ManagedProcess {
+    /// Starts `program args`, appending its output to `log_path`.
+    pub fn spawn(
+        name: &str,
+        program: &Path,
+        args: Vec<String>,
+        log_path: PathBuf,
+    ) -> Result<ManagedProcess, ProcessError> {
+        let mut process = ManagedProcess {
+            name: name.to_string(),
+            program: program.to_path_buf(),
+            args,
+            log_path,
+            child: None,
+        };
+        process.start()?;
+        Ok(process)
+    }
+
+    /// A process that was never started, to hold a place while the real one is moved out.
+    pub fn placeholder() -> ManagedProcess {
+        ManagedProcess {
+            name: String::new(),
+            program: PathBuf::new(),
+            args: Vec::new(),
+            log_path: PathBuf::new(),
+            child: None,
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn log_path(&self) -> &Path {
+        &self.log_path
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
+    /// Starts the process again with the same arguments (after `kill` or `stop`).
+    pub fn start(&mut self) -> Result<(), ProcessError> {
+        let io = |source| ProcessError::Io {
+            name: self.name.clone(),
+            source,
+        };
+        let log = File::options()
+            .create(true)
+            .append(true)
+            .open(&self.log_path)
+            .map_err(io)?;
+        let log_err = log.try_clone().map_err(io)?;
+        let mut command = Command::new(&self.program);
+        command
+            .args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log_err);
+        // SAFETY: prctl is async-signal-safe; it only asks the kernel to kill the child when the
+        // spawning thread exits, so a crashed or interrupted test leaves no stray process.
+        unsafe {
+            command.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let child = command.spawn().map_err(|source| ProcessError::Spawn {
+            name: self.name.clone(),
+            source,
+        })?;
+        super::cleanup::kill_at_exit(child.id());
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// Whether the process is still running.
+    pub fn is_running(&mut self) -> bool {
+        match self.child.as_mut() {
+            Some(child) => matches!(child.try_wait(), Ok(None)),
+            None => false,
+        }
+    }
+
+    /// SIGKILL, as a crash or an OOM kill would end it.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+            super::cleanup::forget_pid(child.id());
+        }
+    }
+
+    /// SIGTERM, then SIGKILL if it has not exited within `grace`; returns the exit status if it
+    /// exited on its own.
+    pub async fn stop(&mut self, grace: Duration) -> Option<std::process::ExitStatus> {
+        let mut child = self.child.take()?;
+        // SAFETY: plain kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
+        }
+        let deadline = tokio::time::Instant::now() + grace;
+        while tokio::time::Instant::now() < deadline {
+            if let Ok(Some(status)) = child.try_wait() {
+                super::cleanup::forget_pid(child.id());
+                return Some(status);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        super::cleanup::forget_pid(child.id());
+        None
+    }
+
+    /// Everything the process wrote so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+}
+
+impl Drop for ManagedProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
