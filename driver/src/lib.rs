@@ -2,4 +2,10 @@
 //! NVML or fake profile -> [`inventory`] -> [`slices`] (pure) -> [`publisher`] (API) ->
 //! [`plugin`] (kubelet sockets) -> [`prepare`] (claim -> limits -> CDI spec + checkpoint).
 
+pub mod config;
+pub mod inventory;
+pub mod plugin;
 pub mod prepare;
+pub mod publisher;
+pub mod slices;
+pub mod weights;

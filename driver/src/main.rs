@@ -1,1 +1,266 @@
-fn main() {}
+//! `gpupool-driver`: `run` (the DaemonSet agent) and `inspect` (what this node would publish).
+
+use std::collections::BTreeMap;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use gpupool_api::crd::GpuModel;
+use gpupool_api::names::device_name;
+use gpupool_driver::config::{Cli, Command, InspectArgs, LogFormat, RunArgs};
+use gpupool_driver::inventory::{self, Inventory};
+use gpupool_driver::plugin::health::HealthService;
+use gpupool_driver::plugin::registration::RegistrationService;
+use gpupool_driver::plugin::{server, PrepareResults, Preparer, UnprepareResults};
+use gpupool_driver::prepare::ClaimRef;
+use gpupool_driver::publisher::SlicePublisher;
+use gpupool_driver::slices::{build_slices, SliceMode};
+use gpupool_driver::weights;
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Api, Client, Config};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+/// How long in-flight kubelet calls may take to finish after SIGTERM (the kubelet's own call timeout).
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(45);
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let logging = matches!(cli.command, Command::Run(_));
+    let result = match cli.command {
+        Command::Inspect(args) => inspect(args),
+        Command::Run(args) => {
+            init_tracing(args.log_format);
+            match tokio::runtime::Runtime::new() {
+                Ok(rt) => rt.block_on(run(args)),
+                Err(e) => Err(anyhow::Error::new(e).context("starting the async runtime")),
+            }
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            if logging {
+                tracing::error!(error = format!("{err:#}"), "gpupool-driver failed");
+            } else {
+                eprintln!("gpupool-driver: error: {err:#}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_tracing(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "localhost".into())
+}
+
+#[derive(serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+struct InspectReport<'a> {
+    node: &'a str,
+    inventory: &'a Inventory,
+    compute_weights: &'a BTreeMap<String, i64>,
+    resource_slices: Vec<ResourceSlice>,
+}
+
+fn inspect(args: InspectArgs) -> anyhow::Result<()> {
+    let node = args.node_name.unwrap_or_else(hostname);
+    let inventory = inventory::discover(args.fake_gpus.as_deref(), &node)?;
+    let weights = weights::resolve_weights(&inventory, &[]);
+    let resource_slices = build_slices(&inventory, &node, &weights, 1, SliceMode::Shared)?;
+    let report = InspectReport {
+        node: &node,
+        inventory: &inventory,
+        compute_weights: &weights,
+        resource_slices,
+    };
+    print!(
+        "{}",
+        serde_yaml::to_string(&report).context("rendering YAML")?
+    );
+    Ok(())
+}
+
+async fn kube_client(args: &RunArgs) -> anyhow::Result<Client> {
+    let config = match &args.kubeconfig {
+        Some(path) => {
+            let kubeconfig = Kubeconfig::read_from(path)
+                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
+            Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+                .await
+                .with_context(|| format!("loading kubeconfig {}", path.display()))?
+        }
+        None => Config::incluster().context(
+            "no --kubeconfig given and no in-cluster service account found (KUBERNETES_SERVICE_HOST)",
+        )?,
+    };
+    Client::try_from(config).context("building the Kubernetes client")
+}
+
+/// Answers every claim with an error until the claim-preparation module provides `ClaimPreparer`.
+struct PreparerStandIn;
+
+#[tonic::async_trait]
+impl Preparer for PreparerStandIn {
+    async fn prepare(&self, claims: Vec<ClaimRef>) -> PrepareResults {
+        claims
+            .into_iter()
+            .map(|c| {
+                (
+                    c,
+                    Err("claim preparation is not available in this build".to_string()),
+                )
+            })
+            .collect()
+    }
+
+    async fn unprepare(&self, claims: Vec<ClaimRef>) -> UnprepareResults {
+        claims.into_iter().map(|c| (c, Ok(()))).collect()
+    }
+}
+
+async fn shutdown_signal() -> anyhow::Result<&'static str> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    Ok(tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    })
+}
+
+async fn serve_healthz(
+    addr: std::net::SocketAddr,
+    ready: watch::Receiver<bool>,
+    stop: CancellationToken,
+) -> anyhow::Result<()> {
+    use axum::http::StatusCode;
+    let app = axum::Router::new().route(
+        "/healthz",
+        axum::routing::get(move || {
+            let ready = *ready.borrow();
+            async move {
+                if ready {
+                    (StatusCode::OK, "ok\n")
+                } else {
+                    (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+                }
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding the health endpoint {addr}"))?;
+    tracing::info!(%addr, "serving GET /healthz");
+    axum::serve(listener, app)
+        .with_graceful_shutdown(stop.cancelled_owned())
+        .await
+        .context("health endpoint")
+}
+
+async fn run(args: RunArgs) -> anyhow::Result<()> {
+    let node = args.node_name.clone();
+    let inventory = Arc::new(inventory::discover(args.fake_gpus.as_deref(), &node)?);
+    tracing::info!(
+        node = %node,
+        source = ?inventory.source,
+        gpus = inventory.gpus.len(),
+        models = ?inventory.gpus.iter().map(|g| g.model.as_str()).collect::<Vec<_>>(),
+        "discovered GPUs"
+    );
+    let client = kube_client(&args).await?;
+    let stop = CancellationToken::new();
+
+    let (weights_tx, weights_rx) = weights::channel(&inventory);
+    let weights_task = tokio::spawn(weights::watch_gpu_models(
+        Api::<GpuModel>::all(client.clone()),
+        inventory.clone(),
+        weights_tx,
+        stop.clone(),
+    ));
+
+    // Start-up reconciliation of claims happens before the kubelet can reach us.
+    let preparer: Arc<dyn Preparer> = Arc::new(PreparerStandIn);
+
+    let (_devices_tx, devices_rx) = watch::channel(
+        inventory
+            .gpus
+            .iter()
+            .map(|g| device_name(g.index))
+            .collect(),
+    );
+    let health = HealthService::new(node.clone(), devices_rx, stop.clone());
+    let dra = server::serve_dra(&args.dra_socket(), preparer, health, stop.clone())?;
+
+    let (published_tx, mut published_rx) = watch::channel(false);
+    let publisher = SlicePublisher::new(client.clone(), node.clone());
+    let publisher_task =
+        tokio::spawn(publisher.run(inventory.clone(), weights_rx, published_tx, stop.clone()));
+
+    let (outcome_tx, _outcome_rx) = watch::channel(None);
+    let registration = server::serve_registration(
+        &args.registration_socket(),
+        RegistrationService::new(args.dra_socket().to_string_lossy(), outcome_tx),
+        stop.clone(),
+    )?;
+
+    let (ready_tx, ready_rx) = watch::channel(false);
+    let readiness = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            tokio::select! {
+                _ = stop.cancelled() => {}
+                _ = published_rx.wait_for(|p| *p) => { ready_tx.send_replace(true); }
+            }
+        }
+    });
+    let healthz = args
+        .healthz_addr
+        .map(|addr| tokio::spawn(serve_healthz(addr, ready_rx, stop.clone())));
+
+    let signal = shutdown_signal().await?;
+    tracing::info!(
+        signal,
+        "shutting down: no new calls, waiting for in-flight ones"
+    );
+    stop.cancel();
+
+    let sockets = async {
+        let reg = registration.finish().await;
+        let dra = dra.finish().await;
+        reg.and(dra)
+    };
+    match tokio::time::timeout(SHUTDOWN_GRACE, sockets).await {
+        Ok(result) => result?,
+        Err(_) => tracing::warn!("in-flight calls did not finish within {SHUTDOWN_GRACE:?}"),
+    }
+    let _ = publisher_task.await;
+    let _ = weights_task.await;
+    let _ = readiness.await;
+    if let Some(task) = healthz {
+        if let Ok(Err(e)) = task.await {
+            tracing::warn!(error = format!("{e:#}"), "health endpoint");
+        }
+    }
+    tracing::info!("stopped");
+    Ok(())
+}

@@ -1,0 +1,20 @@
+//! The kubelet-facing side: registration, DRA (v1 and v1beta1) and resource health over Unix sockets.
+
+pub mod dra;
+pub mod health;
+pub mod registration;
+pub mod server;
+
+use crate::prepare::{ClaimRef, PreparedDevice};
+
+/// Prepared devices or an error, per claim, in the order asked.
+pub type PrepareResults = Vec<(ClaimRef, Result<Vec<PreparedDevice>, String>)>;
+pub type UnprepareResults = Vec<(ClaimRef, Result<(), String>)>;
+
+/// What the DRA adapters call: claim preparation, independent of the gRPC version.
+/// [`crate::prepare::ClaimPreparer`] is the real one; tests use their own.
+#[tonic::async_trait]
+pub trait Preparer: Send + Sync + 'static {
+    async fn prepare(&self, claims: Vec<ClaimRef>) -> PrepareResults;
+    async fn unprepare(&self, claims: Vec<ClaimRef>) -> UnprepareResults;
+}

@@ -1,0 +1,495 @@
+//! Keeps this node's ResourceSlices in the API equal to what [`crate::slices`] builds.
+//!
+//! Only slices of this node and driver are read, written or deleted. Every change of content gets a
+//! new pool generation (one above the highest stored), written as one request per slice, new and
+//! changed slices first, stale ones last, so the scheduler never sees a generation with missing slices.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpupool_api::inventory::Inventory;
+use gpupool_api::names::DRIVER_NAME;
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use kube::api::{DeleteParams, ListParams, PostParams};
+use kube::{Api, Client, ResourceExt};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::slices::{build_slices, SliceError, SliceMode};
+
+/// How often slices are compared with the API even when nothing local changed, so that a slice
+/// deleted by someone else comes back.
+pub const RESYNC_INTERVAL: Duration = Duration::from_secs(60);
+const MIN_BACKOFF: Duration = Duration::from_millis(200);
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+const MAX_CONFLICT_RETRIES: usize = 5;
+
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    #[error(transparent)]
+    Invalid(#[from] SliceError),
+    #[error("listing ResourceSlices of node {node}: {source}")]
+    List {
+        node: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("{verb} ResourceSlice {name}: {source}")]
+    Write {
+        verb: &'static str,
+        name: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error(
+        "ResourceSlices of node {node} kept changing while being written ({attempts} attempts)"
+    )]
+    Conflict { node: String, attempts: usize },
+}
+
+/// What one reconciliation did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Unchanged { generation: i64 },
+    Published { generation: i64, slices: usize },
+}
+
+/// The writes that bring the stored slices to the desired state.
+#[derive(Debug, Default)]
+pub struct Plan {
+    pub generation: i64,
+    pub create: Vec<ResourceSlice>,
+    /// Desired slices carrying the stored `resourceVersion` (optimistic concurrency).
+    pub update: Vec<ResourceSlice>,
+    pub delete: Vec<String>,
+}
+
+impl Plan {
+    pub fn is_empty(&self) -> bool {
+        self.create.is_empty() && self.update.is_empty() && self.delete.is_empty()
+    }
+}
+
+fn spec_json(slice: &ResourceSlice) -> serde_json::Value {
+    serde_json::to_value(&slice.spec).unwrap_or_default()
+}
+
+/// Compares the stored slices of this node with the desired ones (pure). Unchanged content keeps
+/// its generation; any change is planned at the highest stored generation + 1.
+pub fn plan(
+    stored: &[ResourceSlice],
+    inventory: &Inventory,
+    node_name: &str,
+    weights: &BTreeMap<String, i64>,
+    mode: SliceMode,
+) -> Result<Plan, SliceError> {
+    let mine: Vec<&ResourceSlice> = stored
+        .iter()
+        .filter(|s| s.spec.driver == DRIVER_NAME && s.spec.node_name.as_deref() == Some(node_name))
+        .collect();
+    let current = mine
+        .iter()
+        .map(|s| s.spec.pool.generation)
+        .max()
+        .unwrap_or(0);
+    let by_name: BTreeMap<String, &ResourceSlice> =
+        mine.iter().map(|s| (s.name_any(), *s)).collect();
+
+    let same = build_slices(inventory, node_name, weights, current, mode)?;
+    let up_to_date = same.len() == by_name.len()
+        && same.iter().all(|want| {
+            by_name
+                .get(&want.name_any())
+                .is_some_and(|have| spec_json(have) == spec_json(want))
+        });
+    if up_to_date {
+        return Ok(Plan {
+            generation: current,
+            ..Default::default()
+        });
+    }
+
+    let generation = current + 1;
+    let desired = build_slices(inventory, node_name, weights, generation, mode)?;
+    let mut plan = Plan {
+        generation,
+        ..Default::default()
+    };
+    for mut want in desired {
+        match by_name.get(&want.name_any()) {
+            Some(have) => {
+                want.metadata.resource_version = have.metadata.resource_version.clone();
+                plan.update.push(want);
+            }
+            None => plan.create.push(want),
+        }
+    }
+    let wanted: Vec<String> = plan
+        .create
+        .iter()
+        .chain(&plan.update)
+        .map(|s| s.name_any())
+        .collect();
+    plan.delete = by_name
+        .keys()
+        .filter(|name| !wanted.contains(name))
+        .cloned()
+        .collect();
+    Ok(plan)
+}
+
+/// Why the cluster does not take shareable devices, when it says so: a 422 naming a
+/// consumable-capacity field, or a stored object that lost `allowMultipleAllocations`.
+pub fn fallback_reason_from_error(err: &kube::Error) -> Option<String> {
+    match err {
+        kube::Error::Api(status) if status.code == 422 => {
+            let msg = &status.message;
+            ["allowMultipleAllocations", "requestPolicy", "consumable"]
+                .iter()
+                .any(|field| msg.contains(field))
+                .then(|| format!("the API server rejected the consumable-capacity fields: {msg}"))
+        }
+        _ => None,
+    }
+}
+
+pub fn fallback_reason_from_stored(sent: &ResourceSlice, stored: &ResourceSlice) -> Option<String> {
+    let shared = |s: &ResourceSlice| {
+        s.spec
+            .devices
+            .iter()
+            .flatten()
+            .any(|d| d.allow_multiple_allocations == Some(true))
+    };
+    (shared(sent) && !shared(stored)).then(|| {
+        format!(
+            "the API server dropped allowMultipleAllocations from ResourceSlice {} \
+             (feature DRAConsumableCapacity is off)",
+            sent.name_any()
+        )
+    })
+}
+
+fn is_conflict(err: &kube::Error) -> bool {
+    matches!(err, kube::Error::Api(s) if s.code == 409)
+}
+
+enum Applied {
+    Done,
+    Conflict,
+    FallBack(String),
+}
+
+/// Publishes one node's slices.
+pub struct SlicePublisher {
+    api: Api<ResourceSlice>,
+    client: Client,
+    node_name: String,
+    mode: SliceMode,
+}
+
+impl SlicePublisher {
+    pub fn new(client: Client, node_name: impl Into<String>) -> Self {
+        Self {
+            api: Api::all(client.clone()),
+            client,
+            node_name: node_name.into(),
+            mode: SliceMode::Shared,
+        }
+    }
+
+    pub fn mode(&self) -> SliceMode {
+        self.mode
+    }
+
+    async fn list(&self) -> Result<Vec<ResourceSlice>, PublishError> {
+        let fields = format!("spec.nodeName={},spec.driver={DRIVER_NAME}", self.node_name);
+        self.api
+            .list(&ListParams::default().fields(&fields))
+            .await
+            .map(|l| l.items)
+            .map_err(|source| PublishError::List {
+                node: self.node_name.clone(),
+                source,
+            })
+    }
+
+    /// The node as owner, so the cluster collects the slices when the node goes away; none when the
+    /// node cannot be read (then the slices simply have no owner).
+    async fn owner(&self) -> Option<OwnerReference> {
+        let node = Api::<Node>::all(self.client.clone())
+            .get_opt(&self.node_name)
+            .await
+            .ok()??;
+        Some(OwnerReference {
+            api_version: "v1".into(),
+            kind: "Node".into(),
+            name: node.name_any(),
+            uid: node.metadata.uid?,
+            controller: Some(true),
+            block_owner_deletion: None,
+        })
+    }
+
+    async fn apply(&self, plan: Plan) -> Result<Applied, PublishError> {
+        let owner = self.owner().await;
+        let pp = PostParams::default();
+        for (verb, mut slice) in plan
+            .create
+            .into_iter()
+            .map(|s| ("creating", s))
+            .chain(plan.update.into_iter().map(|s| ("updating", s)))
+        {
+            let name = slice.name_any();
+            if let Some(owner) = &owner {
+                slice.metadata.owner_references = Some(vec![owner.clone()]);
+            }
+            let result = if verb == "creating" {
+                self.api.create(&pp, &slice).await
+            } else {
+                self.api.replace(&name, &pp, &slice).await
+            };
+            match result {
+                Ok(stored) => {
+                    if let Some(reason) = fallback_reason_from_stored(&slice, &stored) {
+                        return Ok(Applied::FallBack(reason));
+                    }
+                }
+                Err(e) if is_conflict(&e) => return Ok(Applied::Conflict),
+                Err(e) => {
+                    if self.mode == SliceMode::Shared {
+                        if let Some(reason) = fallback_reason_from_error(&e) {
+                            return Ok(Applied::FallBack(reason));
+                        }
+                    }
+                    return Err(PublishError::Write {
+                        verb,
+                        name,
+                        source: e,
+                    });
+                }
+            }
+        }
+        for name in plan.delete {
+            match self.api.delete(&name, &DeleteParams::default()).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(s)) if s.code == 404 => {}
+                Err(source) => {
+                    return Err(PublishError::Write {
+                        verb: "deleting",
+                        name,
+                        source,
+                    })
+                }
+            }
+        }
+        Ok(Applied::Done)
+    }
+
+    /// One pass: read the stored slices and write what differs (retrying conflicts on fresh state).
+    pub async fn reconcile(
+        &mut self,
+        inventory: &Inventory,
+        weights: &BTreeMap<String, i64>,
+    ) -> Result<Outcome, PublishError> {
+        for _ in 0..MAX_CONFLICT_RETRIES {
+            let stored = self.list().await?;
+            let plan = plan(&stored, inventory, &self.node_name, weights, self.mode)?;
+            if plan.is_empty() {
+                return Ok(Outcome::Unchanged {
+                    generation: plan.generation,
+                });
+            }
+            let generation = plan.generation;
+            let slices = plan.create.len() + plan.update.len();
+            match self.apply(plan).await? {
+                Applied::Done => return Ok(Outcome::Published { generation, slices }),
+                Applied::Conflict => {
+                    tracing::debug!(node = %self.node_name, "ResourceSlice conflict; retrying on fresh state");
+                }
+                Applied::FallBack(reason) => {
+                    tracing::warn!(
+                        node = %self.node_name,
+                        %reason,
+                        "falling back to exclusive whole-GPU devices (no fractional sharing on this cluster)"
+                    );
+                    self.mode = SliceMode::ExclusiveFallback;
+                }
+            }
+        }
+        Err(PublishError::Conflict {
+            node: self.node_name.clone(),
+            attempts: MAX_CONFLICT_RETRIES,
+        })
+    }
+
+    /// Publishes until `stop`: at start, whenever the weights change, and every [`RESYNC_INTERVAL`];
+    /// failures are retried with capped exponential backoff. `published` turns true after the first
+    /// successful pass.
+    pub async fn run(
+        mut self,
+        inventory: Arc<Inventory>,
+        mut weights: watch::Receiver<BTreeMap<String, i64>>,
+        published: watch::Sender<bool>,
+        stop: CancellationToken,
+    ) {
+        let mut backoff = MIN_BACKOFF;
+        let mut weights_open = true;
+        loop {
+            let current = weights.borrow_and_update().clone();
+            let wait = match self.reconcile(&inventory, &current).await {
+                Ok(outcome) => {
+                    backoff = MIN_BACKOFF;
+                    match outcome {
+                        Outcome::Published { generation, slices } => tracing::info!(
+                            node = %self.node_name,
+                            generation,
+                            slices,
+                            devices = inventory.gpus.len(),
+                            mode = ?self.mode,
+                            "published ResourceSlices"
+                        ),
+                        Outcome::Unchanged { generation } => tracing::debug!(
+                            node = %self.node_name, generation, "ResourceSlices up to date"
+                        ),
+                    }
+                    published.send_replace(true);
+                    RESYNC_INTERVAL
+                }
+                Err(err) => {
+                    tracing::warn!(node = %self.node_name, error = %err, retry_in = ?backoff, "publishing ResourceSlices failed");
+                    let wait = backoff;
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                    wait
+                }
+            };
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(wait) => {}
+                changed = weights.changed(), if weights_open => {
+                    if changed.is_err() {
+                        weights_open = false;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::inventory::fake::fake_inventory;
+
+    fn stored(slices: Vec<ResourceSlice>) -> Vec<ResourceSlice> {
+        slices
+            .into_iter()
+            .enumerate()
+            .map(|(i, mut s)| {
+                s.metadata.resource_version = Some(format!("{}", 100 + i));
+                s
+            })
+            .collect()
+    }
+
+    #[test]
+    fn first_publish_creates_at_generation_one() {
+        let inv = fake_inventory("a100-40gb:2", "n1").unwrap();
+        let p = plan(&[], &inv, "n1", &BTreeMap::new(), SliceMode::Shared).unwrap();
+        assert_eq!(p.generation, 1);
+        assert_eq!(p.create.len(), 1);
+        assert!(p.update.is_empty() && p.delete.is_empty());
+        assert_eq!(p.create[0].spec.pool.generation, 1);
+    }
+
+    #[test]
+    fn unchanged_content_writes_nothing() {
+        let inv = fake_inventory("a100-40gb:2", "n1").unwrap();
+        let w = BTreeMap::new();
+        let have = stored(build_slices(&inv, "n1", &w, 4, SliceMode::Shared).unwrap());
+        let p = plan(&have, &inv, "n1", &w, SliceMode::Shared).unwrap();
+        assert!(p.is_empty());
+        assert_eq!(p.generation, 4);
+    }
+
+    #[test]
+    fn a_changed_weight_updates_with_the_next_generation() {
+        let inv = fake_inventory("a100-40gb:2", "n1").unwrap();
+        let have =
+            stored(build_slices(&inv, "n1", &BTreeMap::new(), 4, SliceMode::Shared).unwrap());
+        let w = BTreeMap::from([("A100-SXM4-40GB".to_string(), 312)]);
+        let p = plan(&have, &inv, "n1", &w, SliceMode::Shared).unwrap();
+        assert_eq!(p.generation, 5);
+        assert_eq!(p.update.len(), 1);
+        assert_eq!(
+            p.update[0].metadata.resource_version.as_deref(),
+            Some("100")
+        );
+        assert_eq!(p.update[0].spec.pool.generation, 5);
+        let d = &p.update[0].spec.devices.as_ref().unwrap()[0];
+        assert_eq!(
+            d.attributes.as_ref().unwrap()["computeWeight"].int,
+            Some(312)
+        );
+    }
+
+    #[test]
+    fn shrinking_deletes_stale_slices_and_ignores_other_nodes() {
+        let big = fake_inventory("t4:130", "n1").unwrap();
+        let w = BTreeMap::new();
+        let mut have = stored(build_slices(&big, "n1", &w, 2, SliceMode::Shared).unwrap());
+        let other_inv = fake_inventory("t4:1", "n2").unwrap();
+        have.extend(build_slices(&other_inv, "n2", &w, 9, SliceMode::Shared).unwrap());
+        let small = fake_inventory("t4:3", "n1").unwrap();
+        let p = plan(&have, &small, "n1", &w, SliceMode::Shared).unwrap();
+        assert_eq!(
+            p.generation, 3,
+            "generation of this node's pool, not the other's 9"
+        );
+        assert_eq!(p.update.len(), 1);
+        assert_eq!(p.update[0].spec.pool.resource_slice_count, 1);
+        assert_eq!(p.delete, vec!["n1-gpupool.dev-1".to_string()]);
+        assert!(p.create.is_empty());
+    }
+
+    #[test]
+    fn stored_object_without_sharing_means_fallback() {
+        let inv = fake_inventory("a100-40gb:1", "n1").unwrap();
+        let w = BTreeMap::new();
+        let sent = build_slices(&inv, "n1", &w, 1, SliceMode::Shared)
+            .unwrap()
+            .remove(0);
+        let mut dropped = sent.clone();
+        for d in dropped.spec.devices.iter_mut().flatten() {
+            d.allow_multiple_allocations = None;
+        }
+        assert!(fallback_reason_from_stored(&sent, &dropped)
+            .unwrap()
+            .contains("allowMultipleAllocations"));
+        assert_eq!(fallback_reason_from_stored(&sent, &sent), None);
+        let exclusive = build_slices(&inv, "n1", &w, 1, SliceMode::ExclusiveFallback)
+            .unwrap()
+            .remove(0);
+        assert_eq!(fallback_reason_from_stored(&exclusive, &exclusive), None);
+    }
+
+    #[test]
+    fn unprocessable_naming_the_fields_means_fallback() {
+        let status = |code, message: &str| {
+            kube::Error::Api(Box::new(kube::core::Status {
+                code,
+                message: message.into(),
+                ..kube::core::Status::failure(message, "Invalid")
+            }))
+        };
+        let e = status(422, "ResourceSlice.resource.k8s.io \"n\" is invalid: spec.devices[0].allowMultipleAllocations: Forbidden");
+        assert!(fallback_reason_from_error(&e).is_some());
+        assert!(
+            fallback_reason_from_error(&status(422, "spec.pool.name: Required value")).is_none()
+        );
+        assert!(fallback_reason_from_error(&status(500, "allowMultipleAllocations")).is_none());
+    }
+}
