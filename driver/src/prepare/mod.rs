@@ -1,7 +1,40 @@
 //! Claim preparation: the kubelet's NodePrepareResources / NodeUnprepareResources, independent of the
 //! gRPC version that carried them (the `plugin::dra` adapters translate v1 and v1beta1 to these types).
 //!
-//! claim.rs (fetch + check) -> limits.rs (pure) -> cdi.rs (pure render + atomic write) -> checkpoint.rs.
+//! claim.rs (fetch + check) -> limits.rs (pure) -> cdi.rs (pure render + atomic write) -> checkpoint.rs,
+//! then status.rs (what `kubectl describe resourceclaim` shows).
+//!
+//! Crash safety: a claim is recorded `PrepareStarted` before its spec is written and
+//! `PrepareCompleted` after; unprepare removes the spec before the entry. Start-up reconciliation
+//! (in [`ClaimPreparer::new`]) rolls back whatever a crash left half done.
+
+pub mod api;
+pub mod cdi;
+pub mod checkpoint;
+pub mod claim;
+pub mod fault;
+pub mod fsutil;
+pub mod limits;
+pub mod status;
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::{self, Permissions};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use gpupool_api::config::effective_config;
+use gpupool_api::inventory::Inventory;
+use k8s_openapi::jiff::Timestamp;
+use thiserror::Error;
+use tokio::sync::watch;
+
+use self::api::{ApiError, ClaimApi, KubeClaimApi};
+use self::cdi::{HostLayout, SpecDevice};
+use self::checkpoint::{CheckpointData, ClaimEntry, ClaimState};
+use self::fault::fault_point;
 
 /// A claim as the kubelet names it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -21,3 +54,677 @@ pub struct PreparedDevice {
     pub cdi_device_ids: Vec<String>,
     pub share_id: Option<String>,
 }
+
+/// Where preparation reads and writes on the node.
+#[derive(Debug, Clone)]
+pub struct PrepareOptions {
+    /// This node's name, which is also its pool name.
+    pub node_name: String,
+    pub cdi_root: PathBuf,
+    pub state_dir: PathBuf,
+    /// Folder holding HAMi-core's `libvgpu.so`.
+    pub vgpu_lib_dir: PathBuf,
+    pub fake_gpus: bool,
+}
+
+#[derive(Debug, Error)]
+pub enum PrepareError {
+    #[error("state folder {path}: {source}")]
+    StateDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("CDI root {path}: {source}")]
+    CdiRoot {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Checkpoint(#[from] checkpoint::CheckpointError),
+}
+
+/// Test hook: a boot id to use instead of the kernel's (reboot simulation in e2e tests).
+pub const BOOT_ID_ENV: &str = "GPUPOOL_BOOT_ID";
+const BOOT_ID_FILE: &str = "/proc/sys/kernel/random/boot_id";
+const CACHE_DIR_NAME: &str = "vgpu-cache";
+const PRELOAD_FILE_NAME: &str = "ld.so.preload";
+/// The kubelet gives a whole NodePrepareResources call 45 s; leave room for the rest.
+const API_READ_TIMEOUT: Duration = Duration::from_secs(15);
+const API_WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The node's boot id: the kernel's, unless [`BOOT_ID_ENV`] overrides it.
+pub fn current_boot_id() -> String {
+    if let Ok(id) = std::env::var(BOOT_ID_ENV) {
+        return id;
+    }
+    fs::read_to_string(BOOT_ID_FILE)
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Prepares and unprepares claims for the kubelet. Send + Sync; share it in an `Arc`.
+pub struct ClaimPreparer {
+    opts: PrepareOptions,
+    inventory: Arc<Inventory>,
+    api: Arc<dyn ClaimApi>,
+    weights: watch::Receiver<BTreeMap<String, i64>>,
+    layout: HostLayout,
+    checkpoint: tokio::sync::Mutex<CheckpointData>,
+    claim_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    warned_missing_lib: AtomicBool,
+}
+
+impl ClaimPreparer {
+    /// Reconciles the checkpoint and the CDI folder; call before registering with the kubelet.
+    pub async fn new(
+        opts: PrepareOptions,
+        inventory: Arc<Inventory>,
+        client: kube::Client,
+        weights: watch::Receiver<BTreeMap<String, i64>>,
+    ) -> Result<Self, PrepareError> {
+        let api = Arc::new(KubeClaimApi::new(client));
+        Self::with_api(opts, inventory, api, weights, current_boot_id()).await
+    }
+
+    /// [`ClaimPreparer::new`] with any API implementation and an explicit boot id.
+    pub async fn with_api(
+        opts: PrepareOptions,
+        inventory: Arc<Inventory>,
+        api: Arc<dyn ClaimApi>,
+        weights: watch::Receiver<BTreeMap<String, i64>>,
+        boot_id: String,
+    ) -> Result<Self, PrepareError> {
+        let layout = HostLayout {
+            vgpu_lib: opts.vgpu_lib_dir.join(cdi::LIB_FILE_NAME),
+            preload_file: opts.state_dir.join(PRELOAD_FILE_NAME),
+            vgpu_lock_dir: PathBuf::from(cdi::VGPU_LOCK_DIR),
+            cache_root: opts.state_dir.join(CACHE_DIR_NAME),
+            fake_gpus: opts.fake_gpus,
+        };
+        let (data, corrupt) = {
+            let opts = opts.clone();
+            let layout = layout.clone();
+            tokio::task::spawn_blocking(move || reconcile(&opts, &layout, &boot_id))
+                .await
+                .expect("reconciliation does not panic")?
+        };
+        if let Some(message) = corrupt {
+            let event = status::node_event(
+                &opts.node_name,
+                "CheckpointCorrupt",
+                &message,
+                Timestamp::now(),
+            );
+            let api = api.clone();
+            tokio::spawn(async move {
+                if let Err(e) = tokio::time::timeout(API_WRITE_TIMEOUT, api.post_event(event)).await
+                {
+                    tracing::warn!(error = %e, "could not post the CheckpointCorrupt event");
+                }
+            });
+        }
+        Ok(Self {
+            opts,
+            inventory,
+            api,
+            weights,
+            layout,
+            checkpoint: tokio::sync::Mutex::new(data),
+            claim_locks: Mutex::new(HashMap::new()),
+            warned_missing_lib: AtomicBool::new(false),
+        })
+    }
+
+    /// Prepare every claim concurrently; each gets its own answer.
+    pub async fn prepare(
+        &self,
+        claims: Vec<ClaimRef>,
+    ) -> Vec<(ClaimRef, Result<Vec<PreparedDevice>, String>)> {
+        let answers = futures::future::join_all(claims.iter().map(|c| self.prepare_claim(c))).await;
+        claims.into_iter().zip(answers).collect()
+    }
+
+    /// Unprepare every claim concurrently; a claim this driver does not know is already unprepared.
+    pub async fn unprepare(&self, claims: Vec<ClaimRef>) -> Vec<(ClaimRef, Result<(), String>)> {
+        let answers =
+            futures::future::join_all(claims.iter().map(|c| self.unprepare_claim(c))).await;
+        claims.into_iter().zip(answers).collect()
+    }
+
+    /// The recorded answer for a prepared claim, if any (for inspection and tests).
+    pub async fn prepared(&self, uid: &str) -> Option<Vec<PreparedDevice>> {
+        let data = self.checkpoint.lock().await;
+        data.claims
+            .get(uid)
+            .filter(|e| e.state == ClaimState::PrepareCompleted)
+            .map(|e| e.devices.clone())
+    }
+
+    fn claim_lock(&self, uid: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut locks = self
+            .claim_locks
+            .lock()
+            .expect("claim lock map is never poisoned");
+        locks.entry(uid.to_string()).or_default().clone()
+    }
+
+    fn forget_claim_lock(&self, uid: &str, ours: &Arc<tokio::sync::Mutex<()>>) {
+        let mut locks = self
+            .claim_locks
+            .lock()
+            .expect("claim lock map is never poisoned");
+        // The map and `ours` are the only holders: nobody waits on this claim.
+        if locks
+            .get(uid)
+            .is_some_and(|l| Arc::ptr_eq(l, ours) && Arc::strong_count(l) <= 2)
+        {
+            locks.remove(uid);
+        }
+    }
+
+    /// Change the checkpoint and persist it; the in-memory copy changes only if the file did.
+    async fn update_checkpoint(
+        &self,
+        change: impl FnOnce(&mut CheckpointData),
+    ) -> Result<(), String> {
+        let mut current = self.checkpoint.lock().await;
+        let mut next = current.clone();
+        change(&mut next);
+        let dir = self.opts.state_dir.clone();
+        let to_save = next.clone();
+        tokio::task::spawn_blocking(move || checkpoint::save(&dir, &to_save))
+            .await
+            .map_err(|e| format!("checkpoint write did not finish: {e}"))?
+            .map_err(|e| e.to_string())?;
+        *current = next;
+        Ok(())
+    }
+
+    async fn prepare_claim(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, String> {
+        claim::validate_ref(claim).map_err(|e| e.to_string())?;
+        let lock = self.claim_lock(&claim.uid);
+        let _guard = lock.lock().await;
+
+        let recorded = {
+            let data = self.checkpoint.lock().await;
+            data.claims
+                .get(&claim.uid)
+                .filter(|e| e.state == ClaimState::PrepareCompleted)
+                .cloned()
+        };
+        if let Some(entry) = recorded {
+            self.restore_spec_if_missing(&claim.uid, &entry).await?;
+            return Ok(entry.devices);
+        }
+
+        let result = self.prepare_fresh(claim).await;
+        if let Err(message) = &result {
+            tracing::warn!(claim = %format!("{}/{}", claim.namespace, claim.name), uid = %claim.uid, error = %message, "prepare failed");
+            let event = status::prepare_failed_event(
+                claim,
+                &self.opts.node_name,
+                message,
+                Timestamp::now(),
+            );
+            match tokio::time::timeout(API_WRITE_TIMEOUT, self.api.post_event(event)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(error = %e, "could not post the PrepareFailed event"),
+                Err(_) => tracing::warn!("posting the PrepareFailed event timed out"),
+            }
+        }
+        result
+    }
+
+    /// A completed claim whose spec vanished (someone cleaned the CDI folder) gets it back.
+    async fn restore_spec_if_missing(&self, uid: &str, entry: &ClaimEntry) -> Result<(), String> {
+        let Some(spec) = entry.spec.clone() else {
+            return Ok(());
+        };
+        let (cdi_root, uid, layout) = (
+            self.opts.cdi_root.clone(),
+            uid.to_string(),
+            self.layout.clone(),
+        );
+        tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+            if !cdi::spec_path(&cdi_root, &uid).exists() {
+                ensure_mount_sources(&layout, &uid, &spec)?;
+                cdi::write_spec(&cdi_root, &uid, &spec)?;
+            }
+            Ok(())
+        })
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("rewriting the CDI spec: {e}"))
+    }
+
+    async fn prepare_fresh(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, String> {
+        let claim_name = format!("{}/{}", claim.namespace, claim.name);
+        let object = match tokio::time::timeout(
+            API_READ_TIMEOUT,
+            self.api.get_claim(&claim.namespace, &claim.name),
+        )
+        .await
+        {
+            Ok(Ok(object)) => object,
+            Ok(Err(ApiError::NotFound)) => {
+                return Err(format!("claim {claim_name}: not found in the API server"))
+            }
+            Ok(Err(e)) => {
+                return Err(format!(
+                    "claim {claim_name}: cannot read it from the API server: {e}"
+                ))
+            }
+            Err(_) => {
+                return Err(format!(
+                    "claim {claim_name}: reading it from the API server timed out"
+                ))
+            }
+        };
+        let pool = self.opts.node_name.as_str();
+        let allocation =
+            claim::check_claim(claim, &object, pool, &self.inventory).map_err(|e| e.to_string())?;
+
+        let per_device: Vec<_> = allocation
+            .devices
+            .iter()
+            .map(|d| {
+                let gpu = self
+                    .inventory
+                    .gpu(&d.device)
+                    .expect("checked by check_claim");
+                (
+                    d.clone(),
+                    gpu,
+                    effective_config(&allocation.configs, &d.request),
+                )
+            })
+            .collect();
+        let device_limits =
+            limits::claim_limits(&per_device).map_err(|e| format!("claim {claim_name}: {e}"))?;
+
+        let enforced = device_limits
+            .iter()
+            .any(|l| l.enforcement == gpupool_api::config::Enforcement::HamiCore);
+        if enforced && !self.opts.fake_gpus && self.layout.vgpu_lib.exists() {
+            // HAMi-core's lock folder is shared by every container on the node; the runtime needs
+            // it to exist before it can mount it.
+            ensure_shared_dir(&self.layout.vgpu_lock_dir).map_err(|e| {
+                format!(
+                    "claim {claim_name}: {}: {e}",
+                    self.layout.vgpu_lock_dir.display()
+                )
+            })?;
+        }
+        let spec_devices: Vec<SpecDevice> = per_device
+            .iter()
+            .zip(&device_limits)
+            .map(|((allocated, gpu, _), limits)| SpecDevice {
+                allocated,
+                gpu,
+                limits,
+            })
+            .collect();
+        let rendered = cdi::render(&claim.uid, &spec_devices, &self.layout, &|p: &Path| {
+            p.exists()
+        })
+        .map_err(|e| format!("claim {claim_name}: {e}"))?;
+        if let Some(warning) = &rendered.warning {
+            if !self.warned_missing_lib.swap(true, Ordering::Relaxed) {
+                tracing::warn!("{warning}");
+            }
+        }
+
+        let devices: Vec<PreparedDevice> = allocation
+            .devices
+            .iter()
+            .zip(&rendered.cdi_ids)
+            .map(|(d, id)| PreparedDevice {
+                request_names: vec![d.request.clone()],
+                pool_name: d.pool.clone(),
+                device_name: d.device.clone(),
+                cdi_device_ids: vec![id.clone()],
+                share_id: d.share_id.clone(),
+            })
+            .collect();
+
+        let uid = claim.uid.clone();
+        self.update_checkpoint(|data| {
+            data.claims.insert(
+                uid.clone(),
+                ClaimEntry {
+                    state: ClaimState::PrepareStarted,
+                    namespace: claim.namespace.clone(),
+                    name: claim.name.clone(),
+                    devices: Vec::new(),
+                    spec: None,
+                    warning: None,
+                },
+            );
+        })
+        .await
+        .map_err(|e| format!("claim {claim_name}: {e}"))?;
+        fault_point("after-prepare-started");
+
+        let written = {
+            let (cdi_root, layout, spec) = (
+                self.opts.cdi_root.clone(),
+                self.layout.clone(),
+                rendered.spec.clone(),
+            );
+            let uid = uid.clone();
+            tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+                ensure_mount_sources(&layout, &uid, &spec)?;
+                cdi::write_spec(&cdi_root, &uid, &spec)
+            })
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|r| r.map_err(|e| format!("writing the CDI spec: {e}")))
+        };
+        let completed = match written {
+            Ok(()) => {
+                self.update_checkpoint(|data| {
+                    data.claims.insert(
+                        uid.clone(),
+                        ClaimEntry {
+                            state: ClaimState::PrepareCompleted,
+                            namespace: claim.namespace.clone(),
+                            name: claim.name.clone(),
+                            devices: devices.clone(),
+                            spec: Some(rendered.spec.clone()),
+                            warning: rendered.warning.clone(),
+                        },
+                    );
+                })
+                .await
+            }
+            Err(e) => Err(e),
+        };
+        if let Err(e) = completed {
+            self.roll_back(&uid).await;
+            return Err(format!("claim {claim_name}: {e}"));
+        }
+        fault_point("after-prepare-completed");
+
+        // The claim is prepared once its spec and entry exist; the status is for the user only.
+        let weights = self.weights.borrow().clone();
+        let now = Timestamp::now();
+        let ours = per_device
+            .iter()
+            .zip(&device_limits)
+            .map(|((d, gpu, _), l)| {
+                status::device_status(
+                    d,
+                    gpu,
+                    l,
+                    weights.get(&gpu.model).copied(),
+                    rendered.warning.as_deref(),
+                    allocation.generation,
+                    now,
+                )
+            })
+            .collect();
+        let list = status::merge_device_status(&allocation.device_status, pool, ours);
+        match tokio::time::timeout(
+            API_WRITE_TIMEOUT,
+            self.api
+                .write_device_status(&claim.namespace, &claim.name, list),
+        )
+        .await
+        {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(claim = %claim_name, error = %e, "prepared, but writing the claim's device status failed")
+            }
+            Err(_) => {
+                tracing::warn!(claim = %claim_name, "prepared, but writing the claim's device status timed out")
+            }
+        }
+        Ok(devices)
+    }
+
+    /// Undo a prepare that failed after `PrepareStarted` was recorded.
+    async fn roll_back(&self, uid: &str) {
+        let (cdi_root, cache_dir, owned_uid) = (
+            self.opts.cdi_root.clone(),
+            self.layout.cache_dir(uid),
+            uid.to_string(),
+        );
+        let removed = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+            cdi::remove_spec(&cdi_root, &owned_uid)?;
+            fsutil::remove_dir_all(&cache_dir)?;
+            Ok(())
+        })
+        .await;
+        if !matches!(removed, Ok(Ok(()))) {
+            tracing::error!(
+                uid,
+                "rolling back a failed prepare could not remove its files; the next start will"
+            );
+        }
+        if let Err(e) = self
+            .update_checkpoint(|data| {
+                data.claims.remove(uid);
+            })
+            .await
+        {
+            tracing::error!(uid, error = %e, "rolling back a failed prepare could not update the checkpoint; the next start will");
+        }
+    }
+
+    async fn unprepare_claim(&self, claim: &ClaimRef) -> Result<(), String> {
+        claim::validate_ref(claim).map_err(|e| e.to_string())?;
+        let lock = self.claim_lock(&claim.uid);
+        let guard = lock.lock().await;
+        let known = self.checkpoint.lock().await.claims.contains_key(&claim.uid);
+
+        let (cdi_root, cache_dir, uid) = (
+            self.opts.cdi_root.clone(),
+            self.layout.cache_dir(&claim.uid),
+            claim.uid.clone(),
+        );
+        tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+            cdi::remove_spec(&cdi_root, &uid)?;
+            fault_point("mid-unprepare");
+            fsutil::remove_dir_all(&cache_dir)?;
+            Ok(())
+        })
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| {
+            format!(
+                "claim {}/{}: removing its files: {e}",
+                claim.namespace, claim.name
+            )
+        })?;
+        if known {
+            self.update_checkpoint(|data| {
+                data.claims.remove(&claim.uid);
+            })
+            .await?;
+            self.clear_device_status(claim).await;
+        }
+        drop(guard);
+        self.forget_claim_lock(&claim.uid, &lock);
+        Ok(())
+    }
+
+    /// Best effort: unprepare must work while the API server is away.
+    async fn clear_device_status(&self, claim: &ClaimRef) {
+        let pool = self.opts.node_name.as_str();
+        let work = async {
+            let object = self.api.get_claim(&claim.namespace, &claim.name).await?;
+            if object.metadata.uid.as_deref() != Some(claim.uid.as_str()) {
+                return Ok(());
+            }
+            let existing = object.status.and_then(|s| s.devices).unwrap_or_default();
+            if !status::has_our_entries(&existing, pool) {
+                return Ok(());
+            }
+            let list = status::merge_device_status(&existing, pool, Vec::new());
+            self.api
+                .write_device_status(&claim.namespace, &claim.name, list)
+                .await
+        };
+        match tokio::time::timeout(API_WRITE_TIMEOUT, work).await {
+            Ok(Ok(())) | Ok(Err(ApiError::NotFound)) => {}
+            Ok(Err(e)) => {
+                tracing::info!(uid = %claim.uid, error = %e, "could not clear the claim's device status")
+            }
+            Err(_) => {
+                tracing::info!(uid = %claim.uid, "clearing the claim's device status timed out")
+            }
+        }
+    }
+}
+
+/// A folder every container user may write to (HAMi-core's lock folder, the per-claim cache),
+/// sticky like /tmp so users cannot remove each other's files.
+fn ensure_shared_dir(dir: &Path) -> std::io::Result<()> {
+    if !dir.is_dir() {
+        fs::create_dir_all(dir)?;
+        fs::set_permissions(dir, Permissions::from_mode(0o1777))?;
+    }
+    Ok(())
+}
+
+/// Create the host folders a spec mounts that this driver owns (the claim's cache folder, the
+/// HAMi-core lock folder), so a spec written again after a reboot still has its mount sources.
+fn ensure_mount_sources(
+    layout: &HostLayout,
+    uid: &str,
+    spec: &gpupool_api::cdi::Spec,
+) -> std::io::Result<()> {
+    let cache_dir = layout.cache_dir(uid);
+    for mount in spec.devices.iter().flat_map(|d| &d.container_edits.mounts) {
+        let host = Path::new(&mount.host_path);
+        if host == cache_dir || host == layout.vgpu_lock_dir {
+            ensure_shared_dir(host)?;
+        }
+    }
+    Ok(())
+}
+
+/// Start-up reconciliation; returns the checkpoint to run with and, when the file on disk was
+/// unreadable, the message describing what was moved aside.
+fn reconcile(
+    opts: &PrepareOptions,
+    layout: &HostLayout,
+    boot_id: &str,
+) -> Result<(CheckpointData, Option<String>), PrepareError> {
+    let state_dir = &opts.state_dir;
+    fsutil::ensure_private_dir(state_dir, 0o700).map_err(|source| PrepareError::StateDir {
+        path: state_dir.clone(),
+        source,
+    })?;
+    fsutil::ensure_private_dir(&opts.cdi_root, 0o755).map_err(|source| PrepareError::CdiRoot {
+        path: opts.cdi_root.clone(),
+        source,
+    })?;
+    let io_err = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| PrepareError::Io { path, source }
+    };
+    fsutil::ensure_private_dir(&layout.cache_root, 0o711).map_err(io_err(&layout.cache_root))?;
+    let preload = format!("{}\n", cdi::CONTAINER_LIB_PATH);
+    if fs::read_to_string(&layout.preload_file).ok().as_deref() != Some(preload.as_str()) {
+        fsutil::atomic_write(
+            state_dir,
+            PRELOAD_FILE_NAME,
+            ".ld.so.preload.tmp",
+            preload.as_bytes(),
+            0o644,
+            None,
+        )
+        .map_err(io_err(&layout.preload_file))?;
+    }
+
+    let mut corrupt = None;
+    let mut data = match checkpoint::load(state_dir) {
+        Ok(Some(data)) => data,
+        Ok(None) => CheckpointData::default(),
+        Err(e) => {
+            let aside = checkpoint::move_aside(state_dir, unix_now())
+                .map_err(io_err(&checkpoint::path(state_dir)))?;
+            let message = format!(
+                "checkpoint {} is unreadable ({e}); moved it to {} and starting with no prepared claims",
+                checkpoint::path(state_dir).display(),
+                aside.display()
+            );
+            tracing::error!("{message}");
+            corrupt = Some(message);
+            CheckpointData::default()
+        }
+    };
+
+    let rebooted = !data.boot_id.is_empty() && data.boot_id != boot_id;
+    if rebooted {
+        tracing::info!(previous = %data.boot_id, current = %boot_id, "node rebooted since the checkpoint was written: writing prepared claims' CDI specs again");
+    }
+    let mut keep = BTreeMap::new();
+    for (uid, entry) in std::mem::take(&mut data.claims) {
+        let valid_uid = claim::is_uuid(&uid);
+        match (&entry.state, &entry.spec) {
+            (ClaimState::PrepareCompleted, Some(spec)) if valid_uid => {
+                if rebooted || !cdi::spec_path(&opts.cdi_root, &uid).exists() {
+                    ensure_mount_sources(layout, &uid, spec).map_err(io_err(&layout.cache_root))?;
+                    cdi::write_spec(&opts.cdi_root, &uid, spec).map_err(io_err(&opts.cdi_root))?;
+                }
+                keep.insert(uid, entry);
+            }
+            _ => {
+                tracing::info!(uid, state = ?entry.state, "rolling back an unfinished prepare");
+                if valid_uid {
+                    cdi::remove_spec(&opts.cdi_root, &uid).map_err(io_err(&opts.cdi_root))?;
+                    fsutil::remove_dir_all(&layout.cache_dir(&uid))
+                        .map_err(io_err(&layout.cache_root))?;
+                }
+            }
+        }
+    }
+    data.claims = keep;
+
+    // Files of ours that no completed entry accounts for: orphans of a crash or a lost checkpoint.
+    for dir_entry in fs::read_dir(&opts.cdi_root).map_err(io_err(&opts.cdi_root))? {
+        let dir_entry = dir_entry.map_err(io_err(&opts.cdi_root))?;
+        let name = dir_entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let Some(uid) = cdi::owned_file_uid(name) else {
+            continue;
+        };
+        let is_temp = name.ends_with(".tmp");
+        if is_temp || !data.claims.contains_key(uid) {
+            tracing::info!(
+                file = name,
+                "removing a CDI spec no prepared claim accounts for"
+            );
+            fsutil::remove_file(&dir_entry.path()).map_err(io_err(&dir_entry.path()))?;
+        }
+    }
+    for dir_entry in fs::read_dir(&layout.cache_root).map_err(io_err(&layout.cache_root))? {
+        let dir_entry = dir_entry.map_err(io_err(&layout.cache_root))?;
+        let name = dir_entry.file_name();
+        if !name.to_str().is_some_and(|n| data.claims.contains_key(n)) {
+            fsutil::remove_dir_all(&dir_entry.path()).map_err(io_err(&dir_entry.path()))?;
+        }
+    }
+    fsutil::sync_dir(&opts.cdi_root).map_err(io_err(&opts.cdi_root))?;
+
+    data.boot_id = boot_id.to_string();
+    checkpoint::save(state_dir, &data)?;
+    Ok((data, corrupt))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,99 @@
+//! The prepare path's only window on the API server: fetch a claim, write its device status, post
+//! an Event. A trait so that unit tests run against an in-memory fake and the binary against kube.
+
+use futures::future::BoxFuture;
+use k8s_openapi::api::core::v1::Event;
+use k8s_openapi::api::resource::v1::{AllocatedDeviceStatus, ResourceClaim};
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum ApiError {
+    #[error("not found")]
+    NotFound,
+    #[error("{0}")]
+    Other(String),
+}
+
+pub trait ClaimApi: Send + Sync {
+    fn get_claim<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<ResourceClaim, ApiError>>;
+
+    /// Replace `status.devices` of the claim (the caller keeps other drivers' entries in the list).
+    fn write_device_status<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+        devices: Vec<AllocatedDeviceStatus>,
+    ) -> BoxFuture<'a, Result<(), ApiError>>;
+
+    fn post_event(&self, event: Event) -> BoxFuture<'_, Result<(), ApiError>>;
+}
+
+/// [`ClaimApi`] over a kube client.
+pub struct KubeClaimApi {
+    client: kube::Client,
+}
+
+impl KubeClaimApi {
+    pub fn new(client: kube::Client) -> Self {
+        Self { client }
+    }
+}
+
+fn api_error(e: kube::Error) -> ApiError {
+    match e {
+        kube::Error::Api(status) if status.is_not_found() => ApiError::NotFound,
+        other => ApiError::Other(other.to_string()),
+    }
+}
+
+impl ClaimApi for KubeClaimApi {
+    fn get_claim<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<ResourceClaim, ApiError>> {
+        Box::pin(async move {
+            Api::<ResourceClaim>::namespaced(self.client.clone(), namespace)
+                .get(name)
+                .await
+                .map_err(api_error)
+        })
+    }
+
+    fn write_device_status<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+        devices: Vec<AllocatedDeviceStatus>,
+    ) -> BoxFuture<'a, Result<(), ApiError>> {
+        Box::pin(async move {
+            // A merge patch replaces the whole list: the caller passes every driver's entries.
+            let patch = serde_json::json!({ "status": { "devices": devices } });
+            Api::<ResourceClaim>::namespaced(self.client.clone(), namespace)
+                .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .map(|_| ())
+                .map_err(api_error)
+        })
+    }
+
+    fn post_event(&self, event: Event) -> BoxFuture<'_, Result<(), ApiError>> {
+        Box::pin(async move {
+            let namespace = event
+                .metadata
+                .namespace
+                .clone()
+                .unwrap_or_else(|| "default".to_string());
+            Api::<Event>::namespaced(self.client.clone(), &namespace)
+                .create(&PostParams::default(), &event)
+                .await
+                .map(|_| ())
+                .map_err(api_error)
+        })
+    }
+}

@@ -1,0 +1,488 @@
+//! The claim's CDI spec: rendered from the limits (pure, with the host's file existence passed in),
+//! then written atomically to the CDI root.
+//!
+//! One spec per claim, kind `gpupool.dev/claim`, one CDI device per allocation result in result
+//! order. Per device: `/dev/nvidia<minor>`, the limit env, the HAMi-core mounts; spec-level: the
+//! control device nodes. A runtime fails a container whose device node or mount source is missing,
+//! so nothing that is not on the host is ever emitted: with fake GPUs it is left out, on a real GPU
+//! node the claim fails instead (dropping it silently would hand out an unusable or unlimited GPU).
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+use gpupool_api::cdi::{self, ContainerEdits, Device, DeviceNode, Mount, Spec};
+use gpupool_api::config::Enforcement;
+use gpupool_api::inventory::Gpu;
+use gpupool_api::names::{cdi_device_id, cdi_device_name, cdi_spec_file_name, CDI_KIND};
+use thiserror::Error;
+
+use super::claim::AllocatedDevice;
+use super::fsutil;
+use super::limits::{self, DeviceLimits};
+
+/// Where HAMi-core is mounted in the container, and what `/etc/ld.so.preload` names.
+pub const CONTAINER_LIB_PATH: &str = "/usr/local/vgpu/libvgpu.so";
+pub const LD_SO_PRELOAD: &str = "/etc/ld.so.preload";
+pub const LIB_FILE_NAME: &str = "libvgpu.so";
+/// HAMi-core's cross-container lock folder, same path on both sides.
+pub const VGPU_LOCK_DIR: &str = "/tmp/vgpulock";
+pub const CONTROL_DEVICE_NODES: &[&str] =
+    &["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"];
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum CdiError {
+    #[error("device node {0} is missing on this node")]
+    MissingDeviceNode(String),
+    #[error("{0} is missing on this node, HAMi-core cannot coordinate without it")]
+    MissingLockDir(String),
+    #[error("rendered CDI spec is invalid: {0}")]
+    Invalid(String),
+}
+
+/// Host paths the spec refers to.
+#[derive(Debug, Clone)]
+pub struct HostLayout {
+    /// `<vgpu-lib-dir>/libvgpu.so`.
+    pub vgpu_lib: PathBuf,
+    /// A file whose content is [`CONTAINER_LIB_PATH`], mounted at `/etc/ld.so.preload`.
+    pub preload_file: PathBuf,
+    pub vgpu_lock_dir: PathBuf,
+    /// Per-claim cache folders live under it: `<cache_root>/<claimUID>/`.
+    pub cache_root: PathBuf,
+    pub fake_gpus: bool,
+}
+
+impl HostLayout {
+    pub fn cache_dir(&self, claim_uid: &str) -> PathBuf {
+        self.cache_root.join(claim_uid)
+    }
+}
+
+/// One device to put in the spec.
+pub struct SpecDevice<'a> {
+    pub allocated: &'a AllocatedDevice,
+    pub gpu: &'a Gpu,
+    pub limits: &'a DeviceLimits,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rendered {
+    pub spec: Spec,
+    /// `gpupool.dev/claim=<name>`, one per device, in result order.
+    pub cdi_ids: Vec<String>,
+    /// Set when limits are written but cannot be enforced (HAMi-core not installed).
+    pub warning: Option<String>,
+}
+
+fn bind(host: &Path, container: &str, read_only: bool) -> Mount {
+    Mount {
+        host_path: host.display().to_string(),
+        container_path: container.to_string(),
+        kind: Some("bind".into()),
+        options: vec![
+            if read_only { "ro" } else { "rw" }.to_string(),
+            "nosuid".into(),
+            "nodev".into(),
+            "rbind".into(),
+        ],
+    }
+}
+
+/// Render the claim's spec. `exists` answers whether a host path exists (the only host fact used).
+pub fn render(
+    claim_uid: &str,
+    devices: &[SpecDevice<'_>],
+    layout: &HostLayout,
+    exists: &dyn Fn(&Path) -> bool,
+) -> Result<Rendered, CdiError> {
+    let enforced: Vec<&SpecDevice> = devices
+        .iter()
+        .filter(|d| d.limits.enforcement == Enforcement::HamiCore)
+        .collect();
+    let lib_present = exists(&layout.vgpu_lib) && exists(&layout.preload_file);
+    let lock_present = exists(&layout.vgpu_lock_dir);
+    let warning = (!enforced.is_empty() && !lib_present).then(|| {
+        format!(
+            "HAMi-core ({}) is not installed on this node: limits are set but not enforced",
+            layout.vgpu_lib.display()
+        )
+    });
+    if !enforced.is_empty() && lib_present && !lock_present && !layout.fake_gpus {
+        return Err(CdiError::MissingLockDir(
+            layout.vgpu_lock_dir.display().to_string(),
+        ));
+    }
+
+    let cache_dir = layout.cache_dir(claim_uid);
+    // One accounting file per claim, named after its first enforced card (see limits.rs).
+    let shared = enforced.first().map(|first| {
+        let file = cache_dir.join(format!("{}.cache", first.gpu.uuid));
+        let priority = enforced.iter().find_map(|d| d.limits.priority);
+        limits::shared_env(&file.display().to_string(), priority)
+    });
+    // CUDA numbers visible devices in CUDA_VISIBLE_DEVICES order, which pins ordinal i to the
+    // i-th device of the claim (otherwise CUDA orders fastest first and the limits could land on
+    // the wrong card).
+    let visible = (!layout.fake_gpus && !enforced.is_empty()).then(|| {
+        let uuids: Vec<&str> = devices.iter().map(|d| d.gpu.uuid.as_str()).collect();
+        format!("CUDA_VISIBLE_DEVICES={}", uuids.join(","))
+    });
+
+    let mut spec_devices = Vec::with_capacity(devices.len());
+    let mut cdi_ids = Vec::with_capacity(devices.len());
+    for d in devices {
+        let mut edits = ContainerEdits::default();
+        if !layout.fake_gpus {
+            let node = format!("/dev/nvidia{}", d.gpu.minor);
+            if !exists(Path::new(&node)) {
+                return Err(CdiError::MissingDeviceNode(node));
+            }
+            edits.device_nodes.push(DeviceNode {
+                path: node,
+                ..Default::default()
+            });
+        }
+        if d.limits.enforcement == Enforcement::HamiCore {
+            edits.env.extend(limits::limit_env(d.limits));
+            edits.env.extend(shared.iter().flatten().cloned());
+            edits.env.extend(visible.iter().cloned());
+            edits
+                .mounts
+                .push(bind(&cache_dir, &cache_dir.display().to_string(), false));
+            if lib_present {
+                edits
+                    .mounts
+                    .push(bind(&layout.vgpu_lib, CONTAINER_LIB_PATH, true));
+                edits
+                    .mounts
+                    .push(bind(&layout.preload_file, LD_SO_PRELOAD, true));
+            }
+            if lock_present {
+                edits
+                    .mounts
+                    .push(bind(&layout.vgpu_lock_dir, VGPU_LOCK_DIR, false));
+            }
+        }
+        if layout.fake_gpus {
+            edits.env.extend(limits::fake_env(d.limits.ordinal, d.gpu));
+        }
+        let name = cdi_device_name(
+            claim_uid,
+            &d.allocated.device,
+            d.allocated.share_id.as_deref(),
+        );
+        cdi_ids.push(cdi_device_id(&name));
+        spec_devices.push(Device {
+            name,
+            container_edits: edits,
+            ..Default::default()
+        });
+    }
+
+    let mut spec_edits = ContainerEdits::default();
+    if !layout.fake_gpus {
+        for node in CONTROL_DEVICE_NODES {
+            if !exists(Path::new(node)) {
+                return Err(CdiError::MissingDeviceNode(node.to_string()));
+            }
+            spec_edits.device_nodes.push(DeviceNode {
+                path: node.to_string(),
+                ..Default::default()
+            });
+        }
+    }
+    let mut spec = Spec {
+        cdi_version: String::new(),
+        kind: CDI_KIND.to_string(),
+        devices: spec_devices,
+        container_edits: spec_edits,
+        ..Default::default()
+    };
+    spec.cdi_version = cdi::version_to_write(&spec).to_string();
+    let problems = cdi::validate(&spec);
+    if !problems.is_empty() {
+        return Err(CdiError::Invalid(problems.join("; ")));
+    }
+    Ok(Rendered {
+        spec,
+        cdi_ids,
+        warning,
+    })
+}
+
+pub fn spec_path(cdi_root: &Path, claim_uid: &str) -> PathBuf {
+    cdi_root.join(cdi_spec_file_name(claim_uid))
+}
+
+/// Temp files start with a dot and end in `.tmp`: CDI runtimes only read `*.json` / `*.yaml`.
+fn temp_name(claim_uid: &str) -> String {
+    format!(".{}.tmp", cdi_spec_file_name(claim_uid))
+}
+
+/// The claim UID of a file in the CDI root that this driver wrote (final or temp), if it is one.
+pub fn owned_file_uid(file_name: &str) -> Option<&str> {
+    let prefix = cdi_spec_file_name("");
+    let prefix = prefix.strip_suffix(".json").unwrap_or(&prefix);
+    let rest = file_name.strip_prefix('.').unwrap_or(file_name);
+    let rest = rest.strip_prefix(prefix)?;
+    rest.strip_suffix(".json.tmp")
+        .or_else(|| rest.strip_suffix(".json"))
+}
+
+/// Write the spec atomically, mode 0644 (container runtimes read it).
+pub fn write_spec(cdi_root: &Path, claim_uid: &str, spec: &Spec) -> io::Result<()> {
+    let bytes = serde_json::to_vec_pretty(spec).map_err(io::Error::other)?;
+    fsutil::atomic_write(
+        cdi_root,
+        &cdi_spec_file_name(claim_uid),
+        &temp_name(claim_uid),
+        &bytes,
+        0o644,
+        Some(("after-temp-spec-written", "after-spec-renamed")),
+    )
+}
+
+/// Remove the spec and any temp file of the claim; true when a spec was there.
+pub fn remove_spec(cdi_root: &Path, claim_uid: &str) -> io::Result<bool> {
+    fsutil::remove_file(&cdi_root.join(temp_name(claim_uid)))?;
+    let removed = fsutil::remove_file(&spec_path(cdi_root, claim_uid))?;
+    if removed {
+        fsutil::sync_dir(cdi_root)?;
+    }
+    Ok(removed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::prepare::claim::tests::{inventory, UID};
+    use std::collections::{BTreeMap, BTreeSet};
+
+    fn layout(fake: bool) -> HostLayout {
+        HostLayout {
+            vgpu_lib: "/usr/local/vgpu/libvgpu.so".into(),
+            preload_file: "/var/lib/gpupool/ld.so.preload".into(),
+            vgpu_lock_dir: "/tmp/vgpulock".into(),
+            cache_root: "/var/lib/gpupool/vgpu-cache".into(),
+            fake_gpus: fake,
+        }
+    }
+
+    fn allocated(device: &str, share: Option<&str>) -> AllocatedDevice {
+        AllocatedDevice {
+            request: "gpu".into(),
+            pool: "node-a".into(),
+            device: device.into(),
+            share_id: share.map(Into::into),
+            consumed: BTreeMap::new(),
+        }
+    }
+
+    fn limits(ordinal: usize, mib: u64, cores: u32, enforcement: Enforcement) -> DeviceLimits {
+        DeviceLimits {
+            ordinal,
+            memory_bytes: mib << 20,
+            cores,
+            enforcement,
+            priority: None,
+        }
+    }
+
+    fn everything_exists(_: &Path) -> bool {
+        true
+    }
+
+    #[test]
+    fn real_gpu_spec_has_nodes_limits_and_hami_mounts() {
+        let inv = inventory();
+        let (a, b) = (
+            allocated("gpu-1", Some("s1")),
+            allocated("gpu-0", Some("s2")),
+        );
+        let (la, lb) = (
+            limits(0, 16384, 25, Enforcement::HamiCore),
+            limits(1, 8192, 50, Enforcement::HamiCore),
+        );
+        let devices = [
+            SpecDevice {
+                allocated: &a,
+                gpu: &inv.gpus[1],
+                limits: &la,
+            },
+            SpecDevice {
+                allocated: &b,
+                gpu: &inv.gpus[0],
+                limits: &lb,
+            },
+        ];
+        let r = render(UID, &devices, &layout(false), &everything_exists).unwrap();
+        assert_eq!(r.warning, None);
+        assert_eq!(
+            r.cdi_ids,
+            [
+                format!("gpupool.dev/claim={UID}-gpu-1-s1"),
+                format!("gpupool.dev/claim={UID}-gpu-0-s2")
+            ]
+        );
+        let s = &r.spec;
+        assert_eq!(s.cdi_version, "0.5.0");
+        assert_eq!(s.kind, "gpupool.dev/claim");
+        assert_eq!(cdi::validate(s), Vec::<String>::new());
+        let nodes: Vec<&str> = s
+            .container_edits
+            .device_nodes
+            .iter()
+            .map(|n| n.path.as_str())
+            .collect();
+        assert_eq!(nodes, CONTROL_DEVICE_NODES);
+        let d1 = &s.devices[1].container_edits;
+        assert_eq!(d1.device_nodes[0].path, "/dev/nvidia0");
+        let cache = format!(
+            "CUDA_DEVICE_MEMORY_SHARED_CACHE=/var/lib/gpupool/vgpu-cache/{UID}/{}.cache",
+            inv.gpus[1].uuid
+        );
+        for env in [
+            "CUDA_DEVICE_MEMORY_LIMIT_1=8192m",
+            "CUDA_DEVICE_SM_LIMIT_1=50",
+            cache.as_str(),
+        ] {
+            assert!(
+                d1.env.iter().any(|e| e == env),
+                "{env} missing from {:?}",
+                d1.env
+            );
+        }
+        assert!(s.devices[0].container_edits.env.contains(&cache));
+        let mounts: BTreeSet<(&str, &str)> = d1
+            .mounts
+            .iter()
+            .map(|m| (m.host_path.as_str(), m.container_path.as_str()))
+            .collect();
+        let cache_dir = format!("/var/lib/gpupool/vgpu-cache/{UID}");
+        assert_eq!(
+            mounts,
+            BTreeSet::from([
+                ("/usr/local/vgpu/libvgpu.so", CONTAINER_LIB_PATH),
+                ("/var/lib/gpupool/ld.so.preload", LD_SO_PRELOAD),
+                ("/tmp/vgpulock", "/tmp/vgpulock"),
+                (cache_dir.as_str(), cache_dir.as_str()),
+            ])
+        );
+        let lib = d1
+            .mounts
+            .iter()
+            .find(|m| m.container_path == CONTAINER_LIB_PATH)
+            .unwrap();
+        assert!(lib.options.contains(&"ro".to_string()));
+    }
+
+    #[test]
+    fn missing_things_on_a_real_node_fail_and_missing_library_warns() {
+        let inv = inventory();
+        let a = allocated("gpu-0", None);
+        let l = limits(0, 1024, 0, Enforcement::HamiCore);
+        let devices = [SpecDevice {
+            allocated: &a,
+            gpu: &inv.gpus[0],
+            limits: &l,
+        }];
+        let no_node = |p: &Path| p != Path::new("/dev/nvidia0");
+        assert_eq!(
+            render(UID, &devices, &layout(false), &no_node).unwrap_err(),
+            CdiError::MissingDeviceNode("/dev/nvidia0".into())
+        );
+        let no_uvm = |p: &Path| p != Path::new("/dev/nvidia-uvm");
+        assert!(render(UID, &devices, &layout(false), &no_uvm).is_err());
+
+        let no_lib = |p: &Path| !p.ends_with("libvgpu.so");
+        let r = render(UID, &devices, &layout(false), &no_lib).unwrap();
+        assert!(r.warning.as_deref().unwrap().contains("not installed"));
+        let edits = &r.spec.devices[0].container_edits;
+        assert!(edits
+            .env
+            .contains(&"CUDA_DEVICE_MEMORY_LIMIT_0=1024m".to_string()));
+        assert!(edits
+            .mounts
+            .iter()
+            .all(|m| m.container_path != LD_SO_PRELOAD));
+    }
+
+    #[test]
+    fn fake_gpus_get_env_and_only_existing_mounts() {
+        let inv = inventory();
+        let a = allocated("gpu-0", None);
+        let l = limits(0, 8192, 50, Enforcement::HamiCore);
+        let devices = [SpecDevice {
+            allocated: &a,
+            gpu: &inv.gpus[0],
+            limits: &l,
+        }];
+        // Only the claim's cache folder exists (the driver creates it).
+        let only_cache = |p: &Path| p.starts_with("/var/lib/gpupool/vgpu-cache");
+        let r = render(UID, &devices, &layout(true), &only_cache).unwrap();
+        let s = &r.spec;
+        assert_eq!(cdi::validate(s), Vec::<String>::new());
+        assert!(s.container_edits.is_empty());
+        let edits = &s.devices[0].container_edits;
+        assert!(edits.device_nodes.is_empty());
+        assert_eq!(edits.mounts.len(), 1);
+        assert!(edits.mounts[0].host_path.ends_with(UID));
+        for env in [
+            "CUDA_DEVICE_MEMORY_LIMIT_0=8192m",
+            "GPUPOOL_DEVICE_MODEL_0=A100-SXM4-40GB",
+            "GPUPOOL_DEVICE_UUID_0=GPU-00000000-0000-0000-0000-000000000000",
+        ] {
+            assert!(edits.env.iter().any(|e| e == env), "{env}");
+        }
+        assert!(edits
+            .env
+            .iter()
+            .all(|e| !e.starts_with("CUDA_VISIBLE_DEVICES")));
+
+        // enforcement None: no HAMi-core env or mounts, the device still carries its identity.
+        let l = limits(0, 8192, 50, Enforcement::None);
+        let devices = [SpecDevice {
+            allocated: &a,
+            gpu: &inv.gpus[0],
+            limits: &l,
+        }];
+        let r = render(UID, &devices, &layout(true), &everything_exists).unwrap();
+        let edits = &r.spec.devices[0].container_edits;
+        assert!(edits.mounts.is_empty());
+        assert!(edits.env.iter().all(|e| e.starts_with("GPUPOOL_DEVICE_")));
+        assert_eq!(r.warning, None);
+    }
+
+    #[test]
+    fn spec_files_are_written_atomically_and_recognised() {
+        let dir = tempfile::tempdir().unwrap();
+        let inv = inventory();
+        let a = allocated("gpu-0", None);
+        let l = limits(0, 8192, 50, Enforcement::None);
+        let devices = [SpecDevice {
+            allocated: &a,
+            gpu: &inv.gpus[0],
+            limits: &l,
+        }];
+        let r = render(UID, &devices, &layout(true), &everything_exists).unwrap();
+        write_spec(dir.path(), UID, &r.spec).unwrap();
+        let path = spec_path(dir.path(), UID);
+        let back: Spec = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        assert_eq!(back, r.spec);
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(
+            std::fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+            0o644
+        );
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        assert_eq!(names, [format!("gpupool.dev-claim_{UID}.json")]);
+        assert_eq!(owned_file_uid(&names[0]), Some(UID));
+        assert_eq!(owned_file_uid(&temp_name(UID)), Some(UID));
+        assert_eq!(owned_file_uid("nvidia.com-gpu.json"), None);
+        assert!(remove_spec(dir.path(), UID).unwrap());
+        assert!(!remove_spec(dir.path(), UID).unwrap());
+    }
+}

@@ -1,0 +1,357 @@
+//! Checks on a claim before anything is written: the kubelet's reference (names and UID become file
+//! names, so they are validated first), then the claim read from the API server.
+
+use std::collections::BTreeMap;
+
+use gpupool_api::config::{self, ConfigEntry, ConfigSource};
+use gpupool_api::inventory::Inventory;
+use gpupool_api::names::DRIVER_NAME;
+use k8s_openapi::api::resource::v1::{AllocatedDeviceStatus, ResourceClaim};
+use thiserror::Error;
+
+use super::ClaimRef;
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum ClaimError {
+    #[error("claim uid {0:?} is not a UUID")]
+    BadUid(String),
+    #[error("claim namespace {0:?} is not a valid namespace name (DNS-1123 label)")]
+    BadNamespace(String),
+    #[error("claim name {0:?} is not a valid object name (DNS-1123 subdomain)")]
+    BadName(String),
+    #[error(
+        "claim {claim}: the API server has uid {actual:?}, the kubelet asked for {expected:?}"
+    )]
+    UidMismatch {
+        claim: String,
+        expected: String,
+        actual: String,
+    },
+    #[error("claim {0}: not allocated")]
+    NotAllocated(String),
+    #[error(
+        "claim {claim}: allocated to another node/pool (no {DRIVER_NAME} device in pool {pool:?})"
+    )]
+    OtherNode { claim: String, pool: String },
+    #[error("claim {claim}: device {device:?} of pool {pool:?} is not in this node's inventory")]
+    UnknownDevice {
+        claim: String,
+        pool: String,
+        device: String,
+    },
+    #[error("claim {claim}: {error}")]
+    Config {
+        claim: String,
+        error: config::ConfigError,
+    },
+}
+
+/// A UUID in its canonical textual form (what Kubernetes generates for metadata.uid).
+pub fn is_uuid(s: &str) -> bool {
+    s.len() == 36
+        && s.char_indices().all(|(i, c)| match i {
+            8 | 13 | 18 | 23 => c == '-',
+            _ => c.is_ascii_hexdigit(),
+        })
+}
+
+fn is_dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+fn is_dns_subdomain(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 253 && s.split('.').all(is_dns_label)
+}
+
+/// Everything in a kubelet claim reference that could reach a path or a URL, checked.
+pub fn validate_ref(claim: &ClaimRef) -> Result<(), ClaimError> {
+    if !is_uuid(&claim.uid) {
+        return Err(ClaimError::BadUid(claim.uid.clone()));
+    }
+    if !is_dns_label(&claim.namespace) {
+        return Err(ClaimError::BadNamespace(claim.namespace.clone()));
+    }
+    if !is_dns_subdomain(&claim.name) {
+        return Err(ClaimError::BadName(claim.name.clone()));
+    }
+    Ok(())
+}
+
+/// One allocation result of this driver on this node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AllocatedDevice {
+    pub request: String,
+    pub pool: String,
+    pub device: String,
+    pub share_id: Option<String>,
+    /// `consumedCapacity`, quantities as strings.
+    pub consumed: BTreeMap<String, String>,
+}
+
+/// What preparation needs from a claim.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClaimAllocation {
+    /// In allocation order: the in-container ordinal of a device is its position here.
+    pub devices: Vec<AllocatedDevice>,
+    /// This driver's opaque config entries, decoded.
+    pub configs: Vec<ConfigEntry>,
+    /// `status.devices` as read, to keep other drivers' entries when ours are written.
+    pub device_status: Vec<AllocatedDeviceStatus>,
+    pub generation: Option<i64>,
+}
+
+/// Check a claim read from the API server against the kubelet's reference and this node.
+pub fn check_claim(
+    claim_ref: &ClaimRef,
+    claim: &ResourceClaim,
+    pool: &str,
+    inventory: &Inventory,
+) -> Result<ClaimAllocation, ClaimError> {
+    let name = format!("{}/{}", claim_ref.namespace, claim_ref.name);
+    let actual = claim.metadata.uid.clone().unwrap_or_default();
+    if actual != claim_ref.uid {
+        return Err(ClaimError::UidMismatch {
+            claim: name,
+            expected: claim_ref.uid.clone(),
+            actual,
+        });
+    }
+    let status = claim.status.as_ref();
+    let Some(allocation) = status.and_then(|s| s.allocation.as_ref()) else {
+        return Err(ClaimError::NotAllocated(name));
+    };
+    let devices = allocation.devices.as_ref();
+    let results = devices.and_then(|d| d.results.as_deref()).unwrap_or(&[]);
+    let ours: Vec<AllocatedDevice> = results
+        .iter()
+        .filter(|r| r.driver == DRIVER_NAME && r.pool == pool)
+        .map(|r| AllocatedDevice {
+            request: r.request.clone(),
+            pool: r.pool.clone(),
+            device: r.device.clone(),
+            share_id: r.share_id.clone().filter(|s| !s.is_empty()),
+            consumed: r
+                .consumed_capacity
+                .iter()
+                .flatten()
+                .map(|(k, v)| (k.clone(), v.0.clone()))
+                .collect(),
+        })
+        .collect();
+    if ours.is_empty() {
+        return Err(ClaimError::OtherNode {
+            claim: name,
+            pool: pool.to_string(),
+        });
+    }
+    if let Some(missing) = ours.iter().find(|d| inventory.gpu(&d.device).is_none()) {
+        return Err(ClaimError::UnknownDevice {
+            claim: name,
+            pool: missing.pool.clone(),
+            device: missing.device.clone(),
+        });
+    }
+
+    let mut configs = Vec::new();
+    for (i, entry) in devices
+        .and_then(|d| d.config.as_deref())
+        .unwrap_or(&[])
+        .iter()
+        .enumerate()
+    {
+        let Some(opaque) = entry.opaque.as_ref().filter(|o| o.driver == DRIVER_NAME) else {
+            continue;
+        };
+        let field = format!("status.allocation.devices.config[{i}].opaque.parameters");
+        let source = ConfigSource::parse(&entry.source).ok_or_else(|| ClaimError::Config {
+            claim: name.clone(),
+            error: config::ConfigError {
+                field: format!("status.allocation.devices.config[{i}].source"),
+                message: format!("unknown source {:?}", entry.source),
+            },
+        })?;
+        let decoded =
+            config::decode(&opaque.parameters.0, &field).map_err(|error| ClaimError::Config {
+                claim: name.clone(),
+                error,
+            })?;
+        configs.push(ConfigEntry {
+            source,
+            field,
+            requests: entry.requests.clone().unwrap_or_default(),
+            config: decoded,
+        });
+    }
+
+    Ok(ClaimAllocation {
+        devices: ours,
+        configs,
+        device_status: status.and_then(|s| s.devices.clone()).unwrap_or_default(),
+        generation: claim.metadata.generation,
+    })
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use serde_json::json;
+
+    pub const UID: &str = "0b7c4a49-6f1e-4a52-9d0e-6d1f3f7a5b10";
+
+    pub fn claim_ref(uid: &str) -> ClaimRef {
+        ClaimRef {
+            namespace: "team-a".into(),
+            name: "train".into(),
+            uid: uid.into(),
+        }
+    }
+
+    /// A claim as the scheduler leaves it, results as (request, pool, device, shareID, memory, cores).
+    pub fn allocated_claim(
+        uid: &str,
+        results: &[(&str, &str, &str, Option<&str>, Option<&str>, Option<&str>)],
+        config: serde_json::Value,
+    ) -> ResourceClaim {
+        let results: Vec<_> = results
+            .iter()
+            .map(|(request, pool, device, share, memory, cores)| {
+                let mut consumed = serde_json::Map::new();
+                if let Some(m) = memory {
+                    consumed.insert("memory".into(), json!(m));
+                }
+                if let Some(c) = cores {
+                    consumed.insert("cores".into(), json!(c));
+                }
+                json!({
+                    "request": request, "driver": "gpupool.dev", "pool": pool, "device": device,
+                    "shareID": share, "consumedCapacity": consumed,
+                })
+            })
+            .collect();
+        serde_json::from_value(json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": "train", "namespace": "team-a", "uid": uid, "generation": 1},
+            "spec": {"devices": {"requests": []}},
+            "status": {"allocation": {"devices": {"results": results, "config": config}}},
+        }))
+        .unwrap()
+    }
+
+    pub fn inventory() -> Inventory {
+        let gpu = |index: u32, model: &str, memory: u64| gpupool_api::inventory::Gpu {
+            index,
+            minor: index,
+            uuid: format!("GPU-{index}0000000-0000-0000-0000-000000000000"),
+            product_name: format!("NVIDIA {model}"),
+            model: model.into(),
+            architecture: "Ampere".into(),
+            brand: "Nvidia".into(),
+            memory_bytes: memory,
+            multiprocessors: 108,
+            cuda_cores: 6912,
+            cuda_compute_capability: "8.0".into(),
+            driver_version: "550.54.15".into(),
+            cuda_driver_version: "12.4".into(),
+            pci_bus_id: format!("0000:0{index}:00.0"),
+            pcie_root: None,
+            numa_node: None,
+        };
+        Inventory {
+            source: gpupool_api::inventory::InventorySource::Fake,
+            gpus: vec![
+                gpu(0, "A100-SXM4-40GB", 40 << 30),
+                gpu(1, "V100-SXM2-32GB", 32 << 30),
+            ],
+        }
+    }
+
+    #[test]
+    fn hostile_references_are_refused() {
+        for uid in [
+            "../../etc",
+            "/etc/passwd",
+            "",
+            "0b7c4a49-6f1e-4a52-9d0e-6d1f3f7a5b1/",
+        ] {
+            assert!(matches!(
+                validate_ref(&claim_ref(uid)),
+                Err(ClaimError::BadUid(_))
+            ));
+        }
+        let mut r = claim_ref(UID);
+        r.namespace = "../kube-system".into();
+        assert!(matches!(validate_ref(&r), Err(ClaimError::BadNamespace(_))));
+        let mut r = claim_ref(UID);
+        r.name = "a/b".into();
+        assert!(matches!(validate_ref(&r), Err(ClaimError::BadName(_))));
+        r.name = "train.v2".into();
+        assert_eq!(validate_ref(&r), Ok(()));
+    }
+
+    #[test]
+    fn takes_only_this_drivers_results_on_this_pool() {
+        let mut claim = allocated_claim(
+            UID,
+            &[
+                (
+                    "gpu",
+                    "node-a",
+                    "gpu-0",
+                    Some("s1"),
+                    Some("8Gi"),
+                    Some("50"),
+                ),
+                ("gpu", "node-b", "gpu-0", None, None, None),
+            ],
+            json!([]),
+        );
+        let a = check_claim(&claim_ref(UID), &claim, "node-a", &inventory()).unwrap();
+        assert_eq!(a.devices.len(), 1);
+        assert_eq!(a.devices[0].share_id.as_deref(), Some("s1"));
+        assert_eq!(a.devices[0].consumed["memory"], "8Gi");
+
+        let e = check_claim(&claim_ref(UID), &claim, "node-c", &inventory()).unwrap_err();
+        assert!(
+            e.to_string().contains("allocated to another node/pool"),
+            "{e}"
+        );
+        assert!(e.to_string().contains("team-a/train"), "{e}");
+
+        let e = check_claim(
+            &claim_ref(&UID.replace('0', "1")),
+            &claim,
+            "node-a",
+            &inventory(),
+        )
+        .unwrap_err();
+        assert!(matches!(e, ClaimError::UidMismatch { .. }), "{e}");
+
+        claim.status.as_mut().unwrap().allocation = None;
+        let e = check_claim(&claim_ref(UID), &claim, "node-a", &inventory()).unwrap_err();
+        assert_eq!(e.to_string(), "claim team-a/train: not allocated");
+    }
+
+    #[test]
+    fn unknown_device_and_bad_config_fail_with_names() {
+        let claim = allocated_claim(UID, &[("gpu", "n", "gpu-7", None, None, None)], json!([]));
+        let e = check_claim(&claim_ref(UID), &claim, "n", &inventory()).unwrap_err();
+        assert!(e.to_string().contains("gpu-7"), "{e}");
+
+        let config = json!([
+            {"source": "FromClass", "opaque": {"driver": "other.dev", "parameters": {"x": 1}}},
+            {"source": "FromClaim", "requests": ["gpu"], "opaque": {"driver": "gpupool.dev",
+             "parameters": {"apiVersion": "gpupool.dev/v1alpha1", "kind": "GpuConfig", "memoryLimt": "1Gi"}}},
+        ]);
+        let claim = allocated_claim(UID, &[("gpu", "n", "gpu-0", None, None, None)], config);
+        let e = check_claim(&claim_ref(UID), &claim, "n", &inventory()).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "claim team-a/train: status.allocation.devices.config[1].opaque.parameters.memoryLimt: unknown field"
+        );
+    }
+}

@@ -1,0 +1,121 @@
+//! Crash-safe file writes: a reader sees the old file or the new one, never half of one.
+
+use std::fs::{self, File, OpenOptions, Permissions};
+use std::io::{self, Write};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::Path;
+
+use super::fault::fault_point;
+
+/// Fault points around the two steps of an atomic write (temp written, renamed).
+pub type FaultPoints = Option<(&'static str, &'static str)>;
+
+/// Write `bytes` to `dir/name` through `dir/tmp_name`: write, fsync, rename, fsync the folder.
+/// `tmp_name` must not look like a final file to whoever scans `dir`.
+pub fn atomic_write(
+    dir: &Path,
+    name: &str,
+    tmp_name: &str,
+    bytes: &[u8],
+    mode: u32,
+    faults: FaultPoints,
+) -> io::Result<()> {
+    let tmp = dir.join(tmp_name);
+    {
+        let mut file = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(mode)
+            .open(&tmp)?;
+        // The umask may have narrowed the mode; a leftover temp file may carry another one.
+        file.set_permissions(Permissions::from_mode(mode))?;
+        file.write_all(bytes)?;
+        file.sync_all()?;
+    }
+    if let Some((after_temp, _)) = faults {
+        fault_point(after_temp);
+    }
+    fs::rename(&tmp, dir.join(name))?;
+    if let Some((_, after_rename)) = faults {
+        fault_point(after_rename);
+    }
+    sync_dir(dir)
+}
+
+pub fn sync_dir(dir: &Path) -> io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+/// Remove a file; a file that is not there is already removed.
+pub fn remove_file(path: &Path) -> io::Result<bool> {
+    match fs::remove_file(path) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Remove a folder and its content; a folder that is not there is already removed.
+pub fn remove_dir_all(path: &Path) -> io::Result<bool> {
+    match fs::remove_dir_all(path) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Create `dir` with `mode` if missing; refuse a folder others can write to, since whoever can
+/// write there can plant CDI specs or checkpoint entries.
+pub fn ensure_private_dir(dir: &Path, mode: u32) -> io::Result<()> {
+    match fs::metadata(dir) {
+        Ok(meta) if !meta.is_dir() => Err(io::Error::other(format!(
+            "{} exists and is not a folder",
+            dir.display()
+        ))),
+        Ok(meta) if meta.permissions().mode() & 0o002 != 0 => Err(io::Error::other(format!(
+            "{} is writable by others (mode {:o}); refusing to use it",
+            dir.display(),
+            meta.permissions().mode() & 0o7777
+        ))),
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            fs::create_dir_all(dir)?;
+            fs::set_permissions(dir, Permissions::from_mode(mode))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn atomic_write_replaces_and_sets_mode() {
+        let dir = tempfile::tempdir().unwrap();
+        atomic_write(dir.path(), "a.json", ".a.tmp", b"one", 0o600, None).unwrap();
+        atomic_write(dir.path(), "a.json", ".a.tmp", b"two", 0o644, None).unwrap();
+        let path = dir.path().join("a.json");
+        assert_eq!(fs::read(&path).unwrap(), b"two");
+        assert_eq!(
+            fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+            0o644
+        );
+        assert!(!dir.path().join(".a.tmp").exists());
+        assert!(!remove_file(&dir.path().join("missing")).unwrap());
+    }
+
+    #[test]
+    fn world_writable_folders_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let sub = dir.path().join("state");
+        ensure_private_dir(&sub, 0o700).unwrap();
+        assert_eq!(
+            fs::metadata(&sub).unwrap().permissions().mode() & 0o777,
+            0o700
+        );
+        fs::set_permissions(&sub, Permissions::from_mode(0o777)).unwrap();
+        assert!(ensure_private_dir(&sub, 0o700).is_err());
+    }
+}

@@ -1,0 +1,411 @@
+//! The limits each prepared device gets, and the HAMi-core environment that carries them (pure).
+//!
+//! HAMi-core contract (DESIGN.md): `CUDA_DEVICE_MEMORY_LIMIT_<i>=<MiB>m` and
+//! `CUDA_DEVICE_SM_LIMIT_<i>=<percent>` per CUDA ordinal `<i>` in the container, no zero padding
+//! (the library parses with base 0: a leading zero would mean octal), at most 16 devices.
+//! `CUDA_DEVICE_MEMORY_SHARED_CACHE` names one file that HAMi-core maps as the accounting region of
+//! all devices of the process, so it is one value per claim, set identically on every device of the
+//! claim: `<cache dir>/<claimUID>/<uuid of the claim's first device>.cache`. A container holding two
+//! gpupool claims would get two caches and overlapping ordinals: one claim per container is the
+//! supported shape (a claim may hold up to 16 devices).
+
+use gpupool_api::config::{EffectiveConfig, Enforcement, Sharing};
+use gpupool_api::inventory::Gpu;
+use gpupool_api::names::{capacity, MEMORY_STEP_BYTES};
+use gpupool_api::quantity;
+use thiserror::Error;
+
+use super::claim::AllocatedDevice;
+
+/// HAMi-core tracks at most this many devices per container.
+pub const MAX_DEVICES: usize = 16;
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum LimitsError {
+    #[error("{count} devices in one claim, HAMi-core supports at most {MAX_DEVICES}")]
+    TooManyDevices { count: usize },
+    #[error("{device}: consumedCapacity[{capacity:?}]: {message}")]
+    BadCapacity {
+        device: String,
+        capacity: String,
+        message: String,
+    },
+    #[error("{field}: {message}")]
+    Override { field: String, message: String },
+}
+
+/// The limits of one device of a claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceLimits {
+    /// CUDA ordinal in the container: the device's position in the claim's results.
+    pub ordinal: usize,
+    pub memory_bytes: u64,
+    /// Percent of the card's SMs; 0 = no SM limit.
+    pub cores: u32,
+    pub enforcement: Enforcement,
+    pub priority: Option<i64>,
+}
+
+impl DeviceLimits {
+    pub fn memory_mib(&self) -> u64 {
+        self.memory_bytes / MEMORY_STEP_BYTES
+    }
+}
+
+fn consumed(device: &AllocatedDevice, name: &str) -> Result<Option<quantity::Milli>, LimitsError> {
+    device
+        .consumed
+        .get(name)
+        .map(|q| {
+            quantity::parse(q).map_err(|e| LimitsError::BadCapacity {
+                device: device.device.clone(),
+                capacity: name.to_string(),
+                message: e.to_string(),
+            })
+        })
+        .transpose()
+}
+
+/// Limits of one device: the allocation (whole card when no memory was consumed), then the config's
+/// overrides, which may only lower it.
+pub fn device_limits(
+    ordinal: usize,
+    device: &AllocatedDevice,
+    gpu: &Gpu,
+    config: &EffectiveConfig,
+) -> Result<DeviceLimits, LimitsError> {
+    let bad = |capacity: &str, message: String| LimitsError::BadCapacity {
+        device: device.device.clone(),
+        capacity: capacity.to_string(),
+        message,
+    };
+    let whole_card = gpu.memory_bytes / MEMORY_STEP_BYTES * MEMORY_STEP_BYTES;
+    let allocated_memory = match consumed(device, capacity::MEMORY)? {
+        Some(m) if m.0 <= 0 => return Err(bad(capacity::MEMORY, "not positive".into())),
+        Some(m) => u64::try_from(m.ceil_units())
+            .map_err(|_| bad(capacity::MEMORY, "out of range".into()))?
+            .min(gpu.memory_bytes),
+        None => gpu.memory_bytes,
+    };
+    let allocated_cores = match consumed(device, capacity::CORES)? {
+        Some(c) if c.0 < 0 || c.ceil_units() > 100 => {
+            return Err(bad(capacity::CORES, "outside 0..100".into()))
+        }
+        Some(c) => c.ceil_units() as u32,
+        None => 0,
+    };
+    let c = &config.config;
+    if c.sharing == Some(Sharing::Exclusive) && allocated_memory < whole_card {
+        return Err(LimitsError::Override {
+            field: config.sharing_field.clone().unwrap_or_default(),
+            message: format!(
+                "Exclusive, but {} holds {} of {}: ask for the whole card",
+                device.device,
+                quantity::format_bytes(allocated_memory),
+                quantity::format_bytes(gpu.memory_bytes)
+            ),
+        });
+    }
+    let mut memory_bytes = allocated_memory;
+    if let Some(limit) = c.memory_limit {
+        if limit > allocated_memory {
+            return Err(LimitsError::Override {
+                field: config.memory_limit_field.clone().unwrap_or_default(),
+                message: format!(
+                    "{} is above the {} allocated on {}",
+                    quantity::format_bytes(limit),
+                    quantity::format_bytes(allocated_memory),
+                    device.device
+                ),
+            });
+        }
+        memory_bytes = limit;
+    }
+    let mut cores = allocated_cores;
+    if let Some(limit) = c.core_limit {
+        // 0 means "no SM limit": lowering to it is raising the share.
+        if allocated_cores > 0 && (limit == 0 || limit > allocated_cores) {
+            return Err(LimitsError::Override {
+                field: config.core_limit_field.clone().unwrap_or_default(),
+                message: format!(
+                    "{limit} is above the {allocated_cores}% allocated on {}",
+                    device.device
+                ),
+            });
+        }
+        cores = limit;
+    }
+    Ok(DeviceLimits {
+        ordinal,
+        memory_bytes,
+        cores,
+        enforcement: c.enforcement.unwrap_or(Enforcement::HamiCore),
+        priority: c.priority,
+    })
+}
+
+/// The per-ordinal HAMi-core variables of one device (empty when enforcement is off).
+pub fn limit_env(limits: &DeviceLimits) -> Vec<String> {
+    if limits.enforcement == Enforcement::None {
+        return Vec::new();
+    }
+    let i = limits.ordinal;
+    vec![
+        format!("CUDA_DEVICE_MEMORY_LIMIT_{i}={}m", limits.memory_mib()),
+        format!("CUDA_DEVICE_SM_LIMIT_{i}={}", limits.cores),
+    ]
+}
+
+/// Variables that name the fake card behind ordinal `i`, so a pod on a GPU-less node can see what
+/// it was given.
+pub fn fake_env(ordinal: usize, gpu: &Gpu) -> Vec<String> {
+    vec![
+        format!("GPUPOOL_DEVICE_UUID_{ordinal}={}", gpu.uuid),
+        format!("GPUPOOL_DEVICE_MODEL_{ordinal}={}", gpu.model),
+    ]
+}
+
+/// The claim-wide HAMi-core variables, identical on every enforced device of the claim.
+pub fn shared_env(cache_file: &str, priority: Option<i64>) -> Vec<String> {
+    let mut env = vec![format!("CUDA_DEVICE_MEMORY_SHARED_CACHE={cache_file}")];
+    if let Some(p) = priority {
+        env.push(format!("CUDA_TASK_PRIORITY={p}"));
+    }
+    env
+}
+
+/// Limits of every device of a claim, ordinals in result order.
+pub fn claim_limits(
+    devices: &[(AllocatedDevice, &Gpu, EffectiveConfig)],
+) -> Result<Vec<DeviceLimits>, LimitsError> {
+    if devices.len() > MAX_DEVICES {
+        return Err(LimitsError::TooManyDevices {
+            count: devices.len(),
+        });
+    }
+    devices
+        .iter()
+        .enumerate()
+        .map(|(i, (device, gpu, config))| device_limits(i, device, gpu, config))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::prepare::claim::tests::inventory;
+    use gpupool_api::config::GpuConfig;
+
+    fn device(name: &str, memory: Option<&str>, cores: Option<&str>) -> AllocatedDevice {
+        let mut consumed = std::collections::BTreeMap::new();
+        if let Some(m) = memory {
+            consumed.insert("memory".to_string(), m.to_string());
+        }
+        if let Some(c) = cores {
+            consumed.insert("cores".to_string(), c.to_string());
+        }
+        AllocatedDevice {
+            request: "gpu".into(),
+            pool: "n".into(),
+            device: name.into(),
+            share_id: Some("s".into()),
+            consumed,
+        }
+    }
+
+    fn cfg(config: GpuConfig) -> EffectiveConfig {
+        EffectiveConfig {
+            config,
+            sharing_field: Some("p.sharing".into()),
+            memory_limit_field: Some("p.memoryLimit".into()),
+            core_limit_field: Some("p.coreLimit".into()),
+        }
+    }
+
+    #[test]
+    fn limits_come_from_consumed_capacity_else_the_whole_card() {
+        let inv = inventory();
+        let a100 = &inv.gpus[0];
+        let l = device_limits(
+            0,
+            &device("gpu-0", Some("8Gi"), Some("50")),
+            a100,
+            &cfg(GpuConfig::default()),
+        )
+        .unwrap();
+        assert_eq!(
+            (l.memory_mib(), l.cores, l.enforcement),
+            (8192, 50, Enforcement::HamiCore)
+        );
+        let l = device_limits(
+            0,
+            &device("gpu-0", None, None),
+            a100,
+            &cfg(GpuConfig::default()),
+        )
+        .unwrap();
+        assert_eq!((l.memory_mib(), l.cores), (40960, 0));
+        // The scheduler rounds 1500M up to 1431Mi.
+        let l = device_limits(
+            0,
+            &device("gpu-0", Some("1431Mi"), Some("0")),
+            a100,
+            &cfg(GpuConfig::default()),
+        )
+        .unwrap();
+        assert_eq!(l.memory_mib(), 1431);
+    }
+
+    #[test]
+    fn env_for_two_shares_of_different_cards_uses_ordinals_0_and_1() {
+        let inv = inventory();
+        let devices = vec![
+            (
+                device("gpu-1", Some("16Gi"), Some("25")),
+                &inv.gpus[1],
+                cfg(GpuConfig::default()),
+            ),
+            (
+                device("gpu-0", Some("8Gi"), Some("50")),
+                &inv.gpus[0],
+                cfg(GpuConfig::default()),
+            ),
+        ];
+        let limits = claim_limits(&devices).unwrap();
+        let env: Vec<String> = limits.iter().flat_map(limit_env).collect();
+        assert_eq!(
+            env,
+            [
+                "CUDA_DEVICE_MEMORY_LIMIT_0=16384m",
+                "CUDA_DEVICE_SM_LIMIT_0=25",
+                "CUDA_DEVICE_MEMORY_LIMIT_1=8192m",
+                "CUDA_DEVICE_SM_LIMIT_1=50",
+            ]
+        );
+        assert_eq!(
+            fake_env(1, &inv.gpus[0]),
+            [
+                "GPUPOOL_DEVICE_UUID_1=GPU-00000000-0000-0000-0000-000000000000",
+                "GPUPOOL_DEVICE_MODEL_1=A100-SXM4-40GB"
+            ]
+        );
+        assert_eq!(
+            shared_env("/c/u/x.cache", Some(1)),
+            [
+                "CUDA_DEVICE_MEMORY_SHARED_CACHE=/c/u/x.cache",
+                "CUDA_TASK_PRIORITY=1"
+            ]
+        );
+    }
+
+    #[test]
+    fn overrides_may_only_lower_the_allocation() {
+        let inv = inventory();
+        let a100 = &inv.gpus[0];
+        let lower = GpuConfig {
+            memory_limit: Some(4 << 30),
+            core_limit: Some(20),
+            enforcement: Some(Enforcement::None),
+            ..Default::default()
+        };
+        let l = device_limits(
+            0,
+            &device("gpu-0", Some("8Gi"), Some("50")),
+            a100,
+            &cfg(lower),
+        )
+        .unwrap();
+        assert_eq!((l.memory_mib(), l.cores), (4096, 20));
+        assert!(
+            limit_env(&l).is_empty(),
+            "enforcement None writes no HAMi-core env"
+        );
+
+        let above = GpuConfig {
+            memory_limit: Some(9 << 30),
+            ..Default::default()
+        };
+        let e =
+            device_limits(0, &device("gpu-0", Some("8Gi"), None), a100, &cfg(above)).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("p.memoryLimit: 9Gi is above the 8Gi"),
+            "{e}"
+        );
+
+        for core_limit in [0, 60] {
+            let c = GpuConfig {
+                core_limit: Some(core_limit),
+                ..Default::default()
+            };
+            let e =
+                device_limits(0, &device("gpu-0", None, Some("50")), a100, &cfg(c)).unwrap_err();
+            assert!(e.to_string().starts_with("p.coreLimit:"), "{e}");
+        }
+        // From "no SM limit" any limit is a lowering.
+        let c = GpuConfig {
+            core_limit: Some(30),
+            ..Default::default()
+        };
+        assert_eq!(
+            device_limits(0, &device("gpu-0", None, None), a100, &cfg(c))
+                .unwrap()
+                .cores,
+            30
+        );
+
+        let exclusive = GpuConfig {
+            sharing: Some(Sharing::Exclusive),
+            ..Default::default()
+        };
+        assert!(device_limits(
+            0,
+            &device("gpu-0", None, None),
+            a100,
+            &cfg(exclusive.clone())
+        )
+        .is_ok());
+        let e = device_limits(
+            0,
+            &device("gpu-0", Some("8Gi"), None),
+            a100,
+            &cfg(exclusive),
+        )
+        .unwrap_err();
+        assert!(e.to_string().starts_with("p.sharing:"), "{e}");
+    }
+
+    #[test]
+    fn bad_capacities_and_too_many_devices_are_errors() {
+        let inv = inventory();
+        let e = device_limits(
+            0,
+            &device("gpu-0", Some("8GB"), None),
+            &inv.gpus[0],
+            &cfg(GpuConfig::default()),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("memory"), "{e}");
+        let e = device_limits(
+            0,
+            &device("gpu-0", None, Some("101")),
+            &inv.gpus[0],
+            &cfg(GpuConfig::default()),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("cores"), "{e}");
+        let many: Vec<_> = (0..17)
+            .map(|_| {
+                (
+                    device("gpu-0", Some("1Gi"), None),
+                    &inv.gpus[0],
+                    cfg(GpuConfig::default()),
+                )
+            })
+            .collect();
+        assert_eq!(
+            claim_limits(&many).unwrap_err(),
+            LimitsError::TooManyDevices { count: 17 }
+        );
+    }
+}

@@ -1,0 +1,305 @@
+//! What the user sees: `status.devices[]` of the claim (`kubectl describe resourceclaim`) and a
+//! Warning Event when preparation fails. Pure builders; the I/O is in mod.rs.
+
+use gpupool_api::inventory::Gpu;
+use gpupool_api::names::DRIVER_NAME;
+use gpupool_api::quantity;
+use k8s_openapi::api::core::v1::{Event, EventSource, ObjectReference};
+use k8s_openapi::api::resource::v1::AllocatedDeviceStatus;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, MicroTime, ObjectMeta, Time};
+use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
+use k8s_openapi::jiff::Timestamp;
+use serde_json::{json, Map, Value};
+
+use super::claim::AllocatedDevice;
+use super::limits::DeviceLimits;
+use super::ClaimRef;
+
+/// Upstream limit on `status.devices[].data`.
+pub const MAX_DATA_BYTES: usize = 10240;
+pub const EVENT_REASON_PREPARE_FAILED: &str = "PrepareFailed";
+pub const COMPONENT: &str = "gpupool-driver";
+
+/// Compute units of a share: the model's weight times the share of its compute.
+pub fn compute_units(weight: Option<i64>, cores: u32) -> Option<f64> {
+    match weight {
+        Some(w) if w > 0 && cores > 0 => Some((w as f64) * f64::from(cores) / 100.0),
+        _ => None,
+    }
+}
+
+/// The `data` object of one device's status, kept under the upstream size limit.
+pub fn device_data(
+    gpu: &Gpu,
+    limits: &DeviceLimits,
+    weight: Option<i64>,
+    warning: Option<&str>,
+) -> Value {
+    let mut data = Map::new();
+    data.insert(
+        "memoryLimit".into(),
+        json!(quantity::format_bytes(limits.memory_bytes)),
+    );
+    data.insert("coreLimit".into(), json!(limits.cores));
+    if let Some(units) = compute_units(weight, limits.cores) {
+        data.insert("computeUnits".into(), json!(units));
+    }
+    data.insert("model".into(), json!(gpu.model));
+    data.insert("uuid".into(), json!(gpu.uuid));
+    data.insert("enforcement".into(), json!(limits.enforcement.as_str()));
+    data.insert("cudaOrdinal".into(), json!(limits.ordinal));
+    if let Some(w) = warning {
+        data.insert("warning".into(), json!(w));
+    }
+    let mut value = Value::Object(data);
+    if serde_json::to_vec(&value).map_or(0, |v| v.len()) > MAX_DATA_BYTES {
+        // Only a pathological warning can get here; keep the limits, drop the prose.
+        if let Value::Object(m) = &mut value {
+            m.insert("warning".into(), json!("(truncated)"));
+        }
+    }
+    value
+}
+
+fn ready_message(limits: &DeviceLimits) -> String {
+    let cores = if limits.cores == 0 {
+        "no SM limit".to_string()
+    } else {
+        format!("{}% of the SMs", limits.cores)
+    };
+    format!(
+        "prepared: {} of memory, {cores}, enforcement {}",
+        quantity::format_bytes(limits.memory_bytes),
+        limits.enforcement.as_str()
+    )
+}
+
+/// This driver's status entry for one prepared device.
+pub fn device_status(
+    device: &AllocatedDevice,
+    gpu: &Gpu,
+    limits: &DeviceLimits,
+    weight: Option<i64>,
+    warning: Option<&str>,
+    generation: Option<i64>,
+    now: Timestamp,
+) -> AllocatedDeviceStatus {
+    AllocatedDeviceStatus {
+        driver: DRIVER_NAME.to_string(),
+        pool: device.pool.clone(),
+        device: device.device.clone(),
+        share_id: device.share_id.clone(),
+        conditions: Some(vec![Condition {
+            type_: "Ready".into(),
+            status: "True".into(),
+            reason: if warning.is_some() {
+                "PreparedNotEnforced".into()
+            } else {
+                "Prepared".into()
+            },
+            message: ready_message(limits),
+            last_transition_time: Time(now),
+            observed_generation: generation,
+        }]),
+        data: Some(RawExtension(device_data(gpu, limits, weight, warning))),
+        network_data: None,
+    }
+}
+
+fn is_ours(entry: &AllocatedDeviceStatus, pool: &str) -> bool {
+    entry.driver == DRIVER_NAME && entry.pool == pool
+}
+
+/// The full `status.devices` list: other drivers' and other pools' entries kept, ours replaced.
+pub fn merge_device_status(
+    existing: &[AllocatedDeviceStatus],
+    pool: &str,
+    ours: Vec<AllocatedDeviceStatus>,
+) -> Vec<AllocatedDeviceStatus> {
+    existing
+        .iter()
+        .filter(|e| !is_ours(e, pool))
+        .cloned()
+        .chain(ours)
+        .collect()
+}
+
+/// Whether `existing` holds an entry of ours (so unprepare knows whether to write).
+pub fn has_our_entries(existing: &[AllocatedDeviceStatus], pool: &str) -> bool {
+    existing.iter().any(|e| is_ours(e, pool))
+}
+
+/// A Warning Event on the claim, as `kubectl describe resourceclaim` lists them.
+pub fn prepare_failed_event(claim: &ClaimRef, node: &str, message: &str, now: Timestamp) -> Event {
+    let suffix = uuid::Uuid::new_v4().simple().to_string();
+    Event {
+        metadata: ObjectMeta {
+            name: Some(format!("{}.{}", claim.name, &suffix[..16])),
+            namespace: Some(claim.namespace.clone()),
+            ..Default::default()
+        },
+        involved_object: ObjectReference {
+            api_version: Some("resource.k8s.io/v1".into()),
+            kind: Some("ResourceClaim".into()),
+            name: Some(claim.name.clone()),
+            namespace: Some(claim.namespace.clone()),
+            uid: Some(claim.uid.clone()),
+            ..Default::default()
+        },
+        reason: Some(EVENT_REASON_PREPARE_FAILED.into()),
+        message: Some(message.chars().take(1024).collect()),
+        type_: Some("Warning".into()),
+        source: Some(EventSource {
+            component: Some(COMPONENT.into()),
+            host: Some(node.into()),
+        }),
+        reporting_component: Some(format!("{DRIVER_NAME}/{COMPONENT}")),
+        reporting_instance: Some(node.into()),
+        first_timestamp: Some(Time(now)),
+        last_timestamp: Some(Time(now)),
+        event_time: Some(MicroTime(now)),
+        count: Some(1),
+        action: Some("PrepareResources".into()),
+        ..Default::default()
+    }
+}
+
+/// A Warning Event on the Node (a corrupt checkpoint was moved aside).
+pub fn node_event(node: &str, reason: &str, message: &str, now: Timestamp) -> Event {
+    let suffix = uuid::Uuid::new_v4().simple().to_string();
+    Event {
+        metadata: ObjectMeta {
+            name: Some(format!("{node}.{}", &suffix[..16])),
+            namespace: Some("default".into()),
+            ..Default::default()
+        },
+        involved_object: ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Node".into()),
+            name: Some(node.into()),
+            uid: Some(node.into()),
+            ..Default::default()
+        },
+        reason: Some(reason.into()),
+        message: Some(message.chars().take(1024).collect()),
+        type_: Some("Warning".into()),
+        source: Some(EventSource {
+            component: Some(COMPONENT.into()),
+            host: Some(node.into()),
+        }),
+        reporting_component: Some(format!("{DRIVER_NAME}/{COMPONENT}")),
+        reporting_instance: Some(node.into()),
+        first_timestamp: Some(Time(now)),
+        last_timestamp: Some(Time(now)),
+        event_time: Some(MicroTime(now)),
+        count: Some(1),
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::prepare::claim::tests::{claim_ref, inventory, UID};
+    use gpupool_api::config::Enforcement;
+
+    fn limits() -> DeviceLimits {
+        DeviceLimits {
+            ordinal: 0,
+            memory_bytes: 8 << 30,
+            cores: 50,
+            enforcement: Enforcement::HamiCore,
+            priority: None,
+        }
+    }
+
+    fn device() -> AllocatedDevice {
+        AllocatedDevice {
+            request: "gpu".into(),
+            pool: "node-a".into(),
+            device: "gpu-0".into(),
+            share_id: Some("s1".into()),
+            consumed: Default::default(),
+        }
+    }
+
+    #[test]
+    fn status_entry_names_the_share_and_its_limits() {
+        let inv = inventory();
+        let s = device_status(
+            &device(),
+            &inv.gpus[0],
+            &limits(),
+            Some(312),
+            None,
+            Some(3),
+            Timestamp::UNIX_EPOCH,
+        );
+        assert_eq!(
+            (s.driver.as_str(), s.pool.as_str(), s.device.as_str()),
+            ("gpupool.dev", "node-a", "gpu-0")
+        );
+        assert_eq!(s.share_id.as_deref(), Some("s1"));
+        let c = &s.conditions.as_ref().unwrap()[0];
+        assert_eq!(
+            (c.type_.as_str(), c.status.as_str(), c.reason.as_str()),
+            ("Ready", "True", "Prepared")
+        );
+        assert_eq!(c.observed_generation, Some(3));
+        let data = &s.data.as_ref().unwrap().0;
+        assert_eq!(data["memoryLimit"], "8Gi");
+        assert_eq!(data["coreLimit"], 50);
+        assert_eq!(data["computeUnits"], 156.0);
+        assert_eq!(data["model"], "A100-SXM4-40GB");
+        assert_eq!(data["uuid"], inv.gpus[0].uuid);
+        assert!(data.get("warning").is_none());
+
+        let warned = device_data(&inv.gpus[0], &limits(), None, Some(&"x".repeat(20000)));
+        assert!(serde_json::to_vec(&warned).unwrap().len() <= MAX_DATA_BYTES);
+        assert!(warned.get("computeUnits").is_none());
+        assert_eq!(compute_units(Some(312), 0), None);
+    }
+
+    #[test]
+    fn merge_keeps_other_drivers_entries() {
+        let inv = inventory();
+        let ours = device_status(
+            &device(),
+            &inv.gpus[0],
+            &limits(),
+            None,
+            None,
+            None,
+            Timestamp::UNIX_EPOCH,
+        );
+        let mut other = ours.clone();
+        other.driver = "net.example.com".into();
+        let mut other_pool = ours.clone();
+        other_pool.pool = "node-b".into();
+        let merged = merge_device_status(
+            &[other.clone(), ours.clone(), other_pool.clone()],
+            "node-a",
+            vec![],
+        );
+        assert_eq!(merged, vec![other.clone(), other_pool]);
+        assert!(!has_our_entries(&merged, "node-a"));
+        let merged = merge_device_status(&[other.clone()], "node-a", vec![ours.clone()]);
+        assert_eq!(merged, vec![other, ours]);
+    }
+
+    #[test]
+    fn failure_event_points_at_the_claim() {
+        let e = prepare_failed_event(
+            &claim_ref(UID),
+            "node-a",
+            "not allocated",
+            Timestamp::UNIX_EPOCH,
+        );
+        assert_eq!(e.type_.as_deref(), Some("Warning"));
+        assert_eq!(e.reason.as_deref(), Some("PrepareFailed"));
+        assert_eq!(e.involved_object.kind.as_deref(), Some("ResourceClaim"));
+        assert_eq!(e.involved_object.uid.as_deref(), Some(UID));
+        assert_eq!(e.metadata.namespace.as_deref(), Some("team-a"));
+        assert!(e.metadata.name.unwrap().starts_with("train."));
+    }
+}
