@@ -1,0 +1,154 @@
+//! Failures as the real API server reports them: a `Status` object with reason, code and details.
+
+use serde_json::{json, Value};
+
+use crate::resources::ResourceDef;
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{code} {reason}: {message}")]
+pub struct ApiError {
+    pub code: u16,
+    pub reason: &'static str,
+    pub message: String,
+    pub details: Option<Value>,
+}
+
+impl ApiError {
+    fn new(code: u16, reason: &'static str, message: String, details: Option<Value>) -> Self {
+        ApiError {
+            code,
+            reason,
+            message,
+            details,
+        }
+    }
+
+    fn details(def: &ResourceDef, name: &str) -> Value {
+        json!({"name": name, "group": def.group, "kind": def.plural})
+    }
+
+    pub fn not_found(def: &ResourceDef, name: &str) -> Self {
+        Self::new(
+            404,
+            "NotFound",
+            format!("{} {name:?} not found", def.qualified_plural()),
+            Some(Self::details(def, name)),
+        )
+    }
+
+    pub fn namespace_not_found(namespace: &str) -> Self {
+        Self::new(
+            404,
+            "NotFound",
+            format!("namespaces {namespace:?} not found"),
+            Some(json!({"name": namespace, "kind": "namespaces"})),
+        )
+    }
+
+    pub fn already_exists(def: &ResourceDef, name: &str) -> Self {
+        Self::new(
+            409,
+            "AlreadyExists",
+            format!("{} {name:?} already exists", def.qualified_plural()),
+            Some(Self::details(def, name)),
+        )
+    }
+
+    pub fn conflict(def: &ResourceDef, name: &str, why: &str) -> Self {
+        Self::new(
+            409,
+            "Conflict",
+            format!(
+                "Operation cannot be fulfilled on {} {name:?}: {why}",
+                def.qualified_plural()
+            ),
+            Some(Self::details(def, name)),
+        )
+    }
+
+    pub fn stale(def: &ResourceDef, name: &str) -> Self {
+        Self::conflict(
+            def,
+            name,
+            "the object has been modified; please apply your changes to the latest version and try again",
+        )
+    }
+
+    /// 422 with one cause per (field, message).
+    pub fn invalid(def: &ResourceDef, name: &str, causes: &[(String, String)]) -> Self {
+        let summary: Vec<String> = causes.iter().map(|(f, m)| format!("{f}: {m}")).collect();
+        let joined = if summary.len() == 1 {
+            summary[0].clone()
+        } else {
+            format!("[{}]", summary.join(", "))
+        };
+        let causes: Vec<Value> = causes
+            .iter()
+            .map(|(field, message)| json!({"reason": cause_reason(message), "message": message, "field": field}))
+            .collect();
+        Self::new(
+            422,
+            "Invalid",
+            format!("{} {name:?} is invalid: {joined}", def.qualified_kind()),
+            Some(json!({"name": name, "group": def.group, "kind": def.kind, "causes": causes})),
+        )
+    }
+
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(400, "BadRequest", message.into(), None)
+    }
+
+    pub fn method_not_allowed(message: impl Into<String>) -> Self {
+        Self::new(405, "MethodNotAllowed", message.into(), None)
+    }
+
+    pub fn not_found_path(path: &str) -> Self {
+        Self::new(
+            404,
+            "NotFound",
+            format!("the server could not find the requested resource ({path})"),
+            None,
+        )
+    }
+
+    pub fn unsupported_media_type(content_type: &str) -> Self {
+        Self::new(415, "UnsupportedMediaType", format!("the body of the request was in an unknown format - accepted media types include: application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml (got {content_type:?})"), None)
+    }
+
+    pub fn gone(message: impl Into<String>) -> Self {
+        Self::new(410, "Expired", message.into(), None)
+    }
+
+    pub fn to_status(&self) -> Value {
+        let mut status = json!({
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": self.message,
+            "reason": self.reason,
+            "code": self.code,
+        });
+        if let Some(details) = &self.details {
+            status["details"] = details.clone();
+        }
+        status
+    }
+}
+
+/// The machine-readable cause type the real server derives from the message's leading phrase.
+fn cause_reason(message: &str) -> &'static str {
+    if message.starts_with("Required value") {
+        "FieldValueRequired"
+    } else if message.starts_with("Too many") || message.starts_with("Too long") {
+        "FieldValueTooMany"
+    } else if message.starts_with("Duplicate value") {
+        "FieldValueDuplicate"
+    } else if message.starts_with("Unsupported value") {
+        "FieldValueNotSupported"
+    } else if message.starts_with("Forbidden") {
+        "FieldValueForbidden"
+    } else {
+        "FieldValueInvalid"
+    }
+}

@@ -1,0 +1,1265 @@
+//! The object store and every write rule of the real API server the emulator reproduces: resource
+//! versions, uid/creationTimestamp/generation, optimistic concurrency, status subresources, finalizers,
+//! namespaces, CRD registration and ResourceSlice validation. No I/O: the HTTP layer calls in here.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use serde_json::{json, Map, Value};
+
+use crate::clock;
+use crate::patch;
+use crate::resources::{builtin_resources, crd_resources, CrdError, ResourceDef};
+use crate::schema::{decode_builtin, decode_custom, DecodeError};
+use crate::selectors::{FieldSelector, LabelSelector};
+use crate::status::ApiError;
+
+/// How many watch events are kept for watches that resume from a resourceVersion.
+const HISTORY_LIMIT: usize = 100_000;
+
+pub type StorageKey = (String, String);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventType {
+    Added,
+    Modified,
+    Deleted,
+}
+
+impl EventType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventType::Added => "ADDED",
+            EventType::Modified => "MODIFIED",
+            EventType::Deleted => "DELETED",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct StoredEvent {
+    pub rv: u64,
+    pub key: StorageKey,
+    pub namespace: String,
+    pub event_type: EventType,
+    pub object: Value,
+    /// The object before a modification, so selector-filtered watches can turn it into ADDED/DELETED.
+    pub old: Option<Value>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FieldValidation {
+    Strict,
+    #[default]
+    Warn,
+    Ignore,
+}
+
+impl FieldValidation {
+    pub fn parse(value: Option<&str>) -> Result<Self, ApiError> {
+        match value {
+            None | Some("") | Some("Warn") => Ok(FieldValidation::Warn),
+            Some("Strict") => Ok(FieldValidation::Strict),
+            Some("Ignore") => Ok(FieldValidation::Ignore),
+            Some(other) => Err(ApiError::bad_request(format!(
+                "fieldValidation parameter unsupported: {other:?}: supported values are Strict, Warn, Ignore"
+            ))),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct WriteOptions {
+    pub field_validation: FieldValidation,
+    pub dry_run: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct WriteOutcome {
+    pub object: Value,
+    pub created: bool,
+    pub warnings: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PatchType {
+    Merge,
+    Json,
+    Strategic,
+    Apply,
+}
+
+impl PatchType {
+    pub fn from_content_type(content_type: &str) -> Option<Self> {
+        let media = content_type.split(';').next().unwrap_or_default().trim();
+        match media {
+            "application/merge-patch+json" => Some(PatchType::Merge),
+            "application/json-patch+json" => Some(PatchType::Json),
+            "application/strategic-merge-patch+json" => Some(PatchType::Strategic),
+            "application/apply-patch+yaml" | "application/apply-patch+json" => {
+                Some(PatchType::Apply)
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Preconditions of a delete (`DeleteOptions.preconditions`).
+#[derive(Debug, Clone, Default)]
+pub struct Preconditions {
+    pub uid: Option<String>,
+    pub resource_version: Option<String>,
+}
+
+pub struct Store {
+    rv: u64,
+    objects: BTreeMap<StorageKey, BTreeMap<(String, String), Value>>,
+    history: VecDeque<StoredEvent>,
+    builtins: Vec<ResourceDef>,
+    crds: BTreeMap<String, Vec<ResourceDef>>,
+}
+
+impl Default for Store {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn meta_str<'a>(object: &'a Value, field: &str) -> Option<&'a str> {
+    object.get("metadata")?.get(field)?.as_str()
+}
+
+fn meta_mut(object: &mut Value) -> &mut Map<String, Value> {
+    if !object.get("metadata").is_some_and(Value::is_object) {
+        object["metadata"] = json!({});
+    }
+    object["metadata"]
+        .as_object_mut()
+        .expect("metadata is an object")
+}
+
+fn is_dns_subdomain(name: &str) -> bool {
+    name.len() <= 253
+        && !name.is_empty()
+        && name.split('.').all(|label| {
+            !label.is_empty()
+                && label
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        })
+}
+
+fn is_dns_label(name: &str) -> bool {
+    name.len() <= 63 && is_dns_subdomain(name) && !name.contains('.')
+}
+
+/// The object without the fields whose change does not bump `metadata.generation`.
+fn spec_part(object: &Value) -> Value {
+    let mut copy = object.clone();
+    if let Some(map) = copy.as_object_mut() {
+        map.remove("metadata");
+        map.remove("status");
+    }
+    copy
+}
+
+fn random_suffix() -> String {
+    const ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
+    uuid::Uuid::new_v4()
+        .as_bytes()
+        .iter()
+        .take(5)
+        .map(|b| ALPHABET[*b as usize % ALPHABET.len()] as char)
+        .collect()
+}
+
+impl Store {
+    pub fn new() -> Self {
+        let mut store = Store {
+            rv: 0,
+            objects: BTreeMap::new(),
+            history: VecDeque::new(),
+            builtins: builtin_resources(),
+            crds: BTreeMap::new(),
+        };
+        let namespaces = store.find("", "v1", "namespaces").expect("built in");
+        for ns in ["default", "kube-system", "kube-public", "kube-node-lease"] {
+            store
+                .create(
+                    &namespaces,
+                    None,
+                    json!({"metadata": {"name": ns}}),
+                    WriteOptions::default(),
+                )
+                .expect("initial namespaces are valid");
+        }
+        store
+    }
+
+    pub fn current_rv(&self) -> u64 {
+        self.rv
+    }
+
+    /// The oldest resourceVersion a watch may resume from without a 410.
+    pub fn oldest_resumable_rv(&self) -> u64 {
+        self.history.front().map(|e| e.rv - 1).unwrap_or(self.rv)
+    }
+
+    /// Drops the watch history, so watches resuming from an older resourceVersion get 410 Gone.
+    pub fn compact(&mut self) {
+        self.history.clear();
+    }
+
+    /// Events with a resourceVersion above `after`, in order.
+    pub fn events_after(&self, after: u64) -> impl Iterator<Item = &StoredEvent> {
+        let start = self.history.partition_point(|e| e.rv <= after);
+        self.history.range(start..)
+    }
+
+    pub fn all_defs(&self) -> Vec<ResourceDef> {
+        let mut defs = self.builtins.clone();
+        defs.extend(self.crds.values().flatten().cloned());
+        defs
+    }
+
+    pub fn find(&self, group: &str, version: &str, plural: &str) -> Option<ResourceDef> {
+        self.builtins
+            .iter()
+            .chain(self.crds.values().flatten())
+            .find(|d| d.group == group && d.version == version && d.plural == plural)
+            .cloned()
+    }
+
+    fn bucket(&self, def: &ResourceDef) -> Option<&BTreeMap<(String, String), Value>> {
+        self.objects.get(&def.storage_key())
+    }
+
+    fn object_key(def: &ResourceDef, namespace: Option<&str>, name: &str) -> (String, String) {
+        let ns = if def.namespaced {
+            namespace.unwrap_or_default()
+        } else {
+            ""
+        };
+        (ns.to_string(), name.to_string())
+    }
+
+    /// The object as served at `def`'s version.
+    fn present(def: &ResourceDef, object: &Value) -> Value {
+        let mut out = object.clone();
+        out["apiVersion"] = json!(def.api_version());
+        out["kind"] = json!(def.kind);
+        out
+    }
+
+    pub fn get(
+        &self,
+        def: &ResourceDef,
+        namespace: Option<&str>,
+        name: &str,
+    ) -> Result<Value, ApiError> {
+        self.bucket(def)
+            .and_then(|b| b.get(&Self::object_key(def, namespace, name)))
+            .map(|o| Self::present(def, o))
+            .ok_or_else(|| ApiError::not_found(def, name))
+    }
+
+    pub fn list(
+        &self,
+        def: &ResourceDef,
+        namespace: Option<&str>,
+        labels: &LabelSelector,
+        fields: &FieldSelector,
+    ) -> Vec<Value> {
+        self.bucket(def)
+            .into_iter()
+            .flat_map(|b| b.iter())
+            .filter(|((ns, _), _)| namespace.is_none_or(|want| !def.namespaced || ns == want))
+            .map(|(_, o)| Self::present(def, o))
+            .filter(|o| labels.matches(o) && fields.matches(o))
+            .collect()
+    }
+
+    fn record(
+        &mut self,
+        def: &ResourceDef,
+        event_type: EventType,
+        object: &Value,
+        old: Option<Value>,
+    ) {
+        let namespace = meta_str(object, "namespace")
+            .unwrap_or_default()
+            .to_string();
+        self.history.push_back(StoredEvent {
+            rv: self.rv,
+            key: def.storage_key(),
+            namespace,
+            event_type,
+            object: object.clone(),
+            old,
+        });
+        while self.history.len() > HISTORY_LIMIT {
+            self.history.pop_front();
+        }
+    }
+
+    fn next_rv(&mut self) -> String {
+        self.rv += 1;
+        self.rv.to_string()
+    }
+
+    fn namespace_exists(&self, namespace: &str) -> bool {
+        self.objects
+            .get(&(String::new(), "namespaces".to_string()))
+            .is_some_and(|b| b.contains_key(&(String::new(), namespace.to_string())))
+    }
+
+    /// Checks kind/apiVersion, decodes like the real server and returns warnings for pruned fields.
+    fn decode(
+        &self,
+        def: &ResourceDef,
+        body: &mut Value,
+        options: WriteOptions,
+    ) -> Result<Vec<String>, ApiError> {
+        if !body.is_object() {
+            return Err(ApiError::bad_request(
+                "the body of the request must be a JSON object",
+            ));
+        }
+        let name = meta_str(body, "name").unwrap_or_default().to_string();
+        match body.get("kind").and_then(Value::as_str) {
+            Some(kind) if !kind.is_empty() && kind != def.kind => {
+                return Err(ApiError::bad_request(format!(
+                    "the kind of the object ({kind}) does not match the kind of the resource ({})",
+                    def.kind
+                )))
+            }
+            _ => body["kind"] = json!(def.kind),
+        }
+        match body.get("apiVersion").and_then(Value::as_str) {
+            Some(v) if !v.is_empty() && v != def.api_version() => {
+                return Err(ApiError::bad_request(format!(
+                    "the API version in the data ({v}) does not match the expected API version ({})",
+                    def.api_version()
+                )))
+            }
+            _ => body["apiVersion"] = json!(def.api_version()),
+        }
+        let cannot = |why: String| {
+            ApiError::bad_request(format!(
+                "{} in version {:?} cannot be handled as a {}: {why}",
+                def.kind, def.version, def.kind
+            ))
+        };
+        let lost = match &def.schema {
+            Some(schema) => decode_custom(schema, body),
+            None => decode_builtin(&def.kind, body),
+        };
+        let lost = match lost {
+            Ok(lost) => lost,
+            Err(DecodeError::Undecodable(why)) => return Err(cannot(why)),
+            Err(DecodeError::Invalid(causes)) => {
+                return Err(ApiError::invalid(def, &name, &causes))
+            }
+        };
+        let unknown: Vec<String> = lost
+            .iter()
+            .map(|f| format!("unknown field {f:?}"))
+            .collect();
+        match options.field_validation {
+            FieldValidation::Strict if !unknown.is_empty() => Err(cannot(format!(
+                "strict decoding error: {}",
+                unknown.join(", ")
+            ))),
+            FieldValidation::Ignore => Ok(Vec::new()),
+            _ => Ok(unknown),
+        }
+    }
+
+    /// Kind-specific validation the real server applies before storing.
+    fn validate(&self, def: &ResourceDef, object: &Value) -> Result<(), ApiError> {
+        let name = meta_str(object, "name").unwrap_or_default();
+        let name_ok = if def.kind == "Namespace" {
+            is_dns_label(name)
+        } else if def.kind == "Event" {
+            !name.is_empty() && !name.contains('/')
+        } else {
+            is_dns_subdomain(name)
+        };
+        if !name_ok {
+            let rule = if def.kind == "Namespace" {
+                "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', and must start and end with an alphanumeric character"
+            } else {
+                "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character"
+            };
+            return Err(ApiError::invalid(
+                def,
+                name,
+                &[(
+                    "metadata.name".into(),
+                    format!("Invalid value: {name:?}: {rule}"),
+                )],
+            ));
+        }
+        if def.group == "resource.k8s.io" && def.kind == "ResourceSlice" {
+            let slice: k8s_openapi::api::resource::v1::ResourceSlice =
+                serde_json::from_value(object.clone()).map_err(|e| {
+                    ApiError::bad_request(format!("ResourceSlice cannot be decoded: {e}"))
+                })?;
+            let errors = gpupool_api::validation::validate_resource_slice(&slice);
+            if !errors.is_empty() {
+                let causes: Vec<(String, String)> =
+                    errors.into_iter().map(|e| (e.field, e.message)).collect();
+                return Err(ApiError::invalid(def, name, &causes));
+            }
+        }
+        if def.kind == "CustomResourceDefinition" && def.group == "apiextensions.k8s.io" {
+            crd_resources(object).map_err(|CrdError::Invalid { field, message }| {
+                ApiError::invalid(def, name, &[(field, message)])
+            })?;
+        }
+        Ok(())
+    }
+
+    fn is_crd(def: &ResourceDef) -> bool {
+        def.kind == "CustomResourceDefinition" && def.group == "apiextensions.k8s.io"
+    }
+
+    fn crd_status(crd: &Value) -> Value {
+        let now = clock::format_rfc3339(clock::unix_now());
+        let condition = |kind: &str, reason: &str| json!({"type": kind, "status": "True", "reason": reason, "message": "", "lastTransitionTime": now});
+        json!({
+            "acceptedNames": crd.pointer("/spec/names").cloned().unwrap_or(json!({})),
+            "conditions": [condition("NamesAccepted", "NoConflicts"), condition("Established", "InitialNamesAccepted")],
+            "storedVersions": crd.pointer("/spec/versions").and_then(Value::as_array).map(|vs| {
+                vs.iter().filter(|v| v.get("storage").and_then(Value::as_bool) == Some(true))
+                    .filter_map(|v| v.get("name").cloned()).collect::<Vec<_>>()
+            }).unwrap_or_default(),
+        })
+    }
+
+    pub fn create(
+        &mut self,
+        def: &ResourceDef,
+        namespace: Option<&str>,
+        mut body: Value,
+        options: WriteOptions,
+    ) -> Result<WriteOutcome, ApiError> {
+        let warnings = self.decode(def, &mut body, options)?;
+        let namespace = if def.namespaced {
+            let url_ns = namespace.unwrap_or_default();
+            let body_ns = meta_str(&body, "namespace").unwrap_or_default();
+            if !body_ns.is_empty() && !url_ns.is_empty() && body_ns != url_ns {
+                return Err(ApiError::bad_request(
+                    "the namespace of the provided object does not match the namespace sent on the request",
+                ));
+            }
+            let ns = if url_ns.is_empty() { body_ns } else { url_ns }.to_string();
+            if ns.is_empty() {
+                return Err(ApiError::bad_request(
+                    "a namespaced object needs a namespace",
+                ));
+            }
+            if !self.namespace_exists(&ns) {
+                return Err(ApiError::namespace_not_found(&ns));
+            }
+            Some(ns)
+        } else {
+            None
+        };
+        let mut name = meta_str(&body, "name").unwrap_or_default().to_string();
+        if name.is_empty() {
+            match meta_str(&body, "generateName").filter(|g| !g.is_empty()) {
+                Some(prefix) => loop {
+                    let candidate = format!("{}{}", prefix, random_suffix());
+                    let key = Self::object_key(def, namespace.as_deref(), &candidate);
+                    if !self.bucket(def).is_some_and(|b| b.contains_key(&key)) {
+                        name = candidate;
+                        break;
+                    }
+                },
+                None => {
+                    return Err(ApiError::invalid(
+                        def,
+                        "",
+                        &[(
+                            "metadata.name".into(),
+                            "Required value: name or generateName is required".into(),
+                        )],
+                    ))
+                }
+            }
+        }
+        let key = Self::object_key(def, namespace.as_deref(), &name);
+        if self.bucket(def).is_some_and(|b| b.contains_key(&key)) {
+            return Err(ApiError::already_exists(def, &name));
+        }
+        {
+            let meta = meta_mut(&mut body);
+            meta.insert("name".into(), json!(name));
+            match &namespace {
+                Some(ns) => meta.insert("namespace".into(), json!(ns)),
+                None => meta.remove("namespace"),
+            };
+            meta.insert("uid".into(), json!(uuid::Uuid::new_v4().to_string()));
+            meta.insert(
+                "creationTimestamp".into(),
+                json!(clock::format_rfc3339(clock::unix_now())),
+            );
+            meta.insert("generation".into(), json!(1));
+            meta.remove("deletionTimestamp");
+            meta.remove("deletionGracePeriodSeconds");
+            meta.remove("resourceVersion");
+            meta.remove("managedFields");
+        }
+        match def.kind.as_str() {
+            "Pod" if def.group.is_empty() => body["status"] = json!({"phase": "Pending"}),
+            "Namespace" if def.group.is_empty() => body["status"] = json!({"phase": "Active"}),
+            "CustomResourceDefinition" => body["status"] = Self::crd_status(&body),
+            _ if def.status_subresource && def.kind != "Node" => {
+                if let Some(map) = body.as_object_mut() {
+                    map.remove("status");
+                }
+            }
+            _ => {}
+        }
+        self.validate(def, &body)?;
+        if options.dry_run {
+            return Ok(WriteOutcome {
+                object: body,
+                created: true,
+                warnings,
+            });
+        }
+        let rv = self.next_rv();
+        meta_mut(&mut body).insert("resourceVersion".into(), json!(rv));
+        if Self::is_crd(def) {
+            let defs = crd_resources(&body).expect("validated above");
+            self.crds.insert(name.clone(), defs);
+        }
+        self.objects
+            .entry(def.storage_key())
+            .or_default()
+            .insert(key, body.clone());
+        self.record(def, EventType::Added, &body, None);
+        Ok(WriteOutcome {
+            object: Self::present(def, &body),
+            created: true,
+            warnings,
+        })
+    }
+
+    /// PUT of the object or of its `status` subresource.
+    pub fn update(
+        &mut self,
+        def: &ResourceDef,
+        namespace: Option<&str>,
+        name: &str,
+        mut body: Value,
+        subresource: Option<&str>,
+        options: WriteOptions,
+    ) -> Result<WriteOutcome, ApiError> {
+        let key = Self::object_key(def, namespace, name);
+        let existing = self
+            .bucket(def)
+            .and_then(|b| b.get(&key))
+            .cloned()
+            .ok_or_else(|| ApiError::not_found(def, name))?;
+        let warnings = self.decode(def, &mut body, options)?;
+        let body_name = meta_str(&body, "name").unwrap_or_default();
+        if !body_name.is_empty() && body_name != name {
+            return Err(ApiError::bad_request(format!(
+                "the name of the object ({body_name}) does not match the name on the URL ({name})"
+            )));
+        }
+        if def.namespaced {
+            let body_ns = meta_str(&body, "namespace").unwrap_or_default();
+            if !body_ns.is_empty() && Some(body_ns) != namespace {
+                return Err(ApiError::bad_request(
+                    "the namespace of the provided object does not match the namespace sent on the request",
+                ));
+            }
+        }
+        let current_rv = meta_str(&existing, "resourceVersion").unwrap_or_default();
+        if let Some(given) = meta_str(&body, "resourceVersion").filter(|rv| !rv.is_empty()) {
+            if given != current_rv {
+                return Err(ApiError::stale(def, name));
+            }
+        }
+        if let Some(given) = meta_str(&body, "uid").filter(|u| !u.is_empty()) {
+            if Some(given) != meta_str(&existing, "uid") {
+                return Err(ApiError::conflict(
+                    def,
+                    name,
+                    "Precondition failed: UID in precondition does not match the UID of the object",
+                ));
+            }
+        }
+        let mut updated = match subresource {
+            Some("status") => {
+                let mut updated = existing.clone();
+                match body.get("status") {
+                    Some(status) => updated["status"] = status.clone(),
+                    None => {
+                        if let Some(map) = updated.as_object_mut() {
+                            map.remove("status");
+                        }
+                    }
+                }
+                updated
+            }
+            Some(other) => {
+                return Err(ApiError::not_found_path(&format!("{}/{other}", def.plural)));
+            }
+            None => {
+                let mut updated = body;
+                if def.status_subresource {
+                    match existing.get("status") {
+                        Some(status) => updated["status"] = status.clone(),
+                        None => {
+                            if let Some(map) = updated.as_object_mut() {
+                                map.remove("status");
+                            }
+                        }
+                    }
+                }
+                updated
+            }
+        };
+        {
+            let old_meta = existing["metadata"]
+                .as_object()
+                .cloned()
+                .unwrap_or_default();
+            let meta = meta_mut(&mut updated);
+            for field in [
+                "name",
+                "namespace",
+                "uid",
+                "creationTimestamp",
+                "generation",
+                "deletionTimestamp",
+                "deletionGracePeriodSeconds",
+            ] {
+                match old_meta.get(field) {
+                    Some(v) => meta.insert(field.into(), v.clone()),
+                    None => meta.remove(field),
+                };
+            }
+            meta.insert("resourceVersion".into(), json!(current_rv));
+            meta.remove("managedFields");
+            if subresource == Some("status") {
+                // The status subresource changes nothing but status.
+                *meta = old_meta;
+            }
+        }
+        if spec_part(&updated) != spec_part(&existing) && subresource.is_none() {
+            let generation = existing
+                .pointer("/metadata/generation")
+                .and_then(Value::as_i64)
+                .unwrap_or(0)
+                + 1;
+            meta_mut(&mut updated).insert("generation".into(), json!(generation));
+        }
+        if Self::is_crd(def) && subresource.is_none() {
+            updated["status"] = Self::crd_status(&updated);
+            if let Some(conditions) = existing.pointer("/status/conditions") {
+                updated["status"]["conditions"] = conditions.clone();
+            }
+        }
+        self.validate(def, &updated)?;
+        if updated == existing {
+            return Ok(WriteOutcome {
+                object: Self::present(def, &existing),
+                created: false,
+                warnings,
+            });
+        }
+        if options.dry_run {
+            return Ok(WriteOutcome {
+                object: Self::present(def, &updated),
+                created: false,
+                warnings,
+            });
+        }
+        let finalizers_done = updated
+            .pointer("/metadata/finalizers")
+            .and_then(Value::as_array)
+            .is_none_or(|f| f.is_empty());
+        if updated.pointer("/metadata/deletionTimestamp").is_some() && finalizers_done {
+            let removed = self.remove(def, &key, updated)?;
+            return Ok(WriteOutcome {
+                object: Self::present(def, &removed),
+                created: false,
+                warnings,
+            });
+        }
+        let rv = self.next_rv();
+        meta_mut(&mut updated).insert("resourceVersion".into(), json!(rv));
+        if Self::is_crd(def) {
+            let defs = crd_resources(&updated).expect("validated above");
+            self.crds.insert(name.to_string(), defs);
+        }
+        self.objects
+            .entry(def.storage_key())
+            .or_default()
+            .insert(key, updated.clone());
+        self.record(def, EventType::Modified, &updated, Some(existing));
+        Ok(WriteOutcome {
+            object: Self::present(def, &updated),
+            created: false,
+            warnings,
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn patch(
+        &mut self,
+        def: &ResourceDef,
+        namespace: Option<&str>,
+        name: &str,
+        patch_type: PatchType,
+        body: &[u8],
+        subresource: Option<&str>,
+        options: WriteOptions,
+    ) -> Result<WriteOutcome, ApiError> {
+        let patch_doc: Value = match patch_type {
+            PatchType::Apply => serde_yaml::from_slice(body)
+                .map_err(|e| ApiError::bad_request(format!("error decoding YAML: {e}")))?,
+            _ => serde_json::from_slice(body)
+                .map_err(|e| ApiError::bad_request(format!("error decoding patch: {e}")))?,
+        };
+        let key = Self::object_key(def, namespace, name);
+        let existing = self.bucket(def).and_then(|b| b.get(&key)).cloned();
+        let Some(existing) = existing else {
+            if patch_type == PatchType::Apply && subresource.is_none() {
+                let mut created = patch_doc;
+                meta_mut(&mut created).insert("name".into(), json!(name));
+                return self.create(def, namespace, created, options);
+            }
+            return Err(ApiError::not_found(def, name));
+        };
+        let mut patched = Self::present(def, &existing);
+        match patch_type {
+            PatchType::Merge | PatchType::Apply => patch::merge_patch(&mut patched, &patch_doc),
+            PatchType::Strategic => patch::strategic_merge_patch(&mut patched, &patch_doc),
+            PatchType::Json => patch::json_patch(&mut patched, &patch_doc)
+                .map_err(|e| ApiError::new_unprocessable(def, name, e.to_string()))?,
+        }
+        if patched.pointer("/metadata/resourceVersion").is_none() {
+            // A patch that deletes resourceVersion means an unconditional write, as upstream.
+            meta_mut(&mut patched).insert(
+                "resourceVersion".into(),
+                json!(meta_str(&existing, "resourceVersion").unwrap_or_default()),
+            );
+        }
+        self.update(def, namespace, name, patched, subresource, options)
+    }
+
+    fn remove(
+        &mut self,
+        def: &ResourceDef,
+        key: &(String, String),
+        mut object: Value,
+    ) -> Result<Value, ApiError> {
+        if let Some(bucket) = self.objects.get_mut(&def.storage_key()) {
+            bucket.remove(key);
+        }
+        let rv = self.next_rv();
+        meta_mut(&mut object).insert("resourceVersion".into(), json!(rv));
+        self.record(def, EventType::Deleted, &object, None);
+        if Self::is_crd(def) {
+            if let Some(defs) = self.crds.remove(&key.1) {
+                if let Some(first) = defs.first() {
+                    let children: Vec<((String, String), Value)> = self
+                        .objects
+                        .remove(&first.storage_key())
+                        .unwrap_or_default()
+                        .into_iter()
+                        .collect();
+                    for (_, child) in children {
+                        let rv = self.next_rv();
+                        let mut child = child;
+                        meta_mut(&mut child).insert("resourceVersion".into(), json!(rv));
+                        self.record(first, EventType::Deleted, &child, None);
+                    }
+                }
+            }
+        }
+        if def.kind == "Namespace" && def.group.is_empty() {
+            let namespaced: Vec<ResourceDef> = self
+                .all_defs()
+                .into_iter()
+                .filter(|d| d.namespaced)
+                .collect();
+            let mut seen = std::collections::BTreeSet::new();
+            for child_def in namespaced {
+                if !seen.insert(child_def.storage_key()) {
+                    continue;
+                }
+                let keys: Vec<(String, String)> = self
+                    .bucket(&child_def)
+                    .map(|b| b.keys().filter(|(ns, _)| ns == &key.1).cloned().collect())
+                    .unwrap_or_default();
+                for child_key in keys {
+                    if let Some(child) = self
+                        .objects
+                        .get_mut(&child_def.storage_key())
+                        .and_then(|b| b.remove(&child_key))
+                    {
+                        let rv = self.next_rv();
+                        let mut child = child;
+                        meta_mut(&mut child).insert("resourceVersion".into(), json!(rv));
+                        self.record(&child_def, EventType::Deleted, &child, None);
+                    }
+                }
+            }
+        }
+        Ok(object)
+    }
+
+    /// Deletes at once, or marks for deletion while finalizers remain (like the real server).
+    pub fn delete(
+        &mut self,
+        def: &ResourceDef,
+        namespace: Option<&str>,
+        name: &str,
+        preconditions: &Preconditions,
+        dry_run: bool,
+    ) -> Result<Value, ApiError> {
+        let key = Self::object_key(def, namespace, name);
+        let existing = self
+            .bucket(def)
+            .and_then(|b| b.get(&key))
+            .cloned()
+            .ok_or_else(|| ApiError::not_found(def, name))?;
+        if let Some(uid) = &preconditions.uid {
+            if meta_str(&existing, "uid") != Some(uid.as_str()) {
+                return Err(ApiError::conflict(
+                    def,
+                    name,
+                    &format!(
+                        "Precondition failed: UID in precondition: {uid}, UID in object meta: {}",
+                        meta_str(&existing, "uid").unwrap_or_default()
+                    ),
+                ));
+            }
+        }
+        if let Some(rv) = &preconditions.resource_version {
+            if meta_str(&existing, "resourceVersion") != Some(rv.as_str()) {
+                return Err(ApiError::conflict(def, name, &format!("Precondition failed: ResourceVersion in precondition: {rv}, ResourceVersion in object meta: {}", meta_str(&existing, "resourceVersion").unwrap_or_default())));
+            }
+        }
+        if dry_run {
+            return Ok(Self::present(def, &existing));
+        }
+        let has_finalizers = existing
+            .pointer("/metadata/finalizers")
+            .and_then(Value::as_array)
+            .is_some_and(|f| !f.is_empty());
+        if has_finalizers {
+            if existing.pointer("/metadata/deletionTimestamp").is_some() {
+                return Ok(Self::present(def, &existing));
+            }
+            let mut marked = existing.clone();
+            let rv = self.next_rv();
+            let meta = meta_mut(&mut marked);
+            meta.insert(
+                "deletionTimestamp".into(),
+                json!(clock::format_rfc3339(clock::unix_now())),
+            );
+            meta.insert("deletionGracePeriodSeconds".into(), json!(0));
+            meta.insert("resourceVersion".into(), json!(rv));
+            self.objects
+                .entry(def.storage_key())
+                .or_default()
+                .insert(key, marked.clone());
+            self.record(def, EventType::Modified, &marked, Some(existing));
+            return Ok(Self::present(def, &marked));
+        }
+        let removed = self.remove(def, &key, existing)?;
+        Ok(Self::present(def, &removed))
+    }
+
+    pub fn delete_collection(
+        &mut self,
+        def: &ResourceDef,
+        namespace: Option<&str>,
+        labels: &LabelSelector,
+        fields: &FieldSelector,
+        dry_run: bool,
+    ) -> Result<Vec<Value>, ApiError> {
+        let targets = self.list(def, namespace, labels, fields);
+        let mut deleted = Vec::new();
+        for object in targets {
+            let ns = meta_str(&object, "namespace").map(String::from);
+            let name = meta_str(&object, "name").unwrap_or_default().to_string();
+            deleted.push(self.delete(
+                def,
+                ns.as_deref(),
+                &name,
+                &Preconditions::default(),
+                dry_run,
+            )?);
+        }
+        Ok(deleted)
+    }
+
+    /// POST pods/<name>/binding: sets spec.nodeName once, like the real binding subresource.
+    pub fn bind_pod(
+        &mut self,
+        namespace: &str,
+        name: &str,
+        binding: &Value,
+    ) -> Result<(), ApiError> {
+        let pods = self.find("", "v1", "pods").expect("built in");
+        let node = binding
+            .pointer("/target/name")
+            .and_then(Value::as_str)
+            .filter(|n| !n.is_empty())
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    &pods,
+                    name,
+                    &[("target.name".into(), "Required value".into())],
+                )
+            })?;
+        let pod = self.get(&pods, Some(namespace), name)?;
+        if let Some(current) = pod
+            .pointer("/spec/nodeName")
+            .and_then(Value::as_str)
+            .filter(|n| !n.is_empty())
+        {
+            return Err(ApiError::conflict(
+                &pods,
+                name,
+                &format!("pod {name} is already assigned to node {current:?}"),
+            ));
+        }
+        let mut bound = pod.clone();
+        bound["spec"]["nodeName"] = json!(node);
+        let now = clock::format_rfc3339(clock::unix_now());
+        let mut conditions: Vec<Value> = bound
+            .pointer("/status/conditions")
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default();
+        conditions.retain(|c| c.get("type").and_then(Value::as_str) != Some("PodScheduled"));
+        conditions.push(json!({"type": "PodScheduled", "status": "True", "lastProbeTime": null, "lastTransitionTime": now}));
+        bound["status"]["conditions"] = json!(conditions);
+        // Binding changes spec and status in one write, which neither endpoint alone allows.
+        let key = Self::object_key(&pods, Some(namespace), name);
+        let rv = self.next_rv();
+        meta_mut(&mut bound).insert("resourceVersion".into(), json!(rv));
+        self.objects
+            .entry(pods.storage_key())
+            .or_default()
+            .insert(key, bound.clone());
+        self.record(&pods, EventType::Modified, &bound, Some(pod));
+        Ok(())
+    }
+}
+
+impl ApiError {
+    fn new_unprocessable(def: &ResourceDef, name: &str, message: String) -> Self {
+        ApiError {
+            code: 422,
+            reason: "Invalid",
+            message: format!("{} {name:?} is invalid: {message}", def.qualified_kind()),
+            details: Some(json!({"name": name, "group": def.group, "kind": def.kind})),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cm_def(store: &Store) -> ResourceDef {
+        store.find("", "v1", "configmaps").unwrap()
+    }
+
+    fn create_cm(store: &mut Store, name: &str) -> Value {
+        let def = cm_def(store);
+        store
+            .create(
+                &def,
+                Some("default"),
+                json!({"metadata": {"name": name}, "data": {"a": "1"}}),
+                WriteOptions::default(),
+            )
+            .unwrap()
+            .object
+    }
+
+    #[test]
+    fn create_sets_server_fields_and_rejects_duplicates() {
+        let mut store = Store::new();
+        let obj = create_cm(&mut store, "a");
+        assert_eq!(obj["metadata"]["generation"], 1);
+        assert!(obj["metadata"]["uid"].as_str().unwrap().len() == 36);
+        assert_eq!(
+            obj["metadata"]["resourceVersion"],
+            store.current_rv().to_string()
+        );
+        let def = cm_def(&store);
+        let err = store
+            .create(
+                &def,
+                Some("default"),
+                json!({"metadata": {"name": "a"}}),
+                WriteOptions::default(),
+            )
+            .unwrap_err();
+        assert_eq!((err.code, err.reason), (409, "AlreadyExists"));
+    }
+
+    #[test]
+    fn missing_namespace_is_not_found() {
+        let mut store = Store::new();
+        let def = cm_def(&store);
+        let err = store
+            .create(
+                &def,
+                Some("nope"),
+                json!({"metadata": {"name": "a"}}),
+                WriteOptions::default(),
+            )
+            .unwrap_err();
+        assert_eq!(err.code, 404);
+        assert!(err.message.contains("namespaces \"nope\" not found"));
+    }
+
+    #[test]
+    fn stale_update_conflicts_and_generation_tracks_spec() {
+        let mut store = Store::new();
+        let def = cm_def(&store);
+        let obj = create_cm(&mut store, "a");
+        let mut changed = obj.clone();
+        changed["data"]["a"] = json!("2");
+        let updated = store
+            .update(
+                &def,
+                Some("default"),
+                "a",
+                changed.clone(),
+                None,
+                WriteOptions::default(),
+            )
+            .unwrap();
+        assert_eq!(updated.object["metadata"]["generation"], 2);
+        let err = store
+            .update(
+                &def,
+                Some("default"),
+                "a",
+                changed,
+                None,
+                WriteOptions::default(),
+            )
+            .unwrap_err();
+        assert_eq!((err.code, err.reason), (409, "Conflict"));
+        let mut relabelled = updated.object.clone();
+        relabelled["metadata"]["labels"] = json!({"x": "y"});
+        let out = store
+            .update(
+                &def,
+                Some("default"),
+                "a",
+                relabelled,
+                None,
+                WriteOptions::default(),
+            )
+            .unwrap();
+        assert_eq!(
+            out.object["metadata"]["generation"], 2,
+            "labels are not spec"
+        );
+    }
+
+    #[test]
+    fn status_subresource_separates_spec_and_status() {
+        let mut store = Store::new();
+        let def = store
+            .find("resource.k8s.io", "v1", "resourceclaims")
+            .unwrap();
+        let claim = store
+            .create(
+                &def,
+                Some("default"),
+                json!({"metadata": {"name": "c"}, "spec": {}, "status": {"x": 1}}),
+                WriteOptions::default(),
+            )
+            .unwrap()
+            .object;
+        assert!(claim.get("status").is_none(), "status is dropped on create");
+        let mut with_status = claim.clone();
+        with_status["status"] =
+            json!({"reservedFor": [{"resource": "pods", "name": "p", "uid": "u"}]});
+        let out = store
+            .update(
+                &def,
+                Some("default"),
+                "c",
+                with_status.clone(),
+                None,
+                WriteOptions::default(),
+            )
+            .unwrap();
+        assert!(
+            out.object.get("status").is_none(),
+            "main endpoint ignores status"
+        );
+        let out = store
+            .update(
+                &def,
+                Some("default"),
+                "c",
+                with_status,
+                Some("status"),
+                WriteOptions::default(),
+            )
+            .unwrap();
+        assert_eq!(out.object["status"]["reservedFor"][0]["name"], "p");
+        assert_eq!(out.object["metadata"]["generation"], 1);
+    }
+
+    #[test]
+    fn finalizers_delay_deletion() {
+        let mut store = Store::new();
+        let def = cm_def(&store);
+        store
+            .create(
+                &def,
+                Some("default"),
+                json!({"metadata": {"name": "f", "finalizers": ["x/y"]}}),
+                WriteOptions::default(),
+            )
+            .unwrap();
+        let marked = store
+            .delete(&def, Some("default"), "f", &Preconditions::default(), false)
+            .unwrap();
+        assert!(marked["metadata"]["deletionTimestamp"].is_string());
+        let patch = br#"{"metadata":{"finalizers":null}}"#;
+        store
+            .patch(
+                &def,
+                Some("default"),
+                "f",
+                PatchType::Merge,
+                patch,
+                None,
+                WriteOptions::default(),
+            )
+            .unwrap();
+        assert_eq!(store.get(&def, Some("default"), "f").unwrap_err().code, 404);
+        let types: Vec<_> = store
+            .events_after(0)
+            .filter(|e| e.key.1 == "configmaps")
+            .map(|e| e.event_type)
+            .collect();
+        assert_eq!(
+            types,
+            vec![EventType::Added, EventType::Modified, EventType::Deleted]
+        );
+    }
+
+    #[test]
+    fn strict_decoding_names_unknown_field() {
+        let mut store = Store::new();
+        let def = cm_def(&store);
+        let strict = WriteOptions {
+            field_validation: FieldValidation::Strict,
+            dry_run: false,
+        };
+        let err = store
+            .create(
+                &def,
+                Some("default"),
+                json!({"metadata": {"name": "s"}, "dataa": {}}),
+                strict,
+            )
+            .unwrap_err();
+        assert_eq!(err.code, 400);
+        assert!(
+            err.message.contains("unknown field \"dataa\""),
+            "{}",
+            err.message
+        );
+        let ok = store
+            .create(
+                &def,
+                Some("default"),
+                json!({"metadata": {"name": "s"}, "dataa": {}}),
+                WriteOptions::default(),
+            )
+            .unwrap();
+        assert!(ok.object.get("dataa").is_none());
+        assert_eq!(ok.warnings, vec!["unknown field \"dataa\"".to_string()]);
+    }
+
+    #[test]
+    fn crd_registers_and_unregisters_its_resources() {
+        let mut store = Store::new();
+        let crds = store
+            .find("apiextensions.k8s.io", "v1", "customresourcedefinitions")
+            .unwrap();
+        let crd = json!({"metadata": {"name": "widgets.example.dev"}, "spec": {"group": "example.dev", "scope": "Namespaced",
+            "names": {"plural": "widgets", "kind": "Widget"},
+            "versions": [{"name": "v1", "served": true, "storage": true,
+                "schema": {"openAPIV3Schema": {"type": "object", "properties": {"spec": {"type": "object", "properties": {"size": {"type": "integer"}}}}}}}]}});
+        let created = store
+            .create(&crds, None, crd, WriteOptions::default())
+            .unwrap()
+            .object;
+        assert_eq!(created["status"]["conditions"][1]["type"], "Established");
+        let widgets = store
+            .find("example.dev", "v1", "widgets")
+            .expect("served after CRD creation");
+        store
+            .create(
+                &widgets,
+                Some("default"),
+                json!({"metadata": {"name": "w"}, "spec": {"size": 3}}),
+                WriteOptions::default(),
+            )
+            .unwrap();
+        store
+            .delete(
+                &crds,
+                None,
+                "widgets.example.dev",
+                &Preconditions::default(),
+                false,
+            )
+            .unwrap();
+        assert!(store.find("example.dev", "v1", "widgets").is_none());
+    }
+
+    #[test]
+    fn generate_name_and_binding() {
+        let mut store = Store::new();
+        let pods = store.find("", "v1", "pods").unwrap();
+        let pod = store
+            .create(&pods, Some("default"), json!({"metadata": {"generateName": "web-"}, "spec": {"containers": [{"name": "c", "image": "i"}]}}), WriteOptions::default())
+            .unwrap()
+            .object;
+        let name = pod["metadata"]["name"].as_str().unwrap().to_string();
+        assert!(name.starts_with("web-") && name.len() == 9);
+        store
+            .bind_pod(
+                "default",
+                &name,
+                &json!({"target": {"kind": "Node", "name": "n1"}}),
+            )
+            .unwrap();
+        assert_eq!(
+            store.get(&pods, Some("default"), &name).unwrap()["spec"]["nodeName"],
+            "n1"
+        );
+        let again = store
+            .bind_pod("default", &name, &json!({"target": {"name": "n2"}}))
+            .unwrap_err();
+        assert_eq!(again.code, 409);
+    }
+}
