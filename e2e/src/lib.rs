@@ -4,3 +4,4 @@
 pub mod grpc;
 pub mod harness;
 pub mod kubelet;
+pub mod sandbox;

@@ -120,6 +120,8 @@ pub struct ClusterSpec {
     pub controller: bool,
     /// Wait this long for each driver to register (default 30 s).
     pub registration_timeout: Option<Duration>,
+    /// Where the cluster comes from; by default from the environment (`Backend::from_env`).
+    pub backend: Option<Backend>,
 }
 
 impl ClusterSpec {
@@ -331,7 +333,7 @@ fn mkdir(path: &Path) -> Result<(), HarnessError> {
 impl TestCluster {
     /// Starts everything in `spec` and waits until each driver has registered with its kubelet.
     pub async fn start(spec: ClusterSpec) -> Result<TestCluster, HarnessError> {
-        let backend = Backend::from_env();
+        let backend = spec.backend.clone().unwrap_or_else(Backend::from_env);
         let guard = tempfile::Builder::new()
             .prefix("gpupool-e2e-")
             .tempdir()
@@ -670,17 +672,25 @@ impl TestCluster {
         Ok(())
     }
 
-    /// Applies a YAML file with the real kubectl when present, else through the kube client.
-    pub async fn apply_file(&self, path: &Path, namespace: &str) -> Result<(), HarnessError> {
+    /// Applies a YAML file with the real kubectl when present, else through the kube client. Objects
+    /// without a namespace go to `namespace` (kubectl's own default when `None`).
+    pub async fn apply_file(
+        &self,
+        path: &Path,
+        namespace: Option<&str>,
+    ) -> Result<(), HarnessError> {
         if kubectl_path().is_some() {
             let path = path.display().to_string();
-            self.kubectl(&["apply", "-n", namespace, "-f", &path])
-                .await?;
+            let mut args = vec!["apply", "-f", path.as_str()];
+            if let Some(ns) = namespace {
+                args.extend(["-n", ns]);
+            }
+            self.kubectl(&args).await?;
             return Ok(());
         }
         let yaml =
             std::fs::read_to_string(path).map_err(io_err(format!("reading {}", path.display())))?;
-        self.apply_yaml(&yaml, namespace).await
+        self.apply_yaml(&yaml, namespace.unwrap_or("default")).await
     }
 
     /// Creates a namespace named `<prefix>-<random>` and returns its name, so scenarios sharing a

@@ -1,0 +1,199 @@
+//! `gpupool-sandbox`: the whole system on this machine with fake GPUs. Starts the API server
+//! emulator, the scheduler stand-in, a kubelet emulator per node, the real controller and one real
+//! driver per node, applies `deploy/examples/`, waits until the pods settle and prints what happened.
+//! `--serve` keeps it up for `kubectl`. Everything lives in a temporary folder removed at exit.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use gpupool_e2e::harness::{
+    find_binary, Backend, ClusterSpec, NodeSpec, TestCluster, CONTROLLER_BIN, DRIVER_BIN,
+};
+use gpupool_e2e::sandbox;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "gpupool-sandbox",
+    about = "gpupool on fake GPUs, on this machine, in seconds"
+)]
+struct Args {
+    /// Keep the cluster running after the report and print `export KUBECONFIG=...` (Ctrl-C stops it).
+    #[arg(long)]
+    serve: bool,
+    /// Folder of YAML files to apply.
+    #[arg(long, default_value_os_t = default_examples())]
+    examples: PathBuf,
+    /// Longest wait for the pods to settle, in seconds.
+    #[arg(long, default_value_t = 30)]
+    settle_seconds: u64,
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("e2e/ is inside the workspace")
+        .to_path_buf()
+}
+
+fn default_examples() -> PathBuf {
+    workspace_root().join("deploy").join("examples")
+}
+
+/// The seeds' pool.
+fn pool() -> Vec<NodeSpec> {
+    vec![
+        NodeSpec::new("node-a100", "a100-40gb:2"),
+        NodeSpec::new("node-v100", "v100-32gb:2"),
+        NodeSpec::new("node-rtx", "rtx3090:1"),
+    ]
+}
+
+/// Builds the driver and controller when they are missing and we were started by `cargo run`.
+fn ensure_binaries() -> Result<(), String> {
+    let missing = [DRIVER_BIN, CONTROLLER_BIN]
+        .iter()
+        .any(|b| find_binary(b).is_err());
+    if missing {
+        if let Some(cargo) = std::env::var_os("CARGO") {
+            eprintln!("building {DRIVER_BIN} and {CONTROLLER_BIN} ...");
+            let status = std::process::Command::new(cargo)
+                .args(["build", "-p", "gpupool-driver", "-p", "gpupool-controller"])
+                .current_dir(workspace_root())
+                .status()
+                .map_err(|e| format!("running cargo build: {e}"))?;
+            if !status.success() {
+                return Err(format!("cargo build failed ({status})"));
+            }
+        }
+    }
+    for binary in [DRIVER_BIN, CONTROLLER_BIN] {
+        find_binary(binary).map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// YAML files of the folder, GpuModels and ComputeProfiles first so that the classes and templates
+/// the other examples name exist by the time their claims are scheduled.
+fn example_files(dir: &Path) -> Result<Vec<PathBuf>, String> {
+    let entries = std::fs::read_dir(dir).map_err(|e| format!("reading {}: {e}", dir.display()))?;
+    let mut files: Vec<(bool, PathBuf)> = entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| matches!(p.extension().and_then(|e| e.to_str()), Some("yaml" | "yml")))
+        .map(|p| {
+            let text = std::fs::read_to_string(&p).unwrap_or_default();
+            let setup = text.contains("kind: GpuModel") || text.contains("kind: ComputeProfile");
+            (!setup, p)
+        })
+        .collect();
+    files.sort();
+    Ok(files.into_iter().map(|(_, p)| p).collect())
+}
+
+/// Waits until every pod runs, or nothing has changed for 3 s, or `limit` has passed.
+async fn settle(cluster: &TestCluster, limit: Duration) -> Result<sandbox::Report, String> {
+    let start = Instant::now();
+    let mut last: Option<(sandbox::Report, Instant)> = None;
+    loop {
+        let report = sandbox::gather(cluster).await.map_err(|e| e.to_string())?;
+        let all_running = report.waiting_pods.is_empty() && !report.claims.is_empty();
+        let unchanged_since = match &last {
+            Some((prev, since)) if *prev == report => *since,
+            _ => Instant::now(),
+        };
+        let quiet = unchanged_since.elapsed() >= Duration::from_secs(3);
+        if all_running || quiet || start.elapsed() >= limit {
+            return Ok(report);
+        }
+        last = Some((report, unchanged_since));
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+async fn run(args: Args) -> Result<(), String> {
+    let started = Instant::now();
+    ensure_binaries()?;
+    let mut spec = ClusterSpec::new().with_controller();
+    spec.nodes = pool();
+    // The sandbox is the emulator, whatever GPUPOOL_E2E_KUBECONFIG says.
+    spec.backend = Some(Backend::Emulator);
+    let cluster = TestCluster::start(spec).await.map_err(|e| e.to_string())?;
+    println!(
+        "started the API server emulator, the scheduler stand-in, {CONTROLLER_BIN} and {} x {DRIVER_BIN} in {:.1}s",
+        cluster.nodes().len(),
+        started.elapsed().as_secs_f64()
+    );
+    for node in cluster.nodes() {
+        println!("  {:<10} fake GPUs {}", node.name, node.spec.fake_gpus);
+    }
+
+    for file in example_files(&args.examples)? {
+        let shown = file
+            .strip_prefix(workspace_root())
+            .unwrap_or(&file)
+            .display()
+            .to_string();
+        match cluster.apply_file(&file, None).await {
+            Ok(()) => println!("applied {shown}"),
+            Err(err) => println!("FAILED to apply {shown}: {err}"),
+        }
+    }
+
+    let report = match settle(&cluster, Duration::from_secs(args.settle_seconds)).await {
+        Ok(report) => report,
+        Err(err) => {
+            cluster.print_logs();
+            return Err(err);
+        }
+    };
+    println!();
+    print!("{}", sandbox::render(&report));
+    println!("\nfinished in {:.1}s", started.elapsed().as_secs_f64());
+
+    if args.serve {
+        println!("\nThe sandbox keeps running; in another shell:");
+        println!(
+            "  export KUBECONFIG={}",
+            cluster.kubeconfig_path().display()
+        );
+        println!("  kubectl get resourceslices,resourceclaims,pods -A");
+        println!(
+            "Logs and CDI folders are under {}",
+            cluster.workdir().display()
+        );
+        println!("Ctrl-C stops it and removes everything.");
+        let _ = tokio::signal::ctrl_c().await;
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(err) => {
+            eprintln!("gpupool-sandbox: starting the runtime: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("gpupool-sandbox: {err}");
+            ExitCode::FAILURE
+        }
+    }
+}
