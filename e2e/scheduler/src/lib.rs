@@ -1,1 +1,13 @@
+//! Scheduler stand-in for the emulator: what kube-scheduler's DRA plugin and the resourceclaim
+//! controller do in a real cluster.
+//!
+//! [`allocator`] is the pure structured-parameters allocator (CEL selectors, `exactly` and
+//! `firstAvailable` requests, consumable capacity); the loop that applies it to an API server
+//! lives beside it.
 
+pub mod allocator;
+
+pub use allocator::{allocate, TargetNode, Unallocatable};
+
+#[cfg(test)]
+mod fixtures;

@@ -1,0 +1,865 @@
+//! The structured-parameters allocator of kube-scheduler's DRA plugin (resource.k8s.io/v1),
+//! as a pure function: one claim, one node, the published slices and the claims already
+//! allocated in, an `AllocationResult` or the reason why not out.
+//!
+//! Search order and semantics follow upstream: requests in order, `firstAvailable`
+//! subrequests in order, devices in pool order (pools sorted by driver and name, slices by
+//! name), depth-first with backtracking, so a claim gets all its requests or nothing.
+
+pub mod capacity;
+pub mod pools;
+pub mod selectors;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use k8s_openapi::api::core::v1::{NodeSelector, NodeSelectorRequirement, NodeSelectorTerm};
+use k8s_openapi::api::resource::v1::{
+    AllocationResult, DeviceAllocationConfiguration, DeviceAllocationResult, DeviceAttribute,
+    DeviceClass, DeviceConstraint, DeviceRequestAllocationResult, DeviceSelector, DeviceTaint,
+    DeviceToleration, ResourceClaim, ResourceSlice,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube_cel::cel::Value;
+use thiserror::Error;
+
+use capacity::{CapacityError, Consumed};
+use pools::{gather_pools, placement, Placement};
+pub use pools::{node_selector_matches, TargetNode};
+use selectors::CelEvaluator;
+
+/// Why a claim cannot be allocated on a node, in words a user can act on.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[error("{message}")]
+pub struct Unallocatable {
+    pub message: String,
+}
+
+impl Unallocatable {
+    fn new(message: impl Into<String>) -> Self {
+        Unallocatable {
+            message: message.into(),
+        }
+    }
+}
+
+/// Upper bound on search steps, so a pathological claim fails instead of hanging the loop.
+const SEARCH_STEP_LIMIT: u64 = 200_000;
+
+/// Allocate `claim` on `node`. `allocated` holds every claim whose allocation already uses
+/// devices (the claim itself, if present there, is ignored).
+pub fn allocate(
+    claim: &ResourceClaim,
+    node: &TargetNode,
+    classes: &[DeviceClass],
+    slices: &[ResourceSlice],
+    allocated: &[ResourceClaim],
+) -> Result<AllocationResult, Unallocatable> {
+    let claim_ref = format!(
+        "{}/{}",
+        claim.metadata.namespace.as_deref().unwrap_or_default(),
+        claim.metadata.name.as_deref().unwrap_or_default()
+    );
+    let requests = resolve_requests(claim, &claim_ref, classes)?;
+    let pools = gather_pools(slices, node);
+    let mut candidates = Vec::new();
+    for pool in pools.iter() {
+        for device in &pool.devices {
+            candidates.push(Candidate {
+                driver: pool.driver,
+                pool: pool.name,
+                pool_incomplete: pool.incomplete,
+                pool_invalid: pool.invalid,
+                slice: device.slice,
+                device: device.device,
+            });
+        }
+    }
+    let mut search = Search {
+        claim_ref,
+        node: &node.name,
+        constraints: claim
+            .spec
+            .devices
+            .as_ref()
+            .and_then(|d| d.constraints.as_deref())
+            .unwrap_or_default(),
+        chosen: vec![0; requests.len()],
+        requests,
+        in_use: InUse::from_claims(claim, allocated),
+        candidates,
+        cel: CelEvaluator::new(),
+        values: HashMap::new(),
+        selectable: HashMap::new(),
+        picks: Vec::new(),
+        steps: 0,
+    };
+    if !search.solve(0)? {
+        let message = search.diagnose()?;
+        return Err(Unallocatable::new(message));
+    }
+    Ok(search.result(claim))
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Count(usize),
+    All,
+}
+
+/// One way to satisfy a request: the request itself (`exactly`) or one of its subrequests.
+struct Variant<'a> {
+    /// The name results carry: `<request>` or `<request>/<subrequest>`.
+    result_name: String,
+    subrequest: Option<&'a str>,
+    class: &'a DeviceClass,
+    selectors: &'a [DeviceSelector],
+    mode: Mode,
+    capacity: Option<&'a BTreeMap<String, Quantity>>,
+    admin_access: bool,
+    tolerations: Option<&'a Vec<DeviceToleration>>,
+}
+
+struct Request<'a> {
+    name: &'a str,
+    variants: Vec<Variant<'a>>,
+}
+
+fn resolve_requests<'a>(
+    claim: &'a ResourceClaim,
+    claim_ref: &str,
+    classes: &'a [DeviceClass],
+) -> Result<Vec<Request<'a>>, Unallocatable> {
+    let find_class = |request: &str, name: &str| {
+        classes
+            .iter()
+            .find(|c| c.metadata.name.as_deref() == Some(name))
+            .ok_or_else(|| {
+                Unallocatable::new(format!(
+                    "claim {claim_ref}, request {request}: could not retrieve device class {name}: \
+                     deviceclass.resource.k8s.io \"{name}\" not found"
+                ))
+            })
+    };
+    let mode = |request: &str, mode: Option<&str>, count: Option<i64>| match mode {
+        None | Some("ExactCount") => Ok(Mode::Count(count.unwrap_or(1).max(1) as usize)),
+        Some("All") => Ok(Mode::All),
+        Some(other) => Err(Unallocatable::new(format!(
+            "claim {claim_ref}, request {request}: unsupported allocationMode {other:?}"
+        ))),
+    };
+    let mut requests = Vec::new();
+    let specs = claim
+        .spec
+        .devices
+        .as_ref()
+        .and_then(|d| d.requests.as_deref())
+        .unwrap_or_default();
+    for request in specs {
+        let name = request.name.as_str();
+        let mut variants = Vec::new();
+        if let Some(exact) = &request.exactly {
+            variants.push(Variant {
+                result_name: name.to_string(),
+                subrequest: None,
+                class: find_class(name, &exact.device_class_name)?,
+                selectors: exact.selectors.as_deref().unwrap_or_default(),
+                mode: mode(name, exact.allocation_mode.as_deref(), exact.count)?,
+                capacity: exact.capacity.as_ref().and_then(|c| c.requests.as_ref()),
+                admin_access: exact.admin_access == Some(true),
+                tolerations: exact.tolerations.as_ref(),
+            });
+        } else if let Some(subrequests) = &request.first_available {
+            for sub in subrequests {
+                let result_name = format!("{name}/{}", sub.name);
+                variants.push(Variant {
+                    class: find_class(&result_name, &sub.device_class_name)?,
+                    selectors: sub.selectors.as_deref().unwrap_or_default(),
+                    mode: mode(&result_name, sub.allocation_mode.as_deref(), sub.count)?,
+                    capacity: sub.capacity.as_ref().and_then(|c| c.requests.as_ref()),
+                    admin_access: false,
+                    tolerations: sub.tolerations.as_ref(),
+                    subrequest: Some(sub.name.as_str()),
+                    result_name,
+                });
+            }
+        }
+        if variants.is_empty() {
+            return Err(Unallocatable::new(format!(
+                "claim {claim_ref}, request {name}: neither exactly nor firstAvailable is set"
+            )));
+        }
+        requests.push(Request { name, variants });
+    }
+    Ok(requests)
+}
+
+type DeviceKey = (String, String, String);
+
+struct Candidate<'a> {
+    driver: &'a str,
+    pool: &'a str,
+    pool_incomplete: bool,
+    pool_invalid: bool,
+    slice: &'a ResourceSlice,
+    device: &'a k8s_openapi::api::resource::v1::Device,
+}
+
+impl Candidate<'_> {
+    fn key(&self) -> DeviceKey {
+        (
+            self.driver.to_string(),
+            self.pool.to_string(),
+            self.device.name.clone(),
+        )
+    }
+
+    fn shared(&self) -> bool {
+        self.device.allow_multiple_allocations == Some(true)
+    }
+}
+
+/// Devices other claims hold: whole (exclusive) or as shares with their consumed capacity.
+#[derive(Default)]
+struct InUse {
+    exclusive: HashSet<DeviceKey>,
+    shares: HashMap<DeviceKey, (Consumed, HashSet<String>)>,
+}
+
+impl InUse {
+    fn from_claims(claim: &ResourceClaim, allocated: &[ResourceClaim]) -> Self {
+        let mut in_use = InUse::default();
+        let same = |other: &ResourceClaim| match (&claim.metadata.uid, &other.metadata.uid) {
+            (Some(a), Some(b)) => a == b,
+            _ => {
+                claim.metadata.namespace == other.metadata.namespace
+                    && claim.metadata.name == other.metadata.name
+            }
+        };
+        for other in allocated.iter().filter(|other| !same(other)) {
+            let results = other
+                .status
+                .as_ref()
+                .and_then(|s| s.allocation.as_ref())
+                .and_then(|a| a.devices.as_ref())
+                .and_then(|d| d.results.as_deref())
+                .unwrap_or_default();
+            for result in results.iter().filter(|r| r.admin_access != Some(true)) {
+                let key = (
+                    result.driver.clone(),
+                    result.pool.clone(),
+                    result.device.clone(),
+                );
+                match &result.share_id {
+                    Some(share) => {
+                        let entry = in_use.shares.entry(key).or_default();
+                        entry.1.insert(share.clone());
+                        if let Some(consumed) = &result.consumed_capacity {
+                            // An unparsable amount was written by someone else; it cannot be
+                            // accounted and must not block every allocation on the node.
+                            let _ = capacity::add(&mut entry.0, consumed);
+                        }
+                    }
+                    None => {
+                        in_use.exclusive.insert(key);
+                    }
+                }
+            }
+        }
+        in_use
+    }
+}
+
+struct Pick {
+    request: usize,
+    variant: usize,
+    candidate: usize,
+    consumption: Option<BTreeMap<String, Quantity>>,
+}
+
+/// Why one device cannot serve one request (variant).
+enum Rejection {
+    Class,
+    Selector,
+    Taint(String),
+    InUse(String),
+    Capacity(CapacityError),
+    Constraint(String),
+    InvalidPool(String),
+}
+
+struct Search<'a> {
+    claim_ref: String,
+    node: &'a str,
+    requests: Vec<Request<'a>>,
+    constraints: &'a [DeviceConstraint],
+    candidates: Vec<Candidate<'a>>,
+    in_use: InUse,
+    cel: CelEvaluator,
+    values: HashMap<usize, Value>,
+    /// (request, variant, candidate) -> class and request selectors match.
+    selectable: HashMap<(usize, usize, usize), Result<(), bool>>,
+    picks: Vec<Pick>,
+    chosen: Vec<usize>,
+    steps: u64,
+}
+
+impl<'a> Search<'a> {
+    fn solve(&mut self, request: usize) -> Result<bool, Unallocatable> {
+        self.steps += 1;
+        if self.steps > SEARCH_STEP_LIMIT {
+            return Err(Unallocatable::new(format!(
+                "claim {}: gave up after {SEARCH_STEP_LIMIT} allocation attempts",
+                self.claim_ref
+            )));
+        }
+        if request == self.requests.len() {
+            return Ok(true);
+        }
+        for variant in 0..self.requests[request].variants.len() {
+            self.chosen[request] = variant;
+            let found = match self.requests[request].variants[variant].mode {
+                Mode::Count(n) => self.pick(request, variant, n, 0)?,
+                Mode::All => self.pick_all(request, variant)?,
+            };
+            if found {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    fn pick(
+        &mut self,
+        request: usize,
+        variant: usize,
+        remaining: usize,
+        start: usize,
+    ) -> Result<bool, Unallocatable> {
+        if remaining == 0 {
+            return self.solve(request + 1);
+        }
+        for candidate in start..self.candidates.len() {
+            if self.candidates.len() - candidate < remaining {
+                break;
+            }
+            if let Ok(consumption) = self.try_candidate(request, variant, candidate)? {
+                self.picks.push(Pick {
+                    request,
+                    variant,
+                    candidate,
+                    consumption,
+                });
+                if self.pick(request, variant, remaining - 1, candidate + 1)? {
+                    return Ok(true);
+                }
+                self.picks.pop();
+            }
+        }
+        Ok(false)
+    }
+
+    fn pick_all(&mut self, request: usize, variant: usize) -> Result<bool, Unallocatable> {
+        let name = self.requests[request].variants[variant].result_name.clone();
+        let mut all = Vec::new();
+        for candidate in 0..self.candidates.len() {
+            let c = &self.candidates[candidate];
+            let pool_id = format!("{}/{}", c.driver, c.pool);
+            if c.pool_incomplete {
+                return Err(Unallocatable::new(format!(
+                    "claim {}, request {name}: asks for all devices, but resource pool {pool_id} is currently being updated",
+                    self.claim_ref
+                )));
+            }
+            if c.pool_invalid {
+                return Err(Unallocatable::new(format!(
+                    "claim {}, request {name}: asks for all devices, but resource pool {pool_id} is currently invalid",
+                    self.claim_ref
+                )));
+            }
+            if self.selectable(request, variant, candidate)?.is_ok() {
+                all.push(candidate);
+            }
+        }
+        if all.is_empty() {
+            return Ok(false);
+        }
+        let before = self.picks.len();
+        for candidate in all {
+            match self.try_candidate(request, variant, candidate)? {
+                Ok(consumption) => self.picks.push(Pick {
+                    request,
+                    variant,
+                    candidate,
+                    consumption,
+                }),
+                Err(_) => {
+                    self.picks.truncate(before);
+                    return Ok(false);
+                }
+            }
+        }
+        if self.solve(request + 1)? {
+            return Ok(true);
+        }
+        self.picks.truncate(before);
+        Ok(false)
+    }
+
+    /// Whether the device passes the class's and the request's CEL selectors. A CEL error
+    /// aborts the whole allocation, as upstream.
+    fn selectable(
+        &mut self,
+        request: usize,
+        variant: usize,
+        candidate: usize,
+    ) -> Result<Result<(), Rejection>, Unallocatable> {
+        let key = (request, variant, candidate);
+        if let Some(cached) = self.selectable.get(&key) {
+            return Ok(cached.map_err(|by_class| {
+                if by_class {
+                    Rejection::Class
+                } else {
+                    Rejection::Selector
+                }
+            }));
+        }
+        let c = &self.candidates[candidate];
+        let device_value = self
+            .values
+            .entry(candidate)
+            .or_insert_with(|| self.cel.device_value(c.driver, c.device))
+            .clone();
+        let v = &self.requests[request].variants[variant];
+        let class_name = v.class.metadata.name.as_deref().unwrap_or_default();
+        let class_selectors = v.class.spec.selectors.as_deref().unwrap_or_default();
+        let mut outcome = Ok(());
+        for (i, selector) in class_selectors.iter().enumerate() {
+            let Some(cel) = &selector.cel else { continue };
+            match self.cel.matches(&cel.expression, &device_value) {
+                Ok(true) => {}
+                Ok(false) => {
+                    outcome = Err(true);
+                    break;
+                }
+                Err(e) => {
+                    return Err(Unallocatable::new(format!(
+                        "class {class_name}: selector #{i}: {e}"
+                    )))
+                }
+            }
+        }
+        if outcome.is_ok() {
+            for (i, selector) in v.selectors.iter().enumerate() {
+                let Some(cel) = &selector.cel else { continue };
+                match self.cel.matches(&cel.expression, &device_value) {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        outcome = Err(false);
+                        break;
+                    }
+                    Err(e) => {
+                        return Err(Unallocatable::new(format!(
+                            "claim {}: selector #{i}: {e}",
+                            self.claim_ref
+                        )))
+                    }
+                }
+            }
+        }
+        self.selectable.insert(key, outcome);
+        self.selectable(request, variant, candidate)
+    }
+
+    /// Every check for giving `candidate` to the request, cheapest first: in use, selectors,
+    /// taints, capacity, constraints. Ok holds the capacity a shared device would consume.
+    #[allow(clippy::type_complexity)]
+    fn try_candidate(
+        &mut self,
+        request: usize,
+        variant: usize,
+        candidate: usize,
+    ) -> Result<Result<Option<BTreeMap<String, Quantity>>, Rejection>, Unallocatable> {
+        let c = &self.candidates[candidate];
+        let key = c.key();
+        let v = &self.requests[request].variants[variant];
+        if c.pool_invalid {
+            return Ok(Err(Rejection::InvalidPool(format!(
+                "resource pool {}/{} is currently invalid",
+                c.driver, c.pool
+            ))));
+        }
+        if !v.admin_access {
+            let taken_by_claim = self.picks.iter().any(|p| {
+                p.candidate == candidate
+                    && (!c.shared() || (p.request == request && p.variant == variant))
+            });
+            if self.in_use.exclusive.contains(&key) || taken_by_claim {
+                return Ok(Err(Rejection::InUse(format!(
+                    "{} is already allocated",
+                    c.device.name
+                ))));
+            }
+        }
+        if let Err(rejection) = self.selectable(request, variant, candidate)? {
+            return Ok(Err(rejection));
+        }
+        let c = &self.candidates[candidate];
+        let v = &self.requests[request].variants[variant];
+        if let Some(taint) = untolerated_taint(c.device.taints.as_deref(), v.tolerations) {
+            return Ok(Err(Rejection::Taint(format!(
+                "{} has the taint {}={}:{} that the request does not tolerate",
+                c.device.name,
+                taint.key,
+                taint.value.as_deref().unwrap_or_default(),
+                taint.effect
+            ))));
+        }
+        let consumption = if v.admin_access {
+            None
+        } else if c.shared() {
+            let consumption = match capacity::consumption(c.device, v.capacity) {
+                Ok(consumption) => consumption,
+                Err(e) => return Ok(Err(Rejection::Capacity(e))),
+            };
+            let mut used = self
+                .in_use
+                .shares
+                .get(&key)
+                .map(|(consumed, _)| consumed.clone())
+                .unwrap_or_default();
+            for pick in self.picks.iter().filter(|p| p.candidate == candidate) {
+                if let Some(consumed) = &pick.consumption {
+                    let _ = capacity::add(&mut used, consumed);
+                }
+            }
+            if let Err(e) = capacity::check_fits(c.device, &consumption, &used) {
+                return Ok(Err(Rejection::Capacity(e)));
+            }
+            Some(consumption)
+        } else {
+            if let Err(e) = capacity::check_exclusive(c.device, v.capacity) {
+                return Ok(Err(Rejection::Capacity(e)));
+            }
+            None
+        };
+        if let Err(message) = self.check_constraints(request, variant, candidate) {
+            return Ok(Err(Rejection::Constraint(message)));
+        }
+        Ok(Ok(consumption))
+    }
+
+    fn check_constraints(
+        &self,
+        request: usize,
+        variant: usize,
+        candidate: usize,
+    ) -> Result<(), String> {
+        let applies = |constraint: &DeviceConstraint, request: usize, variant: usize| {
+            let listed = constraint.requests.as_deref().unwrap_or_default();
+            let r = &self.requests[request];
+            listed.is_empty()
+                || listed
+                    .iter()
+                    .any(|name| name == r.name || *name == r.variants[variant].result_name)
+        };
+        let c = &self.candidates[candidate];
+        for constraint in self.constraints {
+            if !applies(constraint, request, variant) {
+                continue;
+            }
+            let (attribute, distinct) =
+                match (&constraint.match_attribute, &constraint.distinct_attribute) {
+                    (Some(name), _) => (name, false),
+                    (None, Some(name)) => (name, true),
+                    (None, None) => continue,
+                };
+            let Some(value) = lookup_attribute(c.driver, c.device, attribute) else {
+                return Err(format!("{} has no attribute {attribute}", c.device.name));
+            };
+            for pick in &self.picks {
+                if !applies(constraint, pick.request, pick.variant) {
+                    continue;
+                }
+                let other = &self.candidates[pick.candidate];
+                let other_value = lookup_attribute(other.driver, other.device, attribute);
+                let same = other_value == Some(value);
+                if distinct && same {
+                    return Err(format!(
+                        "{} and {} have the same {attribute} (distinctAttribute)",
+                        other.device.name, c.device.name
+                    ));
+                }
+                if !distinct && !same {
+                    return Err(format!(
+                        "{} and {} differ in {attribute} (matchAttribute)",
+                        other.device.name, c.device.name
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// After a failed search: the first request that cannot be met even on its own, with
+    /// each device's reason, or else a note that the requests only fail together.
+    fn diagnose(&mut self) -> Result<String, Unallocatable> {
+        self.picks.clear();
+        if self.candidates.is_empty() {
+            return Ok(format!(
+                "claim {}: no devices are published for node {}",
+                self.claim_ref, self.node
+            ));
+        }
+        for request in 0..self.requests.len() {
+            let mut explanations = Vec::new();
+            let mut satisfiable = false;
+            for variant in 0..self.requests[request].variants.len() {
+                let mut usable = 0;
+                let mut rejections = Vec::new();
+                for candidate in 0..self.candidates.len() {
+                    match self.try_candidate(request, variant, candidate)? {
+                        Ok(_) => usable += 1,
+                        Err(rejection) => rejections.push(rejection),
+                    }
+                }
+                let v = &self.requests[request].variants[variant];
+                let needed = match v.mode {
+                    Mode::Count(n) => n,
+                    Mode::All => 1,
+                };
+                let all_usable = v.mode != Mode::All
+                    || rejections
+                        .iter()
+                        .all(|r| matches!(r, Rejection::Class | Rejection::Selector));
+                if usable >= needed && all_usable {
+                    satisfiable = true;
+                    break;
+                }
+                let explanation = explain(v, usable, needed, &rejections);
+                explanations.push(match v.subrequest {
+                    Some(sub) => format!("subrequest {sub}: {explanation}"),
+                    None => explanation,
+                });
+            }
+            if !satisfiable {
+                return Ok(format!(
+                    "claim {}, request {}: {}",
+                    self.claim_ref,
+                    self.requests[request].name,
+                    explanations.join("; ")
+                ));
+            }
+        }
+        Ok(format!(
+            "claim {}: each request fits on its own but not all together (constraints or shared capacity)",
+            self.claim_ref
+        ))
+    }
+
+    fn result(&self, claim: &ResourceClaim) -> AllocationResult {
+        let mut given: HashMap<DeviceKey, HashSet<String>> = HashMap::new();
+        let mut results = Vec::new();
+        for pick in &self.picks {
+            let c = &self.candidates[pick.candidate];
+            let v = &self.requests[pick.request].variants[pick.variant];
+            let share_id = pick.consumption.as_ref().map(|_| {
+                let key = c.key();
+                let taken = self.in_use.shares.get(&key).map(|(_, ids)| ids);
+                let mine = given.entry(key).or_default();
+                let id = loop {
+                    let id = new_share_id();
+                    if !mine.contains(&id) && !taken.is_some_and(|t| t.contains(&id)) {
+                        break id;
+                    }
+                };
+                mine.insert(id.clone());
+                id
+            });
+            results.push(DeviceRequestAllocationResult {
+                request: v.result_name.clone(),
+                driver: c.driver.to_string(),
+                pool: c.pool.to_string(),
+                device: c.device.name.clone(),
+                admin_access: v.admin_access.then_some(true),
+                tolerations: v.tolerations.cloned(),
+                consumed_capacity: pick.consumption.clone(),
+                share_id,
+                ..Default::default()
+            });
+        }
+        AllocationResult {
+            devices: Some(DeviceAllocationResult {
+                results: Some(results),
+                config: Some(self.config(claim)).filter(|c| !c.is_empty()),
+            }),
+            node_selector: self.node_selector(),
+            allocation_timestamp: None,
+        }
+    }
+
+    /// The class's config for each request that used the class, then the claim's config
+    /// entries that name a chosen request (or subrequest) or no request at all.
+    fn config(&self, claim: &ResourceClaim) -> Vec<DeviceAllocationConfiguration> {
+        let mut config = Vec::new();
+        for (request, r) in self.requests.iter().enumerate() {
+            let v = &r.variants[self.chosen[request]];
+            for entry in v.class.spec.config.iter().flatten() {
+                config.push(DeviceAllocationConfiguration {
+                    source: "FromClass".to_string(),
+                    requests: Some(vec![v.result_name.clone()]),
+                    opaque: entry.opaque.clone(),
+                });
+            }
+        }
+        let claim_config = claim
+            .spec
+            .devices
+            .as_ref()
+            .and_then(|d| d.config.as_deref())
+            .unwrap_or_default();
+        for entry in claim_config {
+            let listed = entry.requests.as_deref().unwrap_or_default();
+            let chosen = listed.is_empty()
+                || self.requests.iter().enumerate().any(|(request, r)| {
+                    listed.iter().any(|name| {
+                        name == r.name || *name == r.variants[self.chosen[request]].result_name
+                    })
+                });
+            if chosen {
+                config.push(DeviceAllocationConfiguration {
+                    source: "FromClaim".to_string(),
+                    requests: entry.requests.clone(),
+                    opaque: entry.opaque.clone(),
+                });
+            }
+        }
+        config
+    }
+
+    /// A node-local device pins the claim to that node; selector-bound devices add their
+    /// requirements; devices on all nodes add nothing.
+    fn node_selector(&self) -> Option<NodeSelector> {
+        let mut term = NodeSelectorTerm::default();
+        let add = |into: &mut Option<Vec<NodeSelectorRequirement>>,
+                   from: &Option<Vec<NodeSelectorRequirement>>| {
+            for requirement in from.iter().flatten() {
+                let list = into.get_or_insert_with(Vec::new);
+                if !list.contains(requirement) {
+                    list.push(requirement.clone());
+                }
+            }
+        };
+        for pick in &self.picks {
+            let c = &self.candidates[pick.candidate];
+            match placement(c.slice, c.device) {
+                Placement::Node(name) => {
+                    return Some(NodeSelector {
+                        node_selector_terms: vec![NodeSelectorTerm {
+                            match_fields: Some(vec![NodeSelectorRequirement {
+                                key: "metadata.name".to_string(),
+                                operator: "In".to_string(),
+                                values: Some(vec![name.to_string()]),
+                            }]),
+                            match_expressions: None,
+                        }],
+                    })
+                }
+                Placement::Selector(selector) => {
+                    if let Some(first) = selector.node_selector_terms.first() {
+                        add(&mut term.match_fields, &first.match_fields);
+                        add(&mut term.match_expressions, &first.match_expressions);
+                    }
+                }
+                Placement::AllNodes | Placement::Nowhere => {}
+            }
+        }
+        (term.match_fields.is_some() || term.match_expressions.is_some()).then(|| NodeSelector {
+            node_selector_terms: vec![term],
+        })
+    }
+}
+
+fn explain(v: &Variant<'_>, usable: usize, needed: usize, rejections: &[Rejection]) -> String {
+    let class = v.class.metadata.name.as_deref().unwrap_or_default();
+    let specific: Vec<String> = rejections
+        .iter()
+        .filter_map(|r| match r {
+            Rejection::Class | Rejection::Selector => None,
+            Rejection::Taint(m)
+            | Rejection::InUse(m)
+            | Rejection::Constraint(m)
+            | Rejection::InvalidPool(m) => Some(m.clone()),
+            Rejection::Capacity(e) => Some(e.to_string()),
+        })
+        .collect();
+    let matched_class = rejections
+        .iter()
+        .filter(|r| !matches!(r, Rejection::Class))
+        .count()
+        + usable;
+    if matched_class == 0 {
+        return format!("no device matches class {class}");
+    }
+    if specific.is_empty() && usable == 0 {
+        return format!("no device of class {class} matches the request's selectors");
+    }
+    let mut message = String::new();
+    if usable > 0 || v.mode == Mode::All {
+        message = match v.mode {
+            Mode::All => "asks for all devices, but not all are available: ".to_string(),
+            Mode::Count(_) => format!("needs {needed} devices, only {usable} available: "),
+        };
+    }
+    message.push_str(&specific.join("; "));
+    message
+}
+
+/// The first NoSchedule/NoExecute taint no toleration of the request matches.
+fn untolerated_taint<'t>(
+    taints: Option<&'t [DeviceTaint]>,
+    tolerations: Option<&Vec<DeviceToleration>>,
+) -> Option<&'t DeviceTaint> {
+    taints.into_iter().flatten().find(|taint| {
+        matches!(taint.effect.as_str(), "NoSchedule" | "NoExecute")
+            && !tolerations.into_iter().flatten().any(|t| {
+                let key_matches = match t.key.as_deref() {
+                    None | Some("") => t.operator.as_deref() == Some("Exists"),
+                    Some(key) => key == taint.key,
+                };
+                let value_matches = t.operator.as_deref() == Some("Exists")
+                    || t.value.as_deref().unwrap_or_default()
+                        == taint.value.as_deref().unwrap_or_default();
+                let effect_matches = t
+                    .effect
+                    .as_deref()
+                    .is_none_or(|e| e.is_empty() || e == taint.effect);
+                key_matches && value_matches && effect_matches
+            })
+    })
+}
+
+/// A fully qualified attribute of a device; bare names are in the driver's domain.
+fn lookup_attribute<'d>(
+    driver: &str,
+    device: &'d k8s_openapi::api::resource::v1::Device,
+    name: &str,
+) -> Option<&'d DeviceAttribute> {
+    let attributes = device.attributes.as_ref()?;
+    if let Some(value) = attributes.get(name) {
+        return Some(value);
+    }
+    let (domain, id) = name.split_once('/')?;
+    (domain == driver).then(|| attributes.get(id)).flatten()
+}
+
+/// A share id like the ones kube-scheduler writes: short, lowercase alphanumeric.
+fn new_share_id() -> String {
+    // The alphabet Kubernetes uses for generated suffixes: no vowels, no look-alikes.
+    const ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
+    uuid::Uuid::new_v4().as_bytes()[..5]
+        .iter()
+        .map(|b| ALPHABET[*b as usize % ALPHABET.len()] as char)
+        .collect()
+}

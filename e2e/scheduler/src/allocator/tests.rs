@@ -1,0 +1,594 @@
+//! One test per allocation rule, on objects shaped like gpupool's (see `crate::fixtures`).
+
+use std::collections::BTreeSet;
+
+use k8s_openapi::api::resource::v1::{
+    AllocationResult, CapacityRequestPolicy, DeviceCapacity, DeviceConstraint, ResourceClaim,
+    ResourceSlice,
+};
+use serde_json::json;
+
+use super::{allocate, TargetNode};
+use crate::fixtures::*;
+
+fn on(
+    node: &str,
+    claim: &ResourceClaim,
+    slices: &[ResourceSlice],
+    allocated: &[ResourceClaim],
+) -> Result<AllocationResult, String> {
+    allocate(
+        claim,
+        &TargetNode::named(node),
+        &seed_classes(),
+        slices,
+        allocated,
+    )
+    .map_err(|e| e.message)
+}
+
+/// Allocates claims one after the other on `node`, each seeing the ones before.
+fn sequence(
+    node: &str,
+    slices: &[ResourceSlice],
+    claims: Vec<ResourceClaim>,
+) -> Vec<Result<Vec<String>, String>> {
+    let mut done: Vec<ResourceClaim> = Vec::new();
+    claims
+        .into_iter()
+        .map(|c| {
+            let result = on(node, &c, slices, &done)?;
+            let lines = summary(&result);
+            done.push(allocated(c, result));
+            Ok(lines)
+        })
+        .collect()
+}
+
+fn one_a100() -> Vec<ResourceSlice> {
+    vec![node_slice("node-a", vec![gpu(0, "A100-SXM4-40GB", "40Gi")])]
+}
+
+#[test]
+fn an_exclusive_device_goes_to_one_claim_only() {
+    let slices = vec![node_slice(
+        "node-a",
+        vec![
+            exclusive(gpu(0, "A100-SXM4-40GB", "40Gi")),
+            exclusive(gpu(1, "A100-SXM4-40GB", "40Gi")),
+        ],
+    )];
+    let claims = (1..=3)
+        .map(|i| claim(&format!("c{i}"), vec![exact("gpu", A100, &[])]))
+        .collect();
+    let results = sequence("node-a", &slices, claims);
+    assert_eq!(results[0], Ok(vec!["gpu node-a/gpu-0".to_string()]));
+    assert_eq!(results[1], Ok(vec!["gpu node-a/gpu-1".to_string()]));
+    assert_eq!(
+        results[2],
+        Err(
+            "claim default/c3, request gpu: gpu-0 is already allocated; gpu-1 is already allocated"
+                .to_string()
+        )
+    );
+}
+
+#[test]
+fn exclusive_results_carry_no_share_or_capacity() {
+    let slices = vec![node_slice(
+        "node-a",
+        vec![exclusive(gpu(0, "A100-SXM4-40GB", "40Gi"))],
+    )];
+    let result = on(
+        "node-a",
+        &claim("c", vec![exact("gpu", A100, &[])]),
+        &slices,
+        &[],
+    )
+    .unwrap();
+    let r = &result.devices.unwrap().results.unwrap()[0];
+    assert_eq!(
+        (r.share_id.as_ref(), r.consumed_capacity.as_ref()),
+        (None, None)
+    );
+}
+
+#[test]
+fn capacity_requests_round_up_to_the_step() {
+    let c = claim(
+        "c",
+        vec![exact(
+            "gpu",
+            A100,
+            &[("memory", "1500M"), ("cores", "500m")],
+        )],
+    );
+    let result = on("node-a", &c, &one_a100(), &[]).unwrap();
+    assert_eq!(
+        summary(&result),
+        vec!["gpu node-a/gpu-0 memory=1431Mi cores=1"]
+    );
+}
+
+#[test]
+fn a_request_below_the_minimum_consumes_the_minimum() {
+    let c = claim("c", vec![exact("gpu", A100, &[("memory", "100Ki")])]);
+    let result = on("node-a", &c, &one_a100(), &[]).unwrap();
+    assert_eq!(
+        summary(&result),
+        vec!["gpu node-a/gpu-0 memory=1Mi cores=0"]
+    );
+}
+
+#[test]
+fn valid_values_take_the_smallest_value_at_or_above_the_request() {
+    let mut device = gpu(0, "A100-SXM4-40GB", "40Gi");
+    device.capacity.as_mut().unwrap().insert(
+        "memory".into(),
+        DeviceCapacity {
+            value: q("40Gi"),
+            request_policy: Some(CapacityRequestPolicy {
+                default: Some(q("40Gi")),
+                valid_range: None,
+                valid_values: Some(vec![q("10Gi"), q("20Gi"), q("40Gi")]),
+            }),
+        },
+    );
+    let slices = vec![node_slice("node-a", vec![device])];
+    let results = sequence(
+        "node-a",
+        &slices,
+        vec![
+            claim("c1", vec![exact("gpu", A100, &[("memory", "11Gi")])]),
+            claim("c2", vec![exact("gpu", A100, &[("memory", "10Gi")])]),
+            claim("c3", vec![exact("gpu", A100, &[("memory", "11Gi")])]),
+            claim("c4", vec![exact("gpu", A100, &[("memory", "10Gi")])]),
+        ],
+    );
+    assert_eq!(
+        results[0],
+        Ok(vec!["gpu node-a/gpu-0 memory=20Gi cores=0".to_string()])
+    );
+    assert_eq!(
+        results[1],
+        Ok(vec!["gpu node-a/gpu-0 memory=10Gi cores=0".to_string()])
+    );
+    assert_eq!(
+        results[2],
+        Err("claim default/c3, request gpu: insufficient memory on gpu-0: requested 20Gi, available 10Gi".to_string())
+    );
+    assert_eq!(
+        results[3],
+        Ok(vec!["gpu node-a/gpu-0 memory=10Gi cores=0".to_string()])
+    );
+}
+
+#[test]
+fn a_request_above_the_maximum_is_refused() {
+    let c = claim("c", vec![exact("gpu", A100, &[("cores", "150")])]);
+    assert_eq!(
+        on("node-a", &c, &one_a100(), &[]),
+        Err("claim default/c, request gpu: cores 150 on gpu-0 is outside its request policy (maximum 100)".to_string())
+    );
+}
+
+#[test]
+fn shares_of_a_device_add_up_across_claims() {
+    let results = sequence(
+        "node-a",
+        &one_a100(),
+        vec![
+            claim(
+                "c1",
+                vec![exact("gpu", A100, &[("memory", "16Gi"), ("cores", "60")])],
+            ),
+            claim(
+                "c2",
+                vec![exact("gpu", A100, &[("memory", "16Gi"), ("cores", "40")])],
+            ),
+            claim(
+                "c3",
+                vec![exact("gpu", A100, &[("memory", "8Gi"), ("cores", "1")])],
+            ),
+            claim("c4", vec![exact("gpu", A100, &[("memory", "16Gi")])]),
+            claim("c5", vec![exact("gpu", A100, &[("memory", "8Gi")])]),
+        ],
+    );
+    assert!(results[0].is_ok() && results[1].is_ok());
+    assert_eq!(
+        results[2],
+        Err(
+            "claim default/c3, request gpu: insufficient cores on gpu-0: requested 1, available 0"
+                .to_string()
+        )
+    );
+    assert_eq!(
+        results[3],
+        Err("claim default/c4, request gpu: insufficient memory on gpu-0: requested 16Gi, available 8Gi".to_string())
+    );
+    assert_eq!(
+        results[4],
+        Ok(vec!["gpu node-a/gpu-0 memory=8Gi cores=0".to_string()])
+    );
+}
+
+#[test]
+fn a_claim_without_capacity_requests_takes_the_whole_card() {
+    let slices = vec![node_slice(
+        "node-a",
+        vec![
+            gpu(0, "A100-SXM4-40GB", "40Gi"),
+            gpu(1, "A100-SXM4-40GB", "40Gi"),
+        ],
+    )];
+    let results = sequence(
+        "node-a",
+        &slices,
+        vec![
+            claim("share", vec![exact("gpu", A100, &[("memory", "1Gi")])]),
+            claim("whole", vec![exact("gpu", A100, &[])]),
+            claim("tiny", vec![exact("gpu", A100, &[("memory", "1Mi")])]),
+        ],
+    );
+    assert_eq!(
+        results[0],
+        Ok(vec!["gpu node-a/gpu-0 memory=1Gi cores=0".to_string()])
+    );
+    // Not on gpu-0, which already has a share.
+    assert_eq!(
+        results[1],
+        Ok(vec!["gpu node-a/gpu-1 memory=40Gi cores=0".to_string()])
+    );
+    assert_eq!(
+        results[2],
+        Ok(vec!["gpu node-a/gpu-0 memory=1Mi cores=0".to_string()])
+    );
+}
+
+#[test]
+fn first_available_takes_the_first_subrequest_that_fits_and_names_it() {
+    let prefer_a100 = || {
+        claim(
+            "prefer",
+            vec![first_available(
+                "gpu",
+                vec![
+                    subrequest("a100", A100, &[("cores", "50")]),
+                    subrequest("v100", V100, &[("cores", "70")]),
+                ],
+            )],
+        )
+    };
+    let slices = seed_slices();
+    let on_a = on("node-a", &prefer_a100(), &slices, &[]).unwrap();
+    assert_eq!(
+        summary(&on_a),
+        vec!["gpu/a100 node-a/gpu-0 memory=40Gi cores=50"]
+    );
+    let on_b = on("node-b", &prefer_a100(), &slices, &[]).unwrap();
+    assert_eq!(
+        summary(&on_b),
+        vec!["gpu/v100 node-b/gpu-0 memory=32Gi cores=70"]
+    );
+    assert_eq!(
+        on("node-c", &prefer_a100(), &slices, &[]),
+        Err(format!(
+            "claim default/prefer, request gpu: subrequest a100: no device matches class {A100}; \
+             subrequest v100: no device matches class {V100}"
+        ))
+    );
+}
+
+#[test]
+fn request_selectors_see_attributes_versions_and_quantities() {
+    let with = |expression: &str| {
+        let mut c = claim("c", vec![exact("gpu", "gpupool.dev", &[("memory", "1Gi")])]);
+        let request = &mut c.spec.devices.as_mut().unwrap().requests.as_mut().unwrap()[0];
+        request.exactly.as_mut().unwrap().selectors = Some(vec![selector(expression)]);
+        on("node-a", &c, &seed_slices(), &[]).map(|r| summary(&r))
+    };
+    let index_1 = r#"device.attributes["gpupool.dev"].index == 1"#;
+    assert_eq!(
+        with(index_1),
+        Ok(vec!["gpu node-a/gpu-1 memory=1Gi cores=0".to_string()])
+    );
+    let new_driver =
+        r#"device.attributes["gpupool.dev"].driverVersion.isGreaterThan(semver("535.0.0"))"#;
+    assert!(with(new_driver).is_ok());
+    let old_driver =
+        r#"device.attributes["gpupool.dev"].driverVersion.isLessThan(semver("535.0.0"))"#;
+    assert_eq!(
+        with(old_driver),
+        Err("claim default/c, request gpu: no device of class gpupool.dev matches the request's selectors".to_string())
+    );
+    let big_memory = r#"device.capacity["gpupool.dev"].memory.compareTo(quantity("48Gi")) >= 0"#;
+    assert!(with(big_memory).is_err());
+    let enough_memory = r#"device.capacity["gpupool.dev"].memory.isGreaterThan(quantity("32Gi"))"#;
+    assert!(with(enough_memory).is_ok());
+}
+
+#[test]
+fn a_selector_reading_a_missing_domain_fails_the_allocation() {
+    // Another driver's device on the node: a selector without the driver guard breaks on it.
+    let mut nic = exclusive(gpu(0, "nic", "1Gi"));
+    nic.name = "nic-0".into();
+    nic.attributes = None;
+    let slices = vec![
+        slice_of("aaa.example.com", "node-a", "node-a", 1, 1, vec![nic]),
+        node_slice("node-a", vec![gpu(0, "A100-SXM4-40GB", "40Gi")]),
+    ];
+    let unguarded = class(
+        "unguarded",
+        &[r#"device.attributes["gpupool.dev"].model == "A100-SXM4-40GB""#],
+    );
+    let c = claim("c", vec![exact("gpu", "unguarded", &[])]);
+    let result = allocate(&c, &"node-a".into(), &[unguarded], &slices, &[]);
+    assert_eq!(
+        result.unwrap_err().message,
+        "class unguarded: selector #0: CEL runtime error: no such key: gpupool.dev"
+    );
+    // The guarded classes of the controller skip the other driver's device.
+    assert!(on(
+        "node-a",
+        &claim("c", vec![exact("gpu", A100, &[])]),
+        &slices,
+        &[]
+    )
+    .is_ok());
+}
+
+#[test]
+fn config_comes_from_the_class_then_the_claim_and_follows_the_chosen_subrequest() {
+    let mut classes = seed_classes();
+    classes[2] = with_class_config(
+        classes[2].clone(),
+        json!({"kind": "GpuConfig", "from": "v100-class"}),
+    );
+    let mut c = claim(
+        "c",
+        vec![first_available(
+            "gpu",
+            vec![subrequest("a100", A100, &[]), subrequest("v100", V100, &[])],
+        )],
+    );
+    c = with_claim_config(c, &["gpu/a100"], json!({"for": "a100"}));
+    c = with_claim_config(c, &["gpu/v100"], json!({"for": "v100"}));
+    c = with_claim_config(c, &["gpu"], json!({"for": "gpu"}));
+    c = with_claim_config(c, &[], json!({"for": "all"}));
+    let result = allocate(&c, &"node-b".into(), &classes, &seed_slices(), &[]).unwrap();
+    let config: Vec<(String, Vec<String>, serde_json::Value)> = result
+        .devices
+        .unwrap()
+        .config
+        .unwrap()
+        .into_iter()
+        .map(|e| {
+            (
+                e.source,
+                e.requests.unwrap_or_default(),
+                e.opaque.unwrap().parameters.0,
+            )
+        })
+        .collect();
+    assert_eq!(
+        config,
+        vec![
+            (
+                "FromClass".into(),
+                vec!["gpu/v100".to_string()],
+                json!({"kind": "GpuConfig", "from": "v100-class"})
+            ),
+            (
+                "FromClaim".into(),
+                vec!["gpu/v100".to_string()],
+                json!({"for": "v100"})
+            ),
+            (
+                "FromClaim".into(),
+                vec!["gpu".to_string()],
+                json!({"for": "gpu"})
+            ),
+            ("FromClaim".into(), vec![], json!({"for": "all"})),
+        ]
+    );
+}
+
+#[test]
+fn a_claim_gets_all_its_requests_or_nothing() {
+    let slices = one_a100();
+    let c = claim(
+        "two",
+        vec![
+            exact("first", A100, &[("memory", "30Gi")]),
+            exact("second", A100, &[("memory", "20Gi")]),
+        ],
+    );
+    assert_eq!(
+        on("node-a", &c, &slices, &[]),
+        Err("claim default/two: each request fits on its own but not all together (constraints or shared capacity)".to_string())
+    );
+    let fits = claim(
+        "two",
+        vec![
+            exact("first", A100, &[("memory", "20Gi")]),
+            exact("second", A100, &[("memory", "20Gi")]),
+        ],
+    );
+    assert_eq!(
+        summary(&on("node-a", &fits, &slices, &[]).unwrap()),
+        vec![
+            "first node-a/gpu-0 memory=20Gi cores=0",
+            "second node-a/gpu-0 memory=20Gi cores=0"
+        ]
+    );
+}
+
+#[test]
+fn the_search_backtracks_over_subrequests_to_satisfy_later_requests() {
+    // The first request prefers an A100; the second can only use the only A100, so the first
+    // must fall back to its V100 alternative. Devices across two drivers' pools on one node.
+    let slices = vec![node_slice(
+        "node-x",
+        vec![
+            exclusive(gpu(0, "A100-SXM4-40GB", "40Gi")),
+            exclusive(gpu(1, "V100-SXM2-32GB", "32Gi")),
+        ],
+    )];
+    let c = claim(
+        "c",
+        vec![
+            first_available(
+                "flex",
+                vec![subrequest("a100", A100, &[]), subrequest("v100", V100, &[])],
+            ),
+            exact("strict", A100, &[]),
+        ],
+    );
+    let result = on("node-x", &c, &slices, &[]).unwrap();
+    assert_eq!(
+        summary(&result),
+        vec!["flex/v100 node-x/gpu-1", "strict node-x/gpu-0"]
+    );
+}
+
+#[test]
+fn share_ids_are_fresh_for_every_share_of_a_device() {
+    let claims = (0..40)
+        .map(|i| {
+            claim(
+                &format!("c{i}"),
+                vec![exact("gpu", A100, &[("memory", "1Gi")])],
+            )
+        })
+        .collect::<Vec<_>>();
+    let mut done: Vec<ResourceClaim> = Vec::new();
+    for c in claims {
+        let result = on("node-a", &c, &one_a100(), &done).unwrap();
+        done.push(allocated(c, result));
+    }
+    let ids: Vec<String> = done
+        .iter()
+        .map(|c| {
+            let allocation = c.status.as_ref().unwrap().allocation.as_ref().unwrap();
+            allocation
+                .devices
+                .as_ref()
+                .unwrap()
+                .results
+                .as_ref()
+                .unwrap()[0]
+                .share_id
+                .clone()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(ids.iter().collect::<BTreeSet<_>>().len(), 40);
+    for id in &ids {
+        assert!(
+            id.len() >= 5
+                && id
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit()),
+            "{id}"
+        );
+    }
+}
+
+#[test]
+fn the_allocation_is_pinned_to_the_node_of_its_devices() {
+    let result = on(
+        "node-a",
+        &claim("c", vec![exact("gpu", A100, &[])]),
+        &seed_slices(),
+        &[],
+    )
+    .unwrap();
+    let selector = result.node_selector.unwrap();
+    let term = &selector.node_selector_terms[0];
+    let field = &term.match_fields.as_ref().unwrap()[0];
+    assert_eq!(
+        (
+            field.key.as_str(),
+            field.operator.as_str(),
+            field.values.clone().unwrap()
+        ),
+        ("metadata.name", "In", vec!["node-a".to_string()])
+    );
+}
+
+#[test]
+fn match_attribute_keeps_devices_under_one_pcie_root() {
+    // gpu-0/gpu-1 share root 00, gpu-2/gpu-3 share root 01; gpu-1 is taken, so the pair must
+    // come from root 01.
+    let slices = vec![node_slice(
+        "node-a",
+        (0..4)
+            .map(|i| exclusive(gpu(i, "A100-SXM4-40GB", "40Gi")))
+            .collect(),
+    )];
+    let taken = allocated(
+        claim("taken", vec![exact("gpu", A100, &[])]),
+        AllocationResult {
+            devices: Some(k8s_openapi::api::resource::v1::DeviceAllocationResult {
+                results: Some(vec![
+                    k8s_openapi::api::resource::v1::DeviceRequestAllocationResult {
+                        request: "gpu".into(),
+                        driver: "gpupool.dev".into(),
+                        pool: "node-a".into(),
+                        device: "gpu-1".into(),
+                        ..Default::default()
+                    },
+                ]),
+                config: None,
+            }),
+            ..Default::default()
+        },
+    );
+    let mut c = claim("pair", vec![exact("a", A100, &[]), exact("b", A100, &[])]);
+    c.spec.devices.as_mut().unwrap().constraints = Some(vec![DeviceConstraint {
+        match_attribute: Some("resource.kubernetes.io/pcieRoot".into()),
+        ..Default::default()
+    }]);
+    let result = on("node-a", &c, &slices, &[taken]).unwrap();
+    assert_eq!(summary(&result), vec!["a node-a/gpu-2", "b node-a/gpu-3"]);
+}
+
+#[test]
+fn all_mode_takes_every_matching_device_and_waits_for_complete_pools() {
+    let mut c = claim("all", vec![exact("gpu", A100, &[])]);
+    let request = &mut c.spec.devices.as_mut().unwrap().requests.as_mut().unwrap()[0];
+    request.exactly.as_mut().unwrap().allocation_mode = Some("All".into());
+    let result = on("node-a", &c, &seed_slices(), &[]).unwrap();
+    assert_eq!(
+        summary(&result),
+        vec![
+            "gpu node-a/gpu-0 memory=40Gi cores=0",
+            "gpu node-a/gpu-1 memory=40Gi cores=0"
+        ]
+    );
+    let incomplete = vec![slice_of(
+        "gpupool.dev",
+        "node-a",
+        "node-a",
+        2,
+        2,
+        vec![gpu(0, "A100-SXM4-40GB", "40Gi")],
+    )];
+    assert_eq!(
+        on("node-a", &c, &incomplete, &[]),
+        Err("claim default/all, request gpu: asks for all devices, but resource pool gpupool.dev/node-a is currently being updated".to_string())
+    );
+}
+
+#[test]
+fn an_unknown_class_is_named() {
+    let c = claim("c", vec![exact("gpu", "h100.gpupool.dev", &[])]);
+    assert_eq!(
+        on("node-a", &c, &seed_slices(), &[]),
+        Err(
+            "claim default/c, request gpu: could not retrieve device class h100.gpupool.dev: \
+             deviceclass.resource.k8s.io \"h100.gpupool.dev\" not found"
+                .to_string()
+        )
+    );
+}

@@ -1,0 +1,311 @@
+//! Test objects shaped like gpupool publishes them (DESIGN.md, device model), built here so
+//! the scheduler does not depend on the driver's slice builder.
+
+use std::collections::BTreeMap;
+
+use gpupool_api::names::DRIVER_NAME;
+use k8s_openapi::api::resource::v1::{
+    AllocationResult, CELDeviceSelector, CapacityRequestPolicy, CapacityRequestPolicyRange,
+    CapacityRequirements, Device, DeviceAttribute, DeviceCapacity, DeviceClaim,
+    DeviceClaimConfiguration, DeviceClass, DeviceClassConfiguration, DeviceClassSpec,
+    DeviceRequest, DeviceSelector, DeviceSubRequest, ExactDeviceRequest, OpaqueDeviceConfiguration,
+    ResourceClaim, ResourceClaimSpec, ResourceClaimStatus, ResourcePool, ResourceSlice,
+    ResourceSliceSpec,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
+
+pub fn q(s: &str) -> Quantity {
+    Quantity(s.to_string())
+}
+
+fn string_attr(s: &str) -> DeviceAttribute {
+    DeviceAttribute {
+        string: Some(s.to_string()),
+        ..Default::default()
+    }
+}
+
+/// One GPU as gpupool publishes it: shared, memory + cores consumable.
+pub fn gpu(index: u32, model: &str, memory: &str) -> Device {
+    let mut attributes = BTreeMap::new();
+    attributes.insert("model".to_string(), string_attr(model));
+    attributes.insert(
+        "productName".to_string(),
+        string_attr(&format!("NVIDIA {model}")),
+    );
+    attributes.insert(
+        "index".to_string(),
+        DeviceAttribute {
+            int: Some(index.into()),
+            ..Default::default()
+        },
+    );
+    attributes.insert(
+        "driverVersion".to_string(),
+        DeviceAttribute {
+            version: Some("550.54.15".into()),
+            ..Default::default()
+        },
+    );
+    attributes.insert(
+        "resource.kubernetes.io/pcieRoot".to_string(),
+        string_attr(&format!("pci0000:{:02x}", index / 2)),
+    );
+    let mut capacity = BTreeMap::new();
+    capacity.insert(
+        "memory".to_string(),
+        DeviceCapacity {
+            value: q(memory),
+            request_policy: Some(CapacityRequestPolicy {
+                default: Some(q(memory)),
+                valid_range: Some(CapacityRequestPolicyRange {
+                    min: q("1Mi"),
+                    step: Some(q("1Mi")),
+                    max: None,
+                }),
+                valid_values: None,
+            }),
+        },
+    );
+    capacity.insert(
+        "cores".to_string(),
+        DeviceCapacity {
+            value: q("100"),
+            request_policy: Some(CapacityRequestPolicy {
+                default: Some(q("0")),
+                valid_range: Some(CapacityRequestPolicyRange {
+                    min: q("0"),
+                    step: Some(q("1")),
+                    max: Some(q("100")),
+                }),
+                valid_values: None,
+            }),
+        },
+    );
+    Device {
+        name: format!("gpu-{index}"),
+        attributes: Some(attributes),
+        capacity: Some(capacity),
+        allow_multiple_allocations: Some(true),
+        ..Default::default()
+    }
+}
+
+/// A device that can only be allocated whole.
+pub fn exclusive(mut device: Device) -> Device {
+    device.allow_multiple_allocations = None;
+    device
+}
+
+/// The single slice of a node's pool (pool name = node name, generation 1).
+pub fn node_slice(node: &str, devices: Vec<Device>) -> ResourceSlice {
+    slice_of(DRIVER_NAME, node, node, 1, 1, devices)
+}
+
+pub fn slice_of(
+    driver: &str,
+    node: &str,
+    pool: &str,
+    generation: i64,
+    count: i64,
+    devices: Vec<Device>,
+) -> ResourceSlice {
+    ResourceSlice {
+        metadata: ObjectMeta {
+            name: Some(format!("{node}-{driver}-{generation}")),
+            ..Default::default()
+        },
+        spec: ResourceSliceSpec {
+            driver: driver.to_string(),
+            node_name: Some(node.to_string()),
+            pool: ResourcePool {
+                name: pool.to_string(),
+                generation,
+                resource_slice_count: count,
+            },
+            devices: Some(devices),
+            ..Default::default()
+        },
+    }
+}
+
+/// The seeds' pool: node-a 2 x A100-SXM4-40GB, node-b 2 x V100-SXM2-32GB, node-c 1 x RTX 3090.
+pub fn seed_slices() -> Vec<ResourceSlice> {
+    vec![
+        node_slice(
+            "node-a",
+            vec![
+                gpu(0, "A100-SXM4-40GB", "40Gi"),
+                gpu(1, "A100-SXM4-40GB", "40Gi"),
+            ],
+        ),
+        node_slice(
+            "node-b",
+            vec![
+                gpu(0, "V100-SXM2-32GB", "32Gi"),
+                gpu(1, "V100-SXM2-32GB", "32Gi"),
+            ],
+        ),
+        node_slice("node-c", vec![gpu(0, "RTX-3090", "24Gi")]),
+    ]
+}
+
+pub fn class(name: &str, selectors: &[&str]) -> DeviceClass {
+    DeviceClass {
+        metadata: ObjectMeta {
+            name: Some(name.to_string()),
+            ..Default::default()
+        },
+        spec: DeviceClassSpec {
+            selectors: Some(selectors.iter().map(|s| selector(s)).collect()),
+            ..Default::default()
+        },
+    }
+}
+
+pub fn with_class_config(mut class: DeviceClass, parameters: serde_json::Value) -> DeviceClass {
+    class
+        .spec
+        .config
+        .get_or_insert_with(Vec::new)
+        .push(DeviceClassConfiguration {
+            opaque: Some(opaque(parameters)),
+        });
+    class
+}
+
+pub fn opaque(parameters: serde_json::Value) -> OpaqueDeviceConfiguration {
+    OpaqueDeviceConfiguration {
+        driver: DRIVER_NAME.to_string(),
+        parameters: RawExtension(parameters),
+    }
+}
+
+pub fn selector(expression: &str) -> DeviceSelector {
+    DeviceSelector {
+        cel: Some(CELDeviceSelector {
+            expression: expression.to_string(),
+        }),
+    }
+}
+
+/// The classes the controller manages: all gpupool GPUs, and one per model.
+pub fn seed_classes() -> Vec<DeviceClass> {
+    let guard = r#"device.driver == "gpupool.dev""#;
+    let model = |m: &str| format!(r#"{guard} && device.attributes["gpupool.dev"].model == "{m}""#);
+    vec![
+        class("gpupool.dev", &[guard]),
+        class("a100-sxm4-40gb.gpupool.dev", &[&model("A100-SXM4-40GB")]),
+        class("v100-sxm2-32gb.gpupool.dev", &[&model("V100-SXM2-32GB")]),
+        class("rtx-3090.gpupool.dev", &[&model("RTX-3090")]),
+    ]
+}
+
+pub const A100: &str = "a100-sxm4-40gb.gpupool.dev";
+pub const V100: &str = "v100-sxm2-32gb.gpupool.dev";
+
+fn capacity(requests: &[(&str, &str)]) -> Option<CapacityRequirements> {
+    (!requests.is_empty()).then(|| CapacityRequirements {
+        requests: Some(
+            requests
+                .iter()
+                .map(|(k, v)| (k.to_string(), q(v)))
+                .collect(),
+        ),
+    })
+}
+
+/// An `exactly` request for one device of `class` with capacity requests.
+pub fn exact(name: &str, class: &str, requests: &[(&str, &str)]) -> DeviceRequest {
+    DeviceRequest {
+        name: name.to_string(),
+        exactly: Some(ExactDeviceRequest {
+            device_class_name: class.to_string(),
+            allocation_mode: Some("ExactCount".into()),
+            count: Some(1),
+            capacity: capacity(requests),
+            ..Default::default()
+        }),
+        first_available: None,
+    }
+}
+
+pub fn subrequest(name: &str, class: &str, requests: &[(&str, &str)]) -> DeviceSubRequest {
+    DeviceSubRequest {
+        name: name.to_string(),
+        device_class_name: class.to_string(),
+        allocation_mode: Some("ExactCount".into()),
+        count: Some(1),
+        capacity: capacity(requests),
+        ..Default::default()
+    }
+}
+
+pub fn first_available(name: &str, subrequests: Vec<DeviceSubRequest>) -> DeviceRequest {
+    DeviceRequest {
+        name: name.to_string(),
+        exactly: None,
+        first_available: Some(subrequests),
+    }
+}
+
+pub fn claim(name: &str, requests: Vec<DeviceRequest>) -> ResourceClaim {
+    ResourceClaim {
+        metadata: ObjectMeta {
+            name: Some(name.to_string()),
+            namespace: Some("default".to_string()),
+            uid: Some(format!("uid-{name}")),
+            ..Default::default()
+        },
+        spec: ResourceClaimSpec {
+            devices: Some(DeviceClaim {
+                requests: Some(requests),
+                ..Default::default()
+            }),
+        },
+        status: None,
+    }
+}
+
+pub fn with_claim_config(
+    mut claim: ResourceClaim,
+    requests: &[&str],
+    parameters: serde_json::Value,
+) -> ResourceClaim {
+    let devices = claim.spec.devices.get_or_insert_with(Default::default);
+    devices
+        .config
+        .get_or_insert_with(Vec::new)
+        .push(DeviceClaimConfiguration {
+            requests: (!requests.is_empty())
+                .then(|| requests.iter().map(|r| r.to_string()).collect()),
+            opaque: Some(opaque(parameters)),
+        });
+    claim
+}
+
+pub fn allocated(mut claim: ResourceClaim, allocation: AllocationResult) -> ResourceClaim {
+    claim.status = Some(ResourceClaimStatus {
+        allocation: Some(allocation),
+        ..Default::default()
+    });
+    claim
+}
+
+/// Each result as `request pool/device memory cores` (capacity omitted when not consumed).
+pub fn summary(allocation: &AllocationResult) -> Vec<String> {
+    allocation
+        .devices
+        .iter()
+        .flat_map(|d| d.results.iter().flatten())
+        .map(|r| {
+            let consumed = r.consumed_capacity.as_ref().map_or(String::new(), |c| {
+                let get = |k: &str| c.get(k).map_or("-".to_string(), |q| q.0.clone());
+                format!(" memory={} cores={}", get("memory"), get("cores"))
+            });
+            format!("{} {}/{}{consumed}", r.request, r.pool, r.device)
+        })
+        .collect()
+}
