@@ -1,1 +1,763 @@
+//! ClaimPreparer end to end against an in-memory API and temp folders (fake GPUs).
 
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use futures::future::BoxFuture;
+use k8s_openapi::api::core::v1::Event;
+use k8s_openapi::api::resource::v1::{AllocatedDeviceStatus, ResourceClaim};
+use serde_json::json;
+use tokio::sync::{watch, Notify};
+
+use super::api::{ApiError, ClaimApi};
+use super::checkpoint::{self, ClaimState};
+use super::claim::tests::{allocated_claim, inventory};
+use super::*;
+
+const NODE: &str = "node-a";
+const UID_A: &str = "0b7c4a49-6f1e-4a52-9d0e-6d1f3f7a5b10";
+const UID_B: &str = "1c8d5b5a-7a2f-4b63-8e1f-7e2a4a8b6c21";
+const UID_C: &str = "2d9e6c6b-8b3a-4c74-9f2a-8f3b5b9c7d32";
+const UID_D: &str = "3eaf7d7c-9c4b-4d85-a03b-904c6cad8e43";
+
+#[derive(Default)]
+struct FakeApi {
+    claims: Mutex<HashMap<(String, String), ResourceClaim>>,
+    down: AtomicBool,
+    fail_status_writes: AtomicBool,
+    gets: AtomicUsize,
+    events: Mutex<Vec<Event>>,
+    /// A claim name whose read waits until notified.
+    gate: Mutex<Option<(String, Arc<Notify>)>>,
+}
+
+impl FakeApi {
+    fn add(&self, name: &str, claim: ResourceClaim) {
+        let mut claim = claim;
+        claim.metadata.name = Some(name.into());
+        self.claims
+            .lock()
+            .unwrap()
+            .insert(("team-a".into(), name.into()), claim);
+    }
+
+    fn device_status(&self, name: &str) -> Vec<AllocatedDeviceStatus> {
+        self.claims.lock().unwrap()[&("team-a".to_string(), name.to_string())]
+            .status
+            .clone()
+            .and_then(|s| s.devices)
+            .unwrap_or_default()
+    }
+
+    fn event_reasons(&self) -> Vec<(String, String)> {
+        self.events
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|e| {
+                (
+                    e.involved_object.name.clone().unwrap_or_default(),
+                    e.reason.clone().unwrap_or_default(),
+                )
+            })
+            .collect()
+    }
+}
+
+impl ClaimApi for FakeApi {
+    fn get_claim<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<ResourceClaim, ApiError>> {
+        Box::pin(async move {
+            let gate = self.gate.lock().unwrap().clone();
+            if let Some((gated, notify)) = gate {
+                if gated == name {
+                    notify.notified().await;
+                }
+            }
+            if self.down.load(Ordering::SeqCst) {
+                return Err(ApiError::Other("connection refused".into()));
+            }
+            self.gets.fetch_add(1, Ordering::SeqCst);
+            self.claims
+                .lock()
+                .unwrap()
+                .get(&(namespace.to_string(), name.to_string()))
+                .cloned()
+                .ok_or(ApiError::NotFound)
+        })
+    }
+
+    fn write_device_status<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+        devices: Vec<AllocatedDeviceStatus>,
+    ) -> BoxFuture<'a, Result<(), ApiError>> {
+        Box::pin(async move {
+            if self.down.load(Ordering::SeqCst) || self.fail_status_writes.load(Ordering::SeqCst) {
+                return Err(ApiError::Other("connection refused".into()));
+            }
+            let mut claims = self.claims.lock().unwrap();
+            let claim = claims
+                .get_mut(&(namespace.to_string(), name.to_string()))
+                .ok_or(ApiError::NotFound)?;
+            claim.status.get_or_insert_with(Default::default).devices = Some(devices);
+            Ok(())
+        })
+    }
+
+    fn post_event(&self, event: Event) -> BoxFuture<'_, Result<(), ApiError>> {
+        Box::pin(async move {
+            if self.down.load(Ordering::SeqCst) {
+                return Err(ApiError::Other("connection refused".into()));
+            }
+            self.events.lock().unwrap().push(event);
+            Ok(())
+        })
+    }
+}
+
+struct Node {
+    _root: tempfile::TempDir,
+    top: PathBuf,
+    opts: PrepareOptions,
+    api: Arc<FakeApi>,
+}
+
+impl Node {
+    fn new() -> Self {
+        let root = tempfile::tempdir().unwrap();
+        // Nested, so that escaping the CDI root or state dir would still land inside `top`.
+        let top = root.path().join("host");
+        let opts = PrepareOptions {
+            node_name: NODE.into(),
+            cdi_root: top.join("run/cdi"),
+            state_dir: top.join("var/lib/gpupool"),
+            vgpu_lib_dir: top.join("usr/local/vgpu"),
+            fake_gpus: true,
+        };
+        Node {
+            _root: root,
+            top,
+            opts,
+            api: Arc::new(FakeApi::default()),
+        }
+    }
+
+    async fn start_with_boot(&self, boot_id: &str) -> Arc<ClaimPreparer> {
+        let weights = BTreeMap::from([("A100-SXM4-40GB".to_string(), 312i64)]);
+        let (_tx, rx) = watch::channel(weights);
+        Arc::new(
+            ClaimPreparer::with_api(
+                self.opts.clone(),
+                Arc::new(inventory()),
+                self.api.clone(),
+                rx,
+                boot_id.into(),
+            )
+            .await
+            .unwrap(),
+        )
+    }
+
+    async fn start(&self) -> Arc<ClaimPreparer> {
+        self.start_with_boot("boot-1").await
+    }
+
+    fn spec_path(&self, uid: &str) -> PathBuf {
+        cdi::spec_path(&self.opts.cdi_root, uid)
+    }
+
+    fn spec(&self, uid: &str) -> gpupool_api::cdi::Spec {
+        serde_json::from_slice(&fs::read(self.spec_path(uid)).unwrap()).unwrap()
+    }
+
+    fn cdi_files(&self) -> BTreeSet<String> {
+        fs::read_dir(&self.opts.cdi_root)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect()
+    }
+
+    fn all_files(&self) -> BTreeSet<PathBuf> {
+        fn walk(dir: &Path, out: &mut BTreeSet<PathBuf>) {
+            for e in fs::read_dir(dir).unwrap() {
+                let p = e.unwrap().path();
+                out.insert(p.clone());
+                if p.is_dir() {
+                    walk(&p, out);
+                }
+            }
+        }
+        let mut out = BTreeSet::new();
+        walk(self._root.path(), &mut out);
+        out
+    }
+}
+
+fn r(name: &str, uid: &str) -> ClaimRef {
+    ClaimRef {
+        namespace: "team-a".into(),
+        name: name.into(),
+        uid: uid.into(),
+    }
+}
+
+/// A claim holding 8Gi + 50% of the node's A100.
+fn fractional(uid: &str) -> ResourceClaim {
+    allocated_claim(
+        uid,
+        &[("gpu", NODE, "gpu-0", Some("a1b2"), Some("8Gi"), Some("50"))],
+        json!([]),
+    )
+}
+
+#[tokio::test]
+async fn prepares_a_fractional_claim_and_reports_it() {
+    let node = Node::new();
+    node.api.add("train", fractional(UID_A));
+    let preparer = node.start().await;
+
+    let answer = preparer.prepare(vec![r("train", UID_A)]).await;
+    let devices = answer[0].1.clone().unwrap();
+    let id = format!("gpupool.dev/claim={UID_A}-gpu-0-a1b2");
+    assert_eq!(
+        devices,
+        vec![PreparedDevice {
+            request_names: vec!["gpu".into()],
+            pool_name: NODE.into(),
+            device_name: "gpu-0".into(),
+            cdi_device_ids: vec![id],
+            share_id: Some("a1b2".into()),
+        }]
+    );
+
+    let spec = node.spec(UID_A);
+    assert_eq!(gpupool_api::cdi::validate(&spec), Vec::<String>::new());
+    let env = &spec.devices[0].container_edits.env;
+    for expected in [
+        "CUDA_DEVICE_MEMORY_LIMIT_0=8192m",
+        "CUDA_DEVICE_SM_LIMIT_0=50",
+        "GPUPOOL_DEVICE_MODEL_0=A100-SXM4-40GB",
+    ] {
+        assert!(
+            env.iter().any(|e| e == expected),
+            "{expected} not in {env:?}"
+        );
+    }
+    let cache_dir = node.opts.state_dir.join("vgpu-cache").join(UID_A);
+    assert!(cache_dir.is_dir(), "the claim's cache folder exists");
+    let cache_env = env
+        .iter()
+        .find(|e| e.starts_with("CUDA_DEVICE_MEMORY_SHARED_CACHE="))
+        .unwrap();
+    assert!(cache_env.contains(&cache_dir.display().to_string()));
+
+    let saved = checkpoint::load(&node.opts.state_dir).unwrap().unwrap();
+    assert_eq!(saved.claims[UID_A].state, ClaimState::PrepareCompleted);
+    assert_eq!(saved.claims[UID_A].devices, devices);
+    assert_eq!(saved.boot_id, "boot-1");
+
+    let status = node.api.device_status("train");
+    assert_eq!(status.len(), 1);
+    assert_eq!(status[0].share_id.as_deref(), Some("a1b2"));
+    let data = &status[0].data.as_ref().unwrap().0;
+    assert_eq!(data["memoryLimit"], "8Gi");
+    assert_eq!(data["coreLimit"], 50);
+    assert_eq!(data["computeUnits"], 156.0);
+    // No libvgpu.so in the temp vgpu dir: said so in the status.
+    assert!(data["warning"].as_str().unwrap().contains("not installed"));
+}
+
+#[tokio::test]
+async fn a_second_prepare_returns_the_recorded_answer_without_the_api() {
+    let node = Node::new();
+    node.api.add("train", fractional(UID_A));
+    let preparer = node.start().await;
+    let first = preparer.prepare(vec![r("train", UID_A)]).await[0]
+        .1
+        .clone()
+        .unwrap();
+    node.api.down.store(true, Ordering::SeqCst);
+    let second = preparer.prepare(vec![r("train", UID_A)]).await[0]
+        .1
+        .clone()
+        .unwrap();
+    assert_eq!(first, second);
+    assert_eq!(node.api.gets.load(Ordering::SeqCst), 1);
+
+    // A spec removed behind our back comes back on the next prepare.
+    fs::remove_file(node.spec_path(UID_A)).unwrap();
+    let third = preparer.prepare(vec![r("train", UID_A)]).await[0]
+        .1
+        .clone()
+        .unwrap();
+    assert_eq!(third, first);
+    assert!(node.spec_path(UID_A).exists());
+}
+
+#[tokio::test]
+async fn two_prepares_of_one_claim_at_once_give_one_spec_and_one_answer() {
+    let node = Node::new();
+    node.api.add("train", fractional(UID_A));
+    let preparer = node.start().await;
+    let (a, b) = tokio::join!(
+        preparer.prepare(vec![r("train", UID_A)]),
+        preparer.prepare(vec![r("train", UID_A)])
+    );
+    assert_eq!(a[0].1.clone().unwrap(), b[0].1.clone().unwrap());
+    assert_eq!(node.api.gets.load(Ordering::SeqCst), 1);
+    assert_eq!(node.cdi_files().len(), 1);
+}
+
+#[tokio::test]
+async fn claim_a_does_not_wait_for_claim_b() {
+    let node = Node::new();
+    node.api.add("slow", fractional(UID_B));
+    node.api.add("fast", fractional(UID_A));
+    let notify = Arc::new(Notify::new());
+    *node.api.gate.lock().unwrap() = Some(("slow".into(), notify.clone()));
+    let preparer = node.start().await;
+
+    let slow = tokio::spawn({
+        let p = preparer.clone();
+        async move { p.prepare(vec![r("slow", UID_B)]).await }
+    });
+    tokio::task::yield_now().await;
+    let fast = tokio::time::timeout(
+        std::time::Duration::from_secs(5),
+        preparer.prepare(vec![r("fast", UID_A)]),
+    )
+    .await
+    .expect("claim A finished while claim B was still waiting on the API");
+    assert!(fast[0].1.is_ok());
+    notify.notify_one();
+    assert!(slow.await.unwrap()[0].1.is_ok());
+}
+
+#[tokio::test]
+async fn bad_claims_fail_alone_and_get_an_event() {
+    let node = Node::new();
+    node.api.add("good", fractional(UID_A));
+    node.api.add("mismatch", fractional(UID_D)); // the kubelet asks with UID_B
+    let mut unallocated = fractional(UID_C);
+    unallocated.status = None;
+    node.api.add("pending", unallocated);
+    node.api.add(
+        "elsewhere",
+        allocated_claim(
+            UID_D,
+            &[("gpu", "node-b", "gpu-0", None, None, None)],
+            json!([]),
+        ),
+    );
+    let preparer = node.start().await;
+
+    let answers = preparer
+        .prepare(vec![
+            r("mismatch", UID_B),
+            r("good", UID_A),
+            r("pending", UID_C),
+            r("elsewhere", UID_D),
+            r("missing", "4fb08e8d-ad5c-4e96-b14c-a15d7dbe9f54"),
+        ])
+        .await;
+    let errors: Vec<String> = answers
+        .iter()
+        .filter_map(|(_, a)| a.as_ref().err().cloned())
+        .collect();
+    assert!(answers[1].1.is_ok(), "{:?}", answers[1]);
+    assert_eq!(errors.len(), 4, "{errors:?}");
+    assert!(
+        errors[0].contains("team-a/mismatch") && errors[0].contains("uid"),
+        "{}",
+        errors[0]
+    );
+    assert_eq!(errors[1], "claim team-a/pending: not allocated");
+    assert!(
+        errors[2].contains("team-a/elsewhere: allocated to another node/pool"),
+        "{}",
+        errors[2]
+    );
+    assert!(errors[3].contains("not found"), "{}", errors[3]);
+
+    let events = node.api.event_reasons();
+    for name in ["mismatch", "pending", "elsewhere", "missing"] {
+        assert!(
+            events.contains(&(name.to_string(), "PrepareFailed".to_string())),
+            "{events:?}"
+        );
+    }
+    assert_eq!(
+        node.cdi_files(),
+        BTreeSet::from([format!("gpupool.dev-claim_{UID_A}.json")])
+    );
+    let saved = checkpoint::load(&node.opts.state_dir).unwrap().unwrap();
+    assert_eq!(saved.claims.keys().collect::<Vec<_>>(), vec![UID_A]);
+}
+
+#[tokio::test]
+async fn gpu_config_errors_name_the_field() {
+    let node = Node::new();
+    let config = |params: serde_json::Value| {
+        json!([{"source": "FromClaim", "requests": ["gpu"],
+                "opaque": {"driver": "gpupool.dev", "parameters": params}}])
+    };
+    let base = json!({"apiVersion": "gpupool.dev/v1alpha1", "kind": "GpuConfig"});
+    let with = |k: &str, v: serde_json::Value| {
+        let mut p = base.clone();
+        p[k] = v;
+        p
+    };
+    let cases = [
+        (
+            "unknown",
+            UID_A,
+            with("memoryLimt", json!("1Gi")),
+            "parameters.memoryLimt: unknown field",
+        ),
+        (
+            "above",
+            UID_B,
+            with("memoryLimit", json!("9Gi")),
+            "parameters.memoryLimit: 9Gi is above the 8Gi",
+        ),
+        (
+            "badenum",
+            UID_C,
+            with("enforcement", json!("Hami")),
+            "parameters.enforcement: unsupported value",
+        ),
+    ];
+    for (name, uid, params, _) in &cases {
+        node.api.add(
+            name,
+            allocated_claim(
+                uid,
+                &[("gpu", NODE, "gpu-0", None, Some("8Gi"), None)],
+                config(params.clone()),
+            ),
+        );
+    }
+    node.api.add(
+        "lowered",
+        allocated_claim(
+            UID_D,
+            &[("gpu", NODE, "gpu-0", None, Some("8Gi"), None)],
+            config(with("memoryLimit", json!("2Gi"))),
+        ),
+    );
+    let preparer = node.start().await;
+    let mut refs: Vec<ClaimRef> = cases.iter().map(|(n, u, _, _)| r(n, u)).collect();
+    refs.push(r("lowered", UID_D));
+    let answers = preparer.prepare(refs).await;
+    for ((_, answer), (name, _, _, expected)) in answers.iter().zip(&cases) {
+        let e = answer.as_ref().unwrap_err();
+        assert!(e.contains(expected), "{name}: {e}");
+        assert!(e.contains(&format!("team-a/{name}")), "{e}");
+    }
+    assert!(answers[3].1.is_ok());
+    let env = &node.spec(UID_D).devices[0].container_edits.env;
+    assert!(
+        env.contains(&"CUDA_DEVICE_MEMORY_LIMIT_0=2048m".to_string()),
+        "{env:?}"
+    );
+    assert_eq!(node.api.event_reasons().len(), 3);
+}
+
+#[tokio::test]
+async fn two_shares_of_different_cards_get_ordinals_in_cdi_id_order() {
+    let node = Node::new();
+    node.api.add(
+        "pair",
+        allocated_claim(
+            UID_A,
+            &[
+                ("gpu", NODE, "gpu-1", Some("s1"), Some("16Gi"), Some("25")),
+                ("gpu", NODE, "gpu-0", Some("s2"), Some("8Gi"), Some("50")),
+            ],
+            json!([]),
+        ),
+    );
+    let preparer = node.start().await;
+    let devices = preparer.prepare(vec![r("pair", UID_A)]).await[0]
+        .1
+        .clone()
+        .unwrap();
+    let ids: Vec<&str> = devices
+        .iter()
+        .map(|d| d.cdi_device_ids[0].as_str())
+        .collect();
+    assert_eq!(
+        ids,
+        [
+            format!("gpupool.dev/claim={UID_A}-gpu-1-s1"),
+            format!("gpupool.dev/claim={UID_A}-gpu-0-s2")
+        ]
+    );
+    let spec = node.spec(UID_A);
+    let d0 = &spec.devices[0];
+    let d1 = &spec.devices[1];
+    assert_eq!(format!("gpupool.dev/claim={}", d0.name), ids[0]);
+    assert!(d0
+        .container_edits
+        .env
+        .contains(&"CUDA_DEVICE_MEMORY_LIMIT_0=16384m".into()));
+    assert!(d0
+        .container_edits
+        .env
+        .contains(&"GPUPOOL_DEVICE_MODEL_0=V100-SXM2-32GB".into()));
+    assert!(d1
+        .container_edits
+        .env
+        .contains(&"CUDA_DEVICE_MEMORY_LIMIT_1=8192m".into()));
+    assert!(d1
+        .container_edits
+        .env
+        .contains(&"CUDA_DEVICE_SM_LIMIT_1=50".into()));
+    assert_eq!(node.api.device_status("pair").len(), 2);
+}
+
+#[tokio::test]
+async fn hostile_names_write_nothing_anywhere() {
+    let node = Node::new();
+    let preparer = node.start().await;
+    let before = node.all_files();
+    let hostile = vec![
+        r("x", "../../etc"),
+        r("x", "/etc/passwd"),
+        ClaimRef {
+            namespace: "../../tmp".into(),
+            name: "x".into(),
+            uid: UID_A.into(),
+        },
+        r("../x", UID_A),
+    ];
+    for (_, answer) in preparer.prepare(hostile.clone()).await {
+        assert!(answer.is_err());
+    }
+    for (_, answer) in preparer.unprepare(hostile).await {
+        assert!(answer.is_err());
+    }
+    assert_eq!(node.all_files(), before);
+    assert_eq!(node.api.gets.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn unprepare_removes_everything_and_works_without_the_api() {
+    let node = Node::new();
+    node.api.add("train", fractional(UID_A));
+    node.api.add("other", fractional(UID_B));
+    let preparer = node.start().await;
+    for (_, a) in preparer
+        .prepare(vec![r("train", UID_A), r("other", UID_B)])
+        .await
+    {
+        a.unwrap();
+    }
+    let cache_a = node.opts.state_dir.join("vgpu-cache").join(UID_A);
+    assert!(cache_a.is_dir());
+
+    let answers = preparer.unprepare(vec![r("train", UID_A)]).await;
+    assert!(answers[0].1.is_ok());
+    assert!(!node.spec_path(UID_A).exists());
+    assert!(!cache_a.exists());
+    assert!(
+        node.api.device_status("train").is_empty(),
+        "our status entries are cleared"
+    );
+    assert!(preparer.prepared(UID_A).await.is_none());
+
+    node.api.down.store(true, Ordering::SeqCst);
+    let answers = preparer
+        .unprepare(vec![
+            r("other", UID_B),
+            r("never", UID_C),
+            r("train", UID_A),
+        ])
+        .await;
+    assert!(answers.iter().all(|(_, a)| a.is_ok()), "{answers:?}");
+    assert!(node.cdi_files().is_empty());
+    let saved = checkpoint::load(&node.opts.state_dir).unwrap().unwrap();
+    assert!(saved.claims.is_empty());
+
+    // A new claim cannot be prepared while the API is away, and says why.
+    node.api.add("late", fractional(UID_C));
+    let e = preparer.prepare(vec![r("late", UID_C)]).await[0]
+        .1
+        .clone()
+        .unwrap_err();
+    assert!(e.contains("team-a/late") && e.contains("API server"), "{e}");
+}
+
+#[tokio::test]
+async fn a_failing_status_write_does_not_fail_the_prepare() {
+    let node = Node::new();
+    node.api.add("train", fractional(UID_A));
+    node.api.fail_status_writes.store(true, Ordering::SeqCst);
+    let preparer = node.start().await;
+    assert!(preparer.prepare(vec![r("train", UID_A)]).await[0].1.is_ok());
+    assert!(node.spec_path(UID_A).exists());
+}
+
+#[tokio::test]
+async fn restart_removes_orphans_and_rolls_back_unfinished_prepares() {
+    let node = Node::new();
+    node.api.add("train", fractional(UID_A));
+    let preparer = node.start().await;
+    let answer = preparer.prepare(vec![r("train", UID_A)]).await[0]
+        .1
+        .clone()
+        .unwrap();
+    drop(preparer);
+
+    // What a crash can leave: a spec with no entry, a temp file, a started entry with its spec.
+    let orphan = node.spec_path(UID_B);
+    fs::write(&orphan, b"{}").unwrap();
+    let temp = node
+        .opts
+        .cdi_root
+        .join(format!(".gpupool.dev-claim_{UID_C}.json.tmp"));
+    fs::write(&temp, b"{").unwrap();
+    let mut data = checkpoint::load(&node.opts.state_dir).unwrap().unwrap();
+    let mut started = data.claims[UID_A].clone();
+    started.state = ClaimState::PrepareStarted;
+    data.claims.insert(UID_D.into(), started);
+    checkpoint::save(&node.opts.state_dir, &data).unwrap();
+    fs::write(node.spec_path(UID_D), b"{}").unwrap();
+    fs::create_dir_all(node.opts.state_dir.join("vgpu-cache").join(UID_D)).unwrap();
+    // Someone else's spec is never touched.
+    let foreign = node.opts.cdi_root.join("nvidia.com-gpu.json");
+    fs::write(&foreign, b"{}").unwrap();
+
+    let preparer = node.start().await;
+    assert_eq!(
+        node.cdi_files(),
+        BTreeSet::from([
+            format!("gpupool.dev-claim_{UID_A}.json"),
+            "nvidia.com-gpu.json".to_string()
+        ])
+    );
+    assert!(!node.opts.state_dir.join("vgpu-cache").join(UID_D).exists());
+    let saved = checkpoint::load(&node.opts.state_dir).unwrap().unwrap();
+    assert_eq!(saved.claims.keys().collect::<Vec<_>>(), vec![UID_A]);
+    assert_eq!(preparer.prepared(UID_A).await, Some(answer));
+}
+
+#[tokio::test]
+async fn after_a_reboot_specs_come_back_with_identical_ids() {
+    let node = Node::new();
+    node.api.add("train", fractional(UID_A));
+    let preparer = node.start_with_boot("boot-1").await;
+    let answer = preparer.prepare(vec![r("train", UID_A)]).await[0]
+        .1
+        .clone()
+        .unwrap();
+    let spec = node.spec(UID_A);
+    drop(preparer);
+
+    // A reboot empties /var/run/cdi (tmpfs) and the cache folders' content may go too.
+    fs::remove_dir_all(&node.opts.cdi_root).unwrap();
+    fs::remove_dir_all(node.opts.state_dir.join("vgpu-cache")).unwrap();
+    node.api.down.store(true, Ordering::SeqCst);
+    let preparer = node.start_with_boot("boot-2").await;
+    assert_eq!(node.spec(UID_A), spec);
+    assert!(node.opts.state_dir.join("vgpu-cache").join(UID_A).is_dir());
+    let again = preparer.prepare(vec![r("train", UID_A)]).await[0]
+        .1
+        .clone()
+        .unwrap();
+    assert_eq!(again, answer);
+    let saved = checkpoint::load(&node.opts.state_dir).unwrap().unwrap();
+    assert_eq!(saved.boot_id, "boot-2");
+}
+
+#[tokio::test]
+async fn a_corrupt_checkpoint_is_moved_aside_and_the_driver_works() {
+    for corruption in ["truncated", "flipped", "version", "empty"] {
+        let node = Node::new();
+        node.api.add("train", fractional(UID_A));
+        let preparer = node.start().await;
+        preparer.prepare(vec![r("train", UID_A)]).await[0]
+            .1
+            .clone()
+            .unwrap();
+        drop(preparer);
+
+        let path = checkpoint::path(&node.opts.state_dir);
+        let good = fs::read(&path).unwrap();
+        let bad: Vec<u8> = match corruption {
+            "truncated" => good[..good.len() / 3].to_vec(),
+            "flipped" => String::from_utf8(good)
+                .unwrap()
+                .replacen("team-a", "team-b", 1)
+                .into_bytes(),
+            "version" => String::from_utf8(good)
+                .unwrap()
+                .replacen("\"version\": 1", "\"version\": 2", 1)
+                .into_bytes(),
+            _ => Vec::new(),
+        };
+        fs::write(&path, bad).unwrap();
+
+        let preparer = node.start().await;
+        let aside: Vec<_> = fs::read_dir(&node.opts.state_dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.starts_with("checkpoint.json.corrupt-"))
+            .collect();
+        assert_eq!(aside.len(), 1, "{corruption}");
+        // Started empty: the orphaned spec is gone, and preparing works again.
+        assert!(node.cdi_files().is_empty(), "{corruption}");
+        let answer = preparer.prepare(vec![r("train", UID_A)]).await;
+        assert!(answer[0].1.is_ok(), "{corruption}");
+        // The Node event is posted in the background.
+        for _ in 0..50 {
+            if !node.api.event_reasons().is_empty() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert_eq!(
+            node.api.event_reasons(),
+            vec![(NODE.to_string(), "CheckpointCorrupt".to_string())],
+            "{corruption}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn files_have_the_promised_modes_and_world_writable_roots_are_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let node = Node::new();
+    node.api.add("train", fractional(UID_A));
+    let preparer = node.start().await;
+    preparer.prepare(vec![r("train", UID_A)]).await[0]
+        .1
+        .clone()
+        .unwrap();
+    let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&node.opts.state_dir), 0o700);
+    assert_eq!(mode(&node.opts.cdi_root), 0o755);
+    assert_eq!(mode(&node.spec_path(UID_A)), 0o644);
+    assert_eq!(mode(&checkpoint::path(&node.opts.state_dir)), 0o600);
+    drop(preparer);
+
+    fs::set_permissions(&node.opts.cdi_root, fs::Permissions::from_mode(0o777)).unwrap();
+    let (_tx, rx) = watch::channel(BTreeMap::new());
+    let refused = ClaimPreparer::with_api(
+        node.opts.clone(),
+        Arc::new(inventory()),
+        node.api.clone(),
+        rx,
+        "boot-1".into(),
+    )
+    .await;
+    assert!(matches!(refused, Err(PrepareError::CdiRoot { .. })));
+    let _ = &node.top;
+}
