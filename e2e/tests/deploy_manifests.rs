@@ -751,3 +751,112 @@ fn default_gpumodels_are_valid_and_agree_with_the_examples() {
         }
     }
 }
+
+fn go_missing(test: &str) -> bool {
+    if have("go", "version") {
+        return false;
+    }
+    println!(
+        "skipping {test}: go is not installed (apt-get install golang-go); deploy/tools/helm-render, \
+         the chart renderer, is a Go program"
+    );
+    true
+}
+
+/// The chart rendered by deploy/tools/helm-render (`helm template --include-crds` for the subset of
+/// Helm the chart uses), with the release namespace gpupool and extra `--set`s.
+fn helm_template(sets: &[&str]) -> Vec<Value> {
+    let tool = deploy_dir().join("tools/helm-render");
+    let mut cmd = Command::new("go");
+    cmd.current_dir(&tool)
+        .args(["run", "."])
+        .arg("-chart")
+        .arg(deploy_dir().join("helm/gpupool"))
+        .args(["-name", "gpupool", "-namespace", "gpupool", "-include-crds"])
+        // Stdlib only: nothing to download, and no toolchain switch either.
+        .env("GOPROXY", "off")
+        .env("GOTOOLCHAIN", "local")
+        .env("GOFLAGS", "-buildvcs=false")
+        .env("GOCACHE", repo_root().join("target/go-build"));
+    for set in sets {
+        cmd.args(["-set", set]);
+    }
+    let out = cmd.output().expect("run go");
+    assert!(
+        out.status.success(),
+        "helm-render {sets:?} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    parse_documents(&String::from_utf8_lossy(&out.stdout), "helm-render output")
+}
+
+/// Lists whose order means nothing to Kubernetes but that a strategic-merge patch reorders.
+fn canonical(mut value: Value) -> Value {
+    fn walk(value: &mut Value) {
+        match value {
+            Value::Object(map) => {
+                for (field, child) in map.iter_mut() {
+                    if let (Some(key), Value::Array(items)) = (
+                        match field.as_str() {
+                            "volumes" => Some("name"),
+                            "volumeMounts" => Some("mountPath"),
+                            _ => None,
+                        },
+                        &mut *child,
+                    ) {
+                        items.sort_by(|a, b| a[key].to_string().cmp(&b[key].to_string()));
+                    }
+                    walk(child);
+                }
+            }
+            Value::Array(items) => items.iter_mut().for_each(walk),
+            _ => {}
+        }
+    }
+    walk(&mut value);
+    value
+}
+
+fn by_key(objects: Vec<Value>) -> BTreeMap<String, Value> {
+    objects
+        .into_iter()
+        .map(|o| (key(&o), canonical(o)))
+        .collect()
+}
+
+#[test]
+fn helm_chart_renders_the_kustomize_objects() {
+    if kubectl_missing("helm_chart_renders_the_kustomize_objects")
+        || go_missing("helm_chart_renders_the_kustomize_objects")
+    {
+        return;
+    }
+    for (dir, sets) in [
+        ("base", &[][..]),
+        ("overlays/fake-gpus", &["fakeGpus=a100-40gb:2"][..]),
+        ("overlays/nvidia", &["driver.runtimeClassName=nvidia"][..]),
+    ] {
+        // Helm creates the release namespace itself (--create-namespace); a Namespace in the chart
+        // would collide with it, so that one object is the base's alone.
+        let kustomized = by_key(
+            kustomize(dir)
+                .into_iter()
+                .filter(|o| o["kind"] != "Namespace")
+                .collect(),
+        );
+        let rendered = by_key(helm_template(sets));
+        assert_eq!(
+            rendered.keys().collect::<Vec<_>>(),
+            kustomized.keys().collect::<Vec<_>>(),
+            "helm {sets:?} renders the objects of {dir}"
+        );
+        for (name, object) in &kustomized {
+            assert!(
+                &rendered[name] == object,
+                "helm {sets:?} differs from {dir} in {name}:\nhelm:\n{}\nkustomize:\n{}",
+                serde_yaml::to_string(&rendered[name]).unwrap_or_default(),
+                serde_yaml::to_string(object).unwrap_or_default()
+            );
+        }
+    }
+}

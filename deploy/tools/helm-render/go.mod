@@ -1,0 +1,3 @@
+module gpupool.dev/tools/helm-render
+
+go 1.19
