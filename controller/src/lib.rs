@@ -1,11 +1,13 @@
 //! gpupool's controller: GpuModel -> DeviceClass, ComputeProfile -> ResourceClaimTemplate, pool status.
 //!
-//! The decisions are pure functions (`models`, `profiles`, `conditions`, `plan`, the leader rules);
+//! The decisions are pure functions (`models`, `profiles`, `status`, `plan`, the leader rules);
 //! `reconcile` and `leader` do the talking to the API server.
 
 pub mod crds;
+pub mod duration;
 pub mod leader;
 pub mod models;
 pub mod plan;
 pub mod profiles;
+pub mod reconcile;
 pub mod status;

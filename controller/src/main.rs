@@ -1,6 +1,14 @@
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
 
-use clap::{Parser, Subcommand};
+use anyhow::Context;
+use clap::{ArgAction, Parser, Subcommand, ValueEnum};
+use gpupool_controller::duration::parse_duration;
+use gpupool_controller::leader::{LeaderElector, Leadership, LeaseConfig};
+use gpupool_controller::reconcile::{self, Reconciler, Settings};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use tracing::info;
 
 /// gpupool controller: manages DeviceClasses and ResourceClaimTemplates from GpuModels and ComputeProfiles.
 #[derive(Parser, Debug)]
@@ -18,6 +26,157 @@ enum Command {
         #[arg(long)]
         dir: Option<PathBuf>,
     },
+    /// Run the controller.
+    Run(RunArgs),
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(clap::Args, Debug)]
+struct RunArgs {
+    /// Kubeconfig file; default: $KUBECONFIG, ~/.kube/config, or the in-cluster service account.
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
+    /// Namespace of the leader-election Lease.
+    #[arg(long, default_value = "kube-system")]
+    lease_namespace: String,
+    /// Name of the leader-election Lease.
+    #[arg(long, default_value = "gpupool-controller")]
+    lease_name: String,
+    /// This replica's name in the Lease; default: $POD_NAME, else the host name plus a random suffix.
+    #[arg(long)]
+    identity: Option<String>,
+    /// How long a Lease stays valid without renewal.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    lease_duration: Duration,
+    /// How often the leader renews (and followers retry).
+    #[arg(long, default_value = "2s", value_parser = parse_duration)]
+    renew_interval: Duration,
+    /// Elect a leader through the Lease; false only for a single replica.
+    #[arg(long, default_value_t = true, action = ArgAction::Set)]
+    leader_elect: bool,
+    /// Give model classes `extendedResourceName: gpupool.dev/<model>` (dropped automatically when the
+    /// API server does not know the field).
+    #[arg(long, default_value_t = true, action = ArgAction::Set)]
+    extended_resources: bool,
+    /// Full reconcile at least this often, even without watch events.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    resync: Duration,
+    /// Create or update the GpuModel and ComputeProfile CRDs on start.
+    #[arg(long)]
+    install_crds: bool,
+    #[arg(long, value_enum, default_value = "text")]
+    log_format: LogFormat,
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+fn default_identity() -> String {
+    if let Ok(pod) = std::env::var("POD_NAME") {
+        if !pod.is_empty() {
+            return pod;
+        }
+    }
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "gpupool-controller".to_string());
+    // Two processes on one host must not share an identity.
+    let suffix = uuid::Uuid::new_v4().simple().to_string();
+    format!("{host}_{}", &suffix[..8])
+}
+
+async fn client(kubeconfig: Option<&PathBuf>) -> anyhow::Result<kube::Client> {
+    let config = match kubeconfig {
+        Some(path) => {
+            let kubeconfig = Kubeconfig::read_from(path)
+                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+                .await
+                .with_context(|| format!("loading kubeconfig {}", path.display()))?
+        }
+        None => kube::Config::infer()
+            .await
+            .context("no kubeconfig: pass --kubeconfig, set KUBECONFIG or run in a cluster")?,
+    };
+    kube::Client::try_from(config).context("building the Kubernetes client")
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+async fn run(args: RunArgs) -> anyhow::Result<()> {
+    init_logging(args.log_format);
+    let client = client(args.kubeconfig.as_ref()).await?;
+    if args.install_crds {
+        reconcile::install_crds(&client).await?;
+    }
+    let identity = args.identity.clone().unwrap_or_else(default_identity);
+    info!(
+        %identity,
+        lease = %format!("{}/{}", args.lease_namespace, args.lease_name),
+        leader_elect = args.leader_elect,
+        "gpupool-controller starting"
+    );
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+
+    let (leadership, elector) = if args.leader_elect {
+        let elector = LeaderElector::new(
+            client.clone(),
+            LeaseConfig {
+                namespace: args.lease_namespace.clone(),
+                name: args.lease_name.clone(),
+                identity,
+                lease_duration: args.lease_duration,
+                renew_interval: args.renew_interval,
+            },
+        );
+        let leadership = elector.leadership();
+        (leadership, Some(tokio::spawn(elector.run(stopped.clone()))))
+    } else {
+        (Leadership::always(), None)
+    };
+    let reconciler = Arc::new(Reconciler::new(
+        client,
+        leadership,
+        Settings {
+            extended_resources: args.extended_resources,
+            resync: args.resync,
+            ..Settings::default()
+        },
+    ));
+    let controller = tokio::spawn(reconciler.run(stopped));
+
+    shutdown_signal().await;
+    info!("shutting down");
+    let _ = stop.send(true);
+    let _ = controller.await;
+    if let Some(elector) = elector {
+        let _ = elector.await;
+    }
+    Ok(())
 }
 
 fn main() -> anyhow::Result<()> {
@@ -28,9 +187,12 @@ fn main() -> anyhow::Result<()> {
             for (file, yaml) in gpupool_controller::crds::manifests() {
                 let path = dir.join(file);
                 std::fs::write(&path, yaml)
-                    .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
+                    .with_context(|| format!("writing {}", path.display()))?;
             }
         }
+        Command::Run(args) => tokio::runtime::Runtime::new()
+            .context("starting the async runtime")?
+            .block_on(run(args))?,
     }
     Ok(())
 }

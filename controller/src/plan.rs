@@ -50,6 +50,12 @@ fn stamp(meta: &mut ObjectMeta, hash: String) {
         .insert(SPEC_HASH_ANNOTATION.to_string(), hash);
 }
 
+/// Stamp a class whose spec was changed after diffing (e.g. a field the API refused was dropped).
+pub fn restamp_class(class: &mut DeviceClass) {
+    let hash = spec_hash(&class.spec);
+    stamp(&mut class.metadata, hash);
+}
+
 fn metadata_differs(wanted: &ObjectMeta, actual: &ObjectMeta) -> bool {
     let labels_differ = !wanted
         .labels
@@ -371,9 +377,12 @@ mod tests {
             [TemplateAction::Create(t)] => t.clone(),
             other => panic!("{other:?}"),
         };
-        assert_eq!(diff_templates(&[template(156)], &[created.clone()]), []);
+        assert_eq!(
+            diff_templates(&[template(156)], std::slice::from_ref(&created)),
+            []
+        );
         assert!(matches!(
-            diff_templates(&[template(100)], &[created.clone()])[..],
+            diff_templates(&[template(100)], std::slice::from_ref(&created))[..],
             [TemplateAction::Recreate(_)]
         ));
         assert_eq!(

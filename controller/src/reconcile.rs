@@ -1,0 +1,623 @@
+//! The controller loop: list what is there, plan what should be (pure modules), apply the difference.
+//!
+//! Each pass reads fresh lists instead of caches, so a pass never acts on a state older than its own
+//! last write; watches only say *when* to run a pass. One failing object is logged and retried with
+//! backoff, the rest of the pass goes on.
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::{Stream, StreamExt};
+use gpupool_api::crd::{ComputeProfile, GpuModel};
+use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaimTemplate, ResourceSlice};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::runtime::watcher;
+use kube::runtime::WatchStreamExt;
+use kube::{Client, CustomResourceExt, Resource};
+use serde::de::DeserializeOwned;
+use thiserror::Error;
+use tokio::sync::{watch, Notify};
+use tokio::time::Instant;
+use tracing::{debug, info, warn};
+
+use crate::leader::Leadership;
+use crate::models::{self, ClassOptions, PublishedDevice};
+use crate::plan::{self, ClassAction, TemplateAction};
+use crate::profiles::{self, NamespaceInfo, ServableModel};
+use crate::status::{Verdict, CONFLICT, INVALID, NO_MATCHING_DEVICES, READY};
+
+#[derive(Debug, Error)]
+pub enum ReconcileError {
+    #[error("listing {kind}: {source}")]
+    List {
+        kind: &'static str,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("installing CRD {name}: {source}")]
+    InstallCrd {
+        name: String,
+        #[source]
+        source: kube::Error,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Set `extendedResourceName` on model classes (turned off for good if the API refuses it).
+    pub extended_resources: bool,
+    /// A full pass at least this often, even without watch events.
+    pub resync: Duration,
+    /// Wait this long after a watch event so that a burst of events makes one pass.
+    pub debounce: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            extended_resources: true,
+            resync: Duration::from_secs(30),
+            debounce: Duration::from_millis(100),
+        }
+    }
+}
+
+/// What a pass did.
+#[derive(Debug, Default)]
+pub struct PassReport {
+    pub writes: u64,
+    /// One line per object that could not be written; retried with backoff.
+    pub failures: Vec<String>,
+}
+
+/// Exponential backoff between failed passes.
+#[derive(Debug, Clone)]
+pub struct Backoff {
+    first: Duration,
+    max: Duration,
+    next: Duration,
+}
+
+impl Backoff {
+    pub fn new(first: Duration, max: Duration) -> Self {
+        Backoff {
+            first,
+            max,
+            next: first,
+        }
+    }
+
+    pub fn next_delay(&mut self) -> Duration {
+        let delay = self.next;
+        self.next = (self.next * 2).min(self.max);
+        delay
+    }
+
+    pub fn reset(&mut self) {
+        self.next = self.first;
+    }
+}
+
+pub struct Reconciler {
+    client: Client,
+    leadership: Leadership,
+    settings: Settings,
+    extended_resources: AtomicBool,
+    writes: Arc<AtomicU64>,
+}
+
+fn patch_params() -> PatchParams {
+    PatchParams::default()
+}
+
+/// Whether the API server refused `extendedResourceName` (an older API, or the feature off).
+fn refuses_extended_resource_name(error: &kube::Error) -> bool {
+    matches!(error, kube::Error::Api(status)
+        if matches!(status.code, 400 | 422) && status.message.contains("extendedResourceName"))
+}
+
+async fn list<K>(client: &Client, kind: &'static str) -> Result<Vec<K>, ReconcileError>
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug,
+{
+    Api::<K>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .map(|l| l.items)
+        .map_err(|source| ReconcileError::List { kind, source })
+}
+
+impl Reconciler {
+    pub fn new(client: Client, leadership: Leadership, settings: Settings) -> Self {
+        Reconciler {
+            client,
+            leadership,
+            extended_resources: AtomicBool::new(settings.extended_resources),
+            settings,
+            writes: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// Count of writes to the API server (objects and statuses), for tests and logs.
+    pub fn writes(&self) -> Arc<AtomicU64> {
+        self.writes.clone()
+    }
+
+    fn disable_extended_resources(&self, why: &str) {
+        if self.extended_resources.swap(false, Ordering::SeqCst) {
+            warn!(
+                reason = %why,
+                "the API server does not take DeviceClass extendedResourceName; managing classes without it"
+            );
+        }
+    }
+
+    /// Leader check right before each write: a replica that lost the lease stops at once.
+    fn may_write(&self) -> Result<(), String> {
+        if self.leadership.is_leader() {
+            self.writes.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        } else {
+            Err("not the leader any more".to_string())
+        }
+    }
+
+    /// One full reconcile of every object the controller manages.
+    pub async fn pass(&self) -> Result<PassReport, ReconcileError> {
+        let client = &self.client;
+        let gpumodels: Vec<GpuModel> = list(client, "gpumodels.gpupool.dev").await?;
+        let computeprofiles: Vec<ComputeProfile> =
+            list(client, "computeprofiles.gpupool.dev").await?;
+        let slices: Vec<ResourceSlice> = list(client, "resourceslices").await?;
+        let namespaces: Vec<Namespace> = list(client, "namespaces").await?;
+        let classes: Vec<DeviceClass> = list(client, "deviceclasses").await?;
+        let templates: Vec<ResourceClaimTemplate> = list(client, "resourceclaimtemplates").await?;
+
+        let devices: Vec<PublishedDevice> = models::published_devices(&slices);
+        let options = ClassOptions {
+            extended_resources: self.extended_resources.load(Ordering::SeqCst),
+        };
+        let mut model_plan = models::plan(&gpumodels, &devices, options);
+        let class_actions = plan::diff_classes(&model_plan.classes, &classes);
+
+        // A model whose class name is taken by an object we do not manage cannot be served.
+        let foreign: BTreeSet<&str> = class_actions
+            .iter()
+            .filter_map(|a| match a {
+                ClassAction::Foreign(name) => Some(name.as_str()),
+                _ => None,
+            })
+            .collect();
+        for outcome in &mut model_plan.outcomes {
+            if let Some(class) = outcome
+                .class_name
+                .clone()
+                .filter(|c| foreign.contains(c.as_str()))
+            {
+                let message = format!(
+                    "DeviceClass {class} exists and is not managed by {}",
+                    models::MANAGER
+                );
+                outcome.class_name = None;
+                outcome.verdicts = vec![
+                    Verdict::new(READY, false, "DeviceClassNotManaged", message.clone()),
+                    Verdict::new(INVALID, false, "Valid", ""),
+                    Verdict::new(CONFLICT, true, "DeviceClassNotManaged", message),
+                    outcome
+                        .verdicts
+                        .iter()
+                        .find(|v| v.type_ == NO_MATCHING_DEVICES)
+                        .cloned()
+                        .unwrap_or_else(|| Verdict::new(NO_MATCHING_DEVICES, false, "", "")),
+                ];
+            }
+        }
+        for name in &foreign {
+            if !model_plan
+                .outcomes
+                .iter()
+                .any(|o| o.class_name.as_deref() == Some(name))
+            {
+                debug!(class = %name, "a DeviceClass of this name exists and is not ours; left alone");
+            }
+        }
+
+        let servable = ServableModel::from_outcomes(&model_plan.outcomes);
+        let namespace_infos: Vec<NamespaceInfo> = namespaces
+            .iter()
+            .map(|ns| NamespaceInfo {
+                name: ns.metadata.name.clone().unwrap_or_default(),
+                labels: ns.metadata.labels.clone().unwrap_or_default(),
+                terminating: ns.metadata.deletion_timestamp.is_some()
+                    || ns.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Terminating"),
+            })
+            .collect();
+        let profile_outcomes: Vec<(profiles::ProfileOutcome, &ComputeProfile)> = computeprofiles
+            .iter()
+            .map(|p| (profiles::plan(p, &servable, &namespace_infos), p))
+            .collect();
+        let desired_templates: Vec<ResourceClaimTemplate> = profile_outcomes
+            .iter()
+            .flat_map(|(outcome, profile)| {
+                outcome
+                    .namespaces
+                    .iter()
+                    .filter_map(|ns| outcome.template_in(ns, profile.metadata.uid.as_deref()))
+            })
+            .collect();
+        let template_actions = plan::diff_templates(&desired_templates, &templates);
+
+        let mut report = PassReport::default();
+        let writes_before = self.writes.load(Ordering::SeqCst);
+
+        let (class_deletes, class_writes): (Vec<_>, Vec<_>) = class_actions
+            .into_iter()
+            .partition(|a| matches!(a, ClassAction::Delete(_)));
+        let (template_deletes, template_writes): (Vec<_>, Vec<_>) = template_actions
+            .into_iter()
+            .partition(|a| matches!(a, TemplateAction::Delete { .. }));
+        for action in class_writes.into_iter().chain(class_deletes) {
+            if let Err(e) = self.apply_class(action).await {
+                report.failures.push(e);
+            }
+        }
+        for action in template_writes.into_iter().chain(template_deletes) {
+            if let Err(e) = self.apply_template(action).await {
+                report.failures.push(e);
+            }
+        }
+
+        let now = Time(Timestamp::now());
+        let model_api = Api::<GpuModel>::all(client.clone());
+        for outcome in &model_plan.outcomes {
+            let Some(model) = gpumodels
+                .iter()
+                .find(|m| m.metadata.name.as_deref() == Some(outcome.name.as_str()))
+            else {
+                continue;
+            };
+            let status = outcome.status(model.status.as_ref(), &now);
+            if let Some(patch) = plan::status_patch(model.status.as_ref(), &status) {
+                if let Err(e) = self
+                    .write_status(&model_api, &outcome.name, patch, "GpuModel")
+                    .await
+                {
+                    report.failures.push(e);
+                }
+            }
+        }
+        let profile_api = Api::<ComputeProfile>::all(client.clone());
+        for (outcome, profile) in &profile_outcomes {
+            let status = outcome.status(profile.status.as_ref(), &now);
+            if let Some(patch) = plan::status_patch(profile.status.as_ref(), &status) {
+                if let Err(e) = self
+                    .write_status(&profile_api, &outcome.name, patch, "ComputeProfile")
+                    .await
+                {
+                    report.failures.push(e);
+                }
+            }
+        }
+        report.writes = self.writes.load(Ordering::SeqCst) - writes_before;
+        Ok(report)
+    }
+
+    async fn write_status<K>(
+        &self,
+        api: &Api<K>,
+        name: &str,
+        patch: serde_json::Value,
+        kind: &str,
+    ) -> Result<(), String>
+    where
+        K: Resource + Clone + DeserializeOwned + std::fmt::Debug,
+    {
+        self.may_write()?;
+        api.patch_status(name, &patch_params(), &Patch::Merge(&patch))
+            .await
+            .map(|_| debug!(kind, name, "status written"))
+            .map_err(|e| format!("{kind} {name} status: {e}"))
+    }
+
+    async fn apply_class(&self, action: ClassAction) -> Result<(), String> {
+        let api = Api::<DeviceClass>::all(self.client.clone());
+        match action {
+            ClassAction::Foreign(_) => Ok(()),
+            ClassAction::Delete(name) => {
+                self.may_write()?;
+                match api.delete(&name, &DeleteParams::default()).await {
+                    Ok(_) => {
+                        info!(class = %name, "deleted DeviceClass (its source is gone)");
+                        Ok(())
+                    }
+                    Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+                    Err(e) => Err(format!("DeviceClass {name}: delete: {e}")),
+                }
+            }
+            ClassAction::Create(class) | ClassAction::Replace(class) => {
+                let replace = class.metadata.resource_version.is_some();
+                let mut class = class;
+                loop {
+                    let name = class.metadata.name.clone().unwrap_or_default();
+                    self.may_write()?;
+                    let result = if replace {
+                        api.replace(&name, &PostParams::default(), &class).await
+                    } else {
+                        api.create(&PostParams::default(), &class).await
+                    };
+                    let sent_extended = class.spec.extended_resource_name.is_some();
+                    match result {
+                        Ok(stored) => {
+                            info!(class = %name, "{} DeviceClass", if replace { "updated" } else { "created" });
+                            if sent_extended && stored.spec.extended_resource_name.is_none() {
+                                // Dropped silently (an API that prunes unknown fields): the next pass
+                                // rewrites the class without it, once.
+                                self.disable_extended_resources("field dropped by the API server");
+                            }
+                            return Ok(());
+                        }
+                        Err(e) if sent_extended && refuses_extended_resource_name(&e) => {
+                            self.disable_extended_resources(&e.to_string());
+                            class.spec.extended_resource_name = None;
+                            plan::restamp_class(&mut class);
+                        }
+                        Err(e) => {
+                            return Err(format!(
+                                "DeviceClass {name}: {}: {e}",
+                                if replace { "replace" } else { "create" }
+                            ))
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    async fn apply_template(&self, action: TemplateAction) -> Result<(), String> {
+        let namespaced =
+            |ns: &str| Api::<ResourceClaimTemplate>::namespaced(self.client.clone(), ns);
+        let describe = |t: &ResourceClaimTemplate| {
+            format!(
+                "ResourceClaimTemplate {}/{}",
+                t.metadata.namespace.as_deref().unwrap_or(""),
+                t.metadata.name.as_deref().unwrap_or("")
+            )
+        };
+        match action {
+            TemplateAction::Foreign { namespace, name } => {
+                debug!(%namespace, %name, "a ResourceClaimTemplate of a profile's name exists and is not ours; left alone");
+                Ok(())
+            }
+            TemplateAction::Delete { namespace, name } => {
+                self.may_write()?;
+                match namespaced(&namespace)
+                    .delete(&name, &DeleteParams::default())
+                    .await
+                {
+                    Ok(_) => {
+                        info!(%namespace, %name, "deleted ResourceClaimTemplate (its profile no longer serves here)");
+                        Ok(())
+                    }
+                    Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+                    Err(e) => Err(format!(
+                        "ResourceClaimTemplate {namespace}/{name}: delete: {e}"
+                    )),
+                }
+            }
+            TemplateAction::Create(template) => {
+                let api = namespaced(template.metadata.namespace.as_deref().unwrap_or_default());
+                self.may_write()?;
+                api.create(&PostParams::default(), &template)
+                    .await
+                    .map(|_| info!(template = %describe(&template), "created"))
+                    .map_err(|e| format!("{}: create: {e}", describe(&template)))
+            }
+            TemplateAction::Replace(template) => {
+                let api = namespaced(template.metadata.namespace.as_deref().unwrap_or_default());
+                let name = template.metadata.name.clone().unwrap_or_default();
+                self.may_write()?;
+                api.replace(&name, &PostParams::default(), &template)
+                    .await
+                    .map(|_| info!(template = %describe(&template), "updated labels"))
+                    .map_err(|e| format!("{}: replace: {e}", describe(&template)))
+            }
+            TemplateAction::Recreate(template) => {
+                // The spec of a ResourceClaimTemplate is immutable.
+                let api = namespaced(template.metadata.namespace.as_deref().unwrap_or_default());
+                let name = template.metadata.name.clone().unwrap_or_default();
+                self.may_write()?;
+                match api.delete(&name, &DeleteParams::default()).await {
+                    Ok(_) => {}
+                    Err(kube::Error::Api(s)) if s.code == 404 => {}
+                    Err(e) => {
+                        return Err(format!("{}: delete for recreate: {e}", describe(&template)))
+                    }
+                }
+                self.may_write()?;
+                api.create(&PostParams::default(), &template)
+                    .await
+                    .map(|_| info!(template = %describe(&template), "recreated with the new spec"))
+                    .map_err(|e| format!("{}: create after delete: {e}", describe(&template)))
+            }
+        }
+    }
+
+    /// Pass after pass until `shutdown`: on watch events, on gaining leadership, every resync
+    /// interval, and with backoff after failures. Only the leader passes.
+    pub async fn run(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) {
+        let notify = Arc::new(Notify::new());
+        let watchers = vec![
+            tokio::spawn(trigger_on(
+                watcher(
+                    Api::<GpuModel>::all(self.client.clone()),
+                    watcher::Config::default(),
+                ),
+                notify.clone(),
+                "gpumodels",
+            )),
+            tokio::spawn(trigger_on(
+                watcher(
+                    Api::<ComputeProfile>::all(self.client.clone()),
+                    watcher::Config::default(),
+                ),
+                notify.clone(),
+                "computeprofiles",
+            )),
+            tokio::spawn(trigger_on(
+                watcher(
+                    Api::<ResourceSlice>::all(self.client.clone()),
+                    watcher::Config::default(),
+                ),
+                notify.clone(),
+                "resourceslices",
+            )),
+            tokio::spawn(trigger_on(
+                watcher(
+                    Api::<Namespace>::all(self.client.clone()),
+                    watcher::Config::default(),
+                ),
+                notify.clone(),
+                "namespaces",
+            )),
+            tokio::spawn(trigger_on(
+                watcher(
+                    Api::<DeviceClass>::all(self.client.clone()),
+                    watcher::Config::default(),
+                ),
+                notify.clone(),
+                "deviceclasses",
+            )),
+            tokio::spawn(trigger_on(
+                watcher(
+                    Api::<ResourceClaimTemplate>::all(self.client.clone()),
+                    watcher::Config::default(),
+                ),
+                notify.clone(),
+                "resourceclaimtemplates",
+            )),
+        ];
+        let mut leader = self.leadership.subscribe();
+        let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
+        let mut next_pass = Instant::now();
+        loop {
+            tokio::select! {
+                _ = notify.notified() => tokio::time::sleep(self.settings.debounce).await,
+                _ = tokio::time::sleep_until(next_pass) => {}
+                changed = leader.changed() => {
+                    if changed.is_err() { break; }
+                }
+                _ = shutdown.changed() => {}
+            }
+            if *shutdown.borrow() {
+                break;
+            }
+            if !self.leadership.is_leader() {
+                next_pass = Instant::now() + self.settings.resync;
+                continue;
+            }
+            match self.pass().await {
+                Ok(report) if report.failures.is_empty() => {
+                    if report.writes > 0 {
+                        debug!(writes = report.writes, "pass done");
+                    }
+                    backoff.reset();
+                    next_pass = Instant::now() + self.settings.resync;
+                }
+                Ok(report) => {
+                    let delay = backoff.next_delay();
+                    for failure in &report.failures {
+                        warn!(retry_in = ?delay, "{failure}");
+                    }
+                    next_pass = Instant::now() + delay;
+                }
+                Err(e) => {
+                    let delay = backoff.next_delay();
+                    warn!(retry_in = ?delay, error = %e, "reconcile pass failed");
+                    next_pass = Instant::now() + delay;
+                }
+            }
+        }
+        for w in watchers {
+            w.abort();
+        }
+    }
+}
+
+/// Turn every watch event of a kind into a wake-up of the loop.
+async fn trigger_on<S, T>(stream: S, notify: Arc<Notify>, kind: &'static str)
+where
+    S: Stream<Item = Result<watcher::Event<T>, watcher::Error>> + Send,
+{
+    let mut events = std::pin::pin!(stream.default_backoff());
+    while let Some(event) = events.next().await {
+        match event {
+            Ok(_) => notify.notify_one(),
+            Err(e) => debug!(kind, error = %e, "watch failed; retrying"),
+        }
+    }
+}
+
+/// Create or update gpupool's CRDs (`--install-crds`, for clusters and sandboxes without the chart).
+pub async fn install_crds(client: &Client) -> Result<(), ReconcileError> {
+    let api = Api::<CustomResourceDefinition>::all(client.clone());
+    for mut crd in [GpuModel::crd(), ComputeProfile::crd()] {
+        let name = crd.metadata.name.clone().unwrap_or_default();
+        let err = |source| ReconcileError::InstallCrd {
+            name: name.clone(),
+            source,
+        };
+        match api.get_opt(&name).await.map_err(err)? {
+            None => {
+                api.create(&PostParams::default(), &crd)
+                    .await
+                    .map_err(err)?;
+                info!(crd = %name, "installed CRD");
+            }
+            Some(existing) => {
+                crd.metadata.resource_version = existing.metadata.resource_version;
+                api.replace(&name, &PostParams::default(), &crd)
+                    .await
+                    .map_err(err)?;
+                debug!(crd = %name, "CRD up to date");
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_up_to_the_cap_and_resets() {
+        let mut b = Backoff::new(Duration::from_millis(500), Duration::from_secs(2));
+        let delays: Vec<Duration> = (0..4).map(|_| b.next_delay()).collect();
+        assert_eq!(delays, [500, 1000, 2000, 2000].map(Duration::from_millis));
+        b.reset();
+        assert_eq!(b.next_delay(), Duration::from_millis(500));
+    }
+
+    #[test]
+    fn extended_resource_refusal_is_recognised() {
+        let refusal = kube::Error::Api(Box::new(kube::core::Status {
+            code: 400,
+            message: r#"DeviceClass in version "v1" cannot be handled as a DeviceClass: strict decoding error: unknown field "spec.extendedResourceName""#.into(),
+            reason: "BadRequest".into(),
+            ..Default::default()
+        }));
+        assert!(refuses_extended_resource_name(&refusal));
+        let other = kube::Error::Api(Box::new(kube::core::Status {
+            code: 422,
+            message: "spec.selectors[0].cel.expression: Invalid value".into(),
+            ..Default::default()
+        }));
+        assert!(!refuses_extended_resource_name(&other));
+    }
+}
