@@ -13,8 +13,8 @@ use gpupool_driver::config::{Cli, Command, InspectArgs, LogFormat, RunArgs};
 use gpupool_driver::inventory::{self, Inventory};
 use gpupool_driver::plugin::health::HealthService;
 use gpupool_driver::plugin::registration::RegistrationService;
-use gpupool_driver::plugin::{server, PrepareResults, Preparer, UnprepareResults};
-use gpupool_driver::prepare::ClaimRef;
+use gpupool_driver::plugin::{server, Preparer};
+use gpupool_driver::prepare::{ClaimPreparer, PrepareOptions};
 use gpupool_driver::publisher::SlicePublisher;
 use gpupool_driver::slices::{build_slices, SliceMode};
 use gpupool_driver::weights;
@@ -26,6 +26,8 @@ use tokio_util::sync::CancellationToken;
 
 /// How long in-flight kubelet calls may take to finish after SIGTERM (the kubelet's own call timeout).
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(45);
+/// How long the first publication waits for the cluster's GpuModel weights.
+const WEIGHTS_WAIT: Duration = Duration::from_secs(5);
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -116,28 +118,6 @@ async fn kube_client(args: &RunArgs) -> anyhow::Result<Client> {
     Client::try_from(config).context("building the Kubernetes client")
 }
 
-/// Answers every claim with an error until the claim-preparation module provides `ClaimPreparer`.
-struct PreparerStandIn;
-
-#[tonic::async_trait]
-impl Preparer for PreparerStandIn {
-    async fn prepare(&self, claims: Vec<ClaimRef>) -> PrepareResults {
-        claims
-            .into_iter()
-            .map(|c| {
-                (
-                    c,
-                    Err("claim preparation is not available in this build".to_string()),
-                )
-            })
-            .collect()
-    }
-
-    async fn unprepare(&self, claims: Vec<ClaimRef>) -> UnprepareResults {
-        claims.into_iter().map(|c| (c, Ok(()))).collect()
-    }
-}
-
 async fn shutdown_signal() -> anyhow::Result<&'static str> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
@@ -191,15 +171,31 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let stop = CancellationToken::new();
 
     let (weights_tx, weights_rx) = weights::channel(&inventory);
+    let (settled_tx, mut settled_rx) = watch::channel(false);
     let weights_task = tokio::spawn(weights::watch_gpu_models(
         Api::<GpuModel>::all(client.clone()),
         inventory.clone(),
         weights_tx,
+        settled_tx,
         stop.clone(),
     ));
 
     // Start-up reconciliation of claims happens before the kubelet can reach us.
-    let preparer: Arc<dyn Preparer> = Arc::new(PreparerStandIn);
+    let preparer = ClaimPreparer::new(
+        PrepareOptions {
+            node_name: node.clone(),
+            cdi_root: args.cdi_root.clone(),
+            state_dir: args.state_dir.clone(),
+            vgpu_lib_dir: args.vgpu_lib_dir.clone(),
+            fake_gpus: args.fake_gpus.is_some(),
+        },
+        inventory.clone(),
+        client.clone(),
+        weights_rx.clone(),
+    )
+    .await
+    .context("reconciling prepared claims at start")?;
+    let preparer: Arc<dyn Preparer> = Arc::new(preparer);
 
     let (_devices_tx, devices_rx) = watch::channel(
         inventory
@@ -213,8 +209,17 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
 
     let (published_tx, mut published_rx) = watch::channel(false);
     let publisher = SlicePublisher::new(client.clone(), node.clone());
-    let publisher_task =
-        tokio::spawn(publisher.run(inventory.clone(), weights_rx, published_tx, stop.clone()));
+    let publisher_task = tokio::spawn({
+        let (inventory, stop) = (inventory.clone(), stop.clone());
+        async move {
+            // Publishing the built-in weights and then the cluster's would bump the generation twice
+            // on every restart; a slow API only delays the first publication by this much.
+            let _ = tokio::time::timeout(WEIGHTS_WAIT, settled_rx.wait_for(|s| *s)).await;
+            publisher
+                .run(inventory, weights_rx, published_tx, stop)
+                .await
+        }
+    });
 
     let (outcome_tx, _outcome_rx) = watch::channel(None);
     let registration = server::serve_registration(

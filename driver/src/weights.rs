@@ -88,11 +88,13 @@ fn is_not_found(err: &watcher::Error) -> bool {
 
 /// Watches GpuModel objects until `stop` and sends the resolved weights whenever they change.
 /// A cluster without the GpuModel CRD keeps the built-in table (and is asked again with backoff, in
-/// case the CRD is installed later).
+/// case the CRD is installed later). `settled` turns true once the first list completed or failed, so
+/// the first publication can carry the cluster's weights rather than flip from the built-in ones.
 pub async fn watch_gpu_models(
     api: Api<GpuModel>,
     inventory: std::sync::Arc<Inventory>,
     tx: watch::Sender<BTreeMap<String, i64>>,
+    settled: watch::Sender<bool>,
     stop: CancellationToken,
 ) {
     let mut objects: BTreeMap<String, GpuModel> = BTreeMap::new();
@@ -143,6 +145,7 @@ pub async fn watch_gpu_models(
                     *current = weights;
                     true
                 });
+                settled.send_replace(true);
             }
             Err(err) => {
                 if is_not_found(&err) {
@@ -155,6 +158,7 @@ pub async fn watch_gpu_models(
                 } else {
                     tracing::warn!(error = %err, "watching GpuModel objects failed; retrying");
                 }
+                settled.send_replace(true);
                 tokio::select! {
                     _ = stop.cancelled() => return,
                     _ = tokio::time::sleep(backoff) => {}

@@ -18,3 +18,14 @@ pub trait Preparer: Send + Sync + 'static {
     async fn prepare(&self, claims: Vec<ClaimRef>) -> PrepareResults;
     async fn unprepare(&self, claims: Vec<ClaimRef>) -> UnprepareResults;
 }
+
+#[tonic::async_trait]
+impl Preparer for crate::prepare::ClaimPreparer {
+    async fn prepare(&self, claims: Vec<ClaimRef>) -> PrepareResults {
+        crate::prepare::ClaimPreparer::prepare(self, claims).await
+    }
+
+    async fn unprepare(&self, claims: Vec<ClaimRef>) -> UnprepareResults {
+        crate::prepare::ClaimPreparer::unprepare(self, claims).await
+    }
+}
