@@ -210,7 +210,7 @@ pub fn check_device_name(name: &str) -> Result<(), String> {
 
 fn check_edits(at: &str, edits: &ContainerEdits, problems: &mut Vec<String>) {
     for (i, env) in edits.env.iter().enumerate() {
-        if !env.split_once('=').is_some_and(|(k, _)| !k.is_empty()) {
+        if env.split_once('=').is_none_or(|(k, _)| k.is_empty()) {
             problems.push(format!("{at}.env[{i}]: {env:?} is not KEY=VALUE"));
         }
     }
