@@ -293,6 +293,11 @@ fn driver_daemonset_mounts_exactly_what_it_needs() {
             );
         }
 
+        // The image's user is not root; the driver needs root for the host folders it writes.
+        assert_eq!(
+            driver["securityContext"]["runAsUser"], 0,
+            "{dir}: driver runs as root"
+        );
         let privileged = driver["securityContext"]["privileged"]
             .as_bool()
             .unwrap_or(false);
@@ -859,4 +864,91 @@ fn helm_chart_renders_the_kustomize_objects() {
             );
         }
     }
+}
+
+#[test]
+fn containerfile_builds_both_binaries_into_a_non_root_image() {
+    let text = read(&deploy_dir().join("Containerfile"));
+    let instructions: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .collect();
+    let froms = instructions
+        .iter()
+        .filter(|l| l.starts_with("FROM "))
+        .count();
+    assert!(froms >= 2, "multi-stage: a builder and a runtime stage");
+
+    // Every COPY from the build context names something that exists, and together they hold every
+    // workspace member (cargo loads them all).
+    let workspace = read(&repo_root().join("Cargo.toml"));
+    let mut copied = BTreeSet::new();
+    for line in instructions
+        .iter()
+        .filter(|l| l.starts_with("COPY ") && !l.contains("--from"))
+    {
+        let parts: Vec<&str> = line.split_whitespace().skip(1).collect();
+        for source in &parts[..parts.len() - 1] {
+            assert!(
+                repo_root().join(source).exists(),
+                "COPY {source}: not in the repository"
+            );
+            copied.insert(source.to_string());
+        }
+    }
+    let members_line = workspace
+        .lines()
+        .find(|l| l.trim_start().starts_with("members"))
+        .expect("workspace members");
+    for member in members_line.split('"').skip(1).step_by(2) {
+        let top = member.split('/').next().unwrap_or(member);
+        assert!(
+            copied.contains(top),
+            "the image build copies workspace member {member}"
+        );
+    }
+
+    let build = instructions
+        .iter()
+        .find(|l| l.contains("cargo build"))
+        .expect("a cargo build step");
+    for needed in [
+        "--release",
+        "--locked",
+        "-p gpupool-driver",
+        "-p gpupool-controller",
+    ] {
+        assert!(build.contains(needed), "cargo build {needed}");
+    }
+    for binary in ["gpupool-driver", "gpupool-controller"] {
+        assert!(
+            instructions
+                .iter()
+                .any(|l| l.starts_with("COPY --from=build") && l.contains(&format!("/{binary}"))),
+            "the runtime stage holds {binary}"
+        );
+    }
+    let user = instructions
+        .iter()
+        .rev()
+        .find_map(|l| l.strip_prefix("USER "))
+        .expect("a USER");
+    let uid = user.split(':').next().unwrap_or_default();
+    assert!(
+        uid != "0" && uid != "root",
+        "the image runs as a non-root user, got {user}"
+    );
+
+    // The controller's pod runs as that same user.
+    if kubectl_missing("containerfile_builds_both_binaries_into_a_non_root_image (manifest part)") {
+        return;
+    }
+    let objects = kustomize("base");
+    let deployment = find(&objects, "Deployment", "gpupool-controller");
+    assert_eq!(
+        deployment["spec"]["template"]["spec"]["securityContext"]["runAsUser"].to_string(),
+        uid,
+        "controller pod user = image user"
+    );
 }
