@@ -6,8 +6,10 @@
 //! lives beside it.
 
 pub mod allocator;
+pub mod placement;
 
 pub use allocator::{allocate, TargetNode, Unallocatable};
+pub use placement::{place, NoFit, Placement};
 
 #[cfg(test)]
 mod fixtures;
