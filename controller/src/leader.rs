@@ -293,12 +293,13 @@ impl LeaderElector {
             if let Some(until) = *self.leadership.until.lock().expect("leadership lock") {
                 wait = wait.min(until.saturating_duration_since(Instant::now()));
             }
-            tokio::select! {
-                _ = tokio::time::sleep(wait) => {}
-                _ = shutdown.changed() => {}
-            }
+            let stop = tokio::select! {
+                _ = tokio::time::sleep(wait) => false,
+                // A dropped sender means nobody can ask us to go on: stop too.
+                changed = shutdown.changed() => changed.is_err(),
+            };
             self.leadership.publish();
-            if *shutdown.borrow() {
+            if stop || *shutdown.borrow() {
                 break;
             }
         }

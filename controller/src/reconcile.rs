@@ -506,15 +506,17 @@ impl Reconciler {
         let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
         let mut next_pass = Instant::now();
         loop {
-            tokio::select! {
-                _ = notify.notified() => tokio::time::sleep(self.settings.debounce).await,
-                _ = tokio::time::sleep_until(next_pass) => {}
-                changed = leader.changed() => {
-                    if changed.is_err() { break; }
+            let stop = tokio::select! {
+                _ = notify.notified() => {
+                    tokio::time::sleep(self.settings.debounce).await;
+                    false
                 }
-                _ = shutdown.changed() => {}
-            }
-            if *shutdown.borrow() {
+                _ = tokio::time::sleep_until(next_pass) => false,
+                changed = leader.changed() => changed.is_err(),
+                // A dropped sender means nobody can ask us to go on: stop too.
+                changed = shutdown.changed() => changed.is_err(),
+            };
+            if stop || *shutdown.borrow() {
                 break;
             }
             if !self.leadership.is_leader() {
