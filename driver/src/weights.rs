@@ -68,13 +68,11 @@ pub fn resolve_weights(inventory: &Inventory, models: &[GpuModel]) -> BTreeMap<S
     out
 }
 
+/// Compute weight per GPU model (`Gpu.model`).
+pub type Weights = BTreeMap<String, i64>;
+
 /// A channel with the built-in weights of `inventory`, to be kept current by [`watch_gpu_models`].
-pub fn channel(
-    inventory: &Inventory,
-) -> (
-    watch::Sender<BTreeMap<String, i64>>,
-    watch::Receiver<BTreeMap<String, i64>>,
-) {
+pub fn channel(inventory: &Inventory) -> (watch::Sender<Weights>, watch::Receiver<Weights>) {
     watch::channel(resolve_weights(inventory, &[]))
 }
 

@@ -1,0 +1,235 @@
+//! Slice publication and the `run` command against the API server emulator on loopback.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use gpupool_apiserver::ApiServer;
+use gpupool_driver::inventory::fake::fake_inventory;
+use gpupool_driver::publisher::{Outcome, SlicePublisher};
+use gpupool_driver::slices::{build_slices, SliceMode};
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use kube::api::{ListParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Api, Client, Config, ResourceExt};
+
+async fn client(server: &ApiServer) -> Client {
+    let kubeconfig = Kubeconfig::from_yaml(&server.kubeconfig_yaml()).unwrap();
+    let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+        .await
+        .unwrap();
+    Client::try_from(config).unwrap()
+}
+
+async fn slices_of(api: &Api<ResourceSlice>, node: &str) -> Vec<ResourceSlice> {
+    let mut items: Vec<_> = api
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|s| s.spec.node_name.as_deref() == Some(node))
+        .collect();
+    items.sort_by_key(|s| s.name_any());
+    items
+}
+
+#[tokio::test]
+async fn publisher_keeps_this_nodes_slices_and_leaves_others_alone() {
+    let server = ApiServer::start().await.unwrap();
+    let client = client(&server).await;
+    let api: Api<ResourceSlice> = Api::all(client.clone());
+    let none = BTreeMap::new();
+
+    // Another node's slice, and a stale one of ours from an earlier layout at generation 3.
+    let other = build_slices(
+        &fake_inventory("t4:1", "node-b").unwrap(),
+        "node-b",
+        &none,
+        9,
+        SliceMode::Shared,
+    )
+    .unwrap()
+    .remove(0);
+    let other = api.create(&PostParams::default(), &other).await.unwrap();
+    let mut stale = build_slices(
+        &fake_inventory("t4:1", "node-a").unwrap(),
+        "node-a",
+        &none,
+        3,
+        SliceMode::Shared,
+    )
+    .unwrap()
+    .remove(0);
+    stale.metadata.name = Some("node-a-gpupool.dev-7".into());
+    api.create(&PostParams::default(), &stale).await.unwrap();
+
+    let inv = fake_inventory("a100-40gb:2", "node-a").unwrap();
+    let mut publisher = SlicePublisher::new(client.clone(), "node-a");
+    let outcome = publisher.reconcile(&inv, &none).await.unwrap();
+    assert_eq!(
+        outcome,
+        Outcome::Published {
+            generation: 4,
+            slices: 1
+        }
+    );
+    let mine = slices_of(&api, "node-a").await;
+    assert_eq!(mine.len(), 1, "the stale slice is gone");
+    assert_eq!(mine[0].name_any(), "node-a-gpupool.dev-0");
+    assert_eq!(mine[0].spec.pool.generation, 4);
+    assert_eq!(mine[0].spec.devices.as_ref().unwrap().len(), 2);
+    let theirs = slices_of(&api, "node-b").await;
+    assert_eq!(
+        theirs[0].resource_version(),
+        other.resource_version(),
+        "node-b untouched"
+    );
+
+    // Nothing changed: nothing written, also by a restarted driver.
+    assert_eq!(
+        publisher.reconcile(&inv, &none).await.unwrap(),
+        Outcome::Unchanged { generation: 4 }
+    );
+    let mut restarted = SlicePublisher::new(client.clone(), "node-a");
+    assert_eq!(
+        restarted.reconcile(&inv, &none).await.unwrap(),
+        Outcome::Unchanged { generation: 4 }
+    );
+    assert_eq!(
+        slices_of(&api, "node-a").await[0].resource_version(),
+        mine[0].resource_version()
+    );
+
+    // A weight appears: same slice, next generation.
+    let weights = BTreeMap::from([("A100-SXM4-40GB".to_string(), 312)]);
+    assert_eq!(
+        restarted.reconcile(&inv, &weights).await.unwrap(),
+        Outcome::Published {
+            generation: 5,
+            slices: 1
+        }
+    );
+    let d = &slices_of(&api, "node-a").await[0]
+        .spec
+        .devices
+        .clone()
+        .unwrap()[0];
+    assert_eq!(
+        d.attributes.as_ref().unwrap()["computeWeight"].int,
+        Some(312)
+    );
+
+    // Past 128 devices: two slices of one generation.
+    let big = fake_inventory("t4:130", "node-a").unwrap();
+    assert_eq!(
+        restarted.reconcile(&big, &none).await.unwrap(),
+        Outcome::Published {
+            generation: 6,
+            slices: 2
+        }
+    );
+    let mine = slices_of(&api, "node-a").await;
+    assert_eq!(mine.len(), 2);
+    assert!(mine
+        .iter()
+        .all(|s| s.spec.pool.generation == 6 && s.spec.pool.resource_slice_count == 2));
+    assert_eq!(restarted.mode(), SliceMode::Shared);
+}
+
+struct Driver(Child);
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn wait_until(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn run_driver(dir: &Path, kubeconfig: &Path) -> Driver {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_gpupool-driver"));
+    for var in ["FAKE_GPUS", "NODE_NAME", "LOG_FORMAT", "HEALTHZ_ADDR"] {
+        cmd.env_remove(var);
+    }
+    cmd.args([
+        "run",
+        "--node-name",
+        "node-a",
+        "--fake-gpus",
+        "a100-40gb:1,v100-32gb:1",
+    ])
+    .arg("--kubeconfig")
+    .arg(kubeconfig)
+    .arg("--registry-dir")
+    .arg(dir.join("registry"))
+    .arg("--plugin-dir")
+    .arg(dir.join("plugins/gpupool.dev"))
+    .arg("--cdi-root")
+    .arg(dir.join("cdi"))
+    .arg("--state-dir")
+    .arg(dir.join("state"))
+    .stdout(Stdio::null())
+    .stderr(Stdio::inherit());
+    Driver(cmd.spawn().unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn run_publishes_serves_sockets_and_stops_cleanly_on_sigterm() {
+    let server = ApiServer::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    server.write_kubeconfig(&kubeconfig).unwrap();
+    let reg: PathBuf = dir.path().join("registry/gpupool.dev-reg.sock");
+    let dra: PathBuf = dir.path().join("plugins/gpupool.dev/dra.sock");
+
+    let mut driver = run_driver(dir.path(), &kubeconfig);
+    let api: Api<ResourceSlice> = Api::all(client(&server).await);
+    let start = Instant::now();
+    let slice = loop {
+        if let Some(s) = slices_of(&api, "node-a").await.into_iter().next() {
+            break s;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "no slice published"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let names: Vec<_> = slice
+        .spec
+        .devices
+        .unwrap()
+        .into_iter()
+        .map(|d| d.name)
+        .collect();
+    assert_eq!(names, ["gpu-0", "gpu-1"]);
+    wait_until("sockets", Duration::from_secs(20), || {
+        reg.exists() && dra.exists()
+    });
+
+    let pid = driver.0.id() as libc::pid_t;
+    // SAFETY: signalling our own child process.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = driver.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "driver ignored SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status}");
+    assert!(!reg.exists() && !dra.exists(), "sockets removed on exit");
+}
