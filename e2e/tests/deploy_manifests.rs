@@ -952,3 +952,155 @@ fn containerfile_builds_both_binaries_into_a_non_root_image() {
         "controller pod user = image user"
     );
 }
+
+/// `kubectl --kubeconfig <kubeconfig> <args>` with `stdin`, run off the async runtime that serves the
+/// emulator.
+async fn kubectl_at(
+    kubeconfig: &Path,
+    args: &[&str],
+    stdin: Option<String>,
+) -> std::process::Output {
+    let kubeconfig = kubeconfig.to_path_buf();
+    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    tokio::task::spawn_blocking(move || {
+        use std::io::Write;
+        let mut child = Command::new("kubectl")
+            .arg("--kubeconfig")
+            .arg(&kubeconfig)
+            .args(&args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("run kubectl");
+        let mut input = child.stdin.take().expect("stdin");
+        input
+            .write_all(stdin.unwrap_or_default().as_bytes())
+            .expect("write stdin");
+        drop(input);
+        child.wait_with_output().expect("kubectl output")
+    })
+    .await
+    .expect("kubectl task")
+}
+
+fn to_yaml_stream(objects: &[Value]) -> String {
+    objects
+        .iter()
+        .map(|o| format!("---\n{}", serde_yaml::to_string(o).expect("YAML")))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the API emulator does not serve apps/v1, rbac.authorization.k8s.io/v1, \
+            admissionregistration.k8s.io/v1 and serviceaccounts yet"]
+async fn manifests_apply_to_the_api_emulator_with_strict_field_validation() {
+    if kubectl_missing("manifests_apply_to_the_api_emulator_with_strict_field_validation") {
+        return;
+    }
+    let server = gpupool_apiserver::ApiServer::start()
+        .await
+        .expect("start the API emulator");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let kubeconfig = dir.path().join("kubeconfig");
+    server.write_kubeconfig(&kubeconfig).expect("kubeconfig");
+
+    // As the install instructions say: CRDs first, so that the GpuModels of the base find their kind.
+    let crds = deploy_dir().join("crds");
+    let out = kubectl_at(
+        &kubeconfig,
+        &[
+            "apply",
+            "--validate=strict",
+            "-f",
+            crds.to_str().expect("utf-8 path"),
+        ],
+        None,
+    )
+    .await;
+    assert!(
+        out.status.success(),
+        "apply deploy/crds:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    for dir in RENDERED {
+        let objects = kustomize(dir);
+        let out = kubectl_at(
+            &kubeconfig,
+            &["apply", "--validate=strict", "-f", "-"],
+            Some(to_yaml_stream(&objects)),
+        )
+        .await;
+        assert!(
+            out.status.success(),
+            "kubectl apply --validate=strict of {dir}:\n{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+
+        // Nothing was dropped on the way in: every object reads back with the rendered spec (and
+        // rules, subjects, roleRef, ...).
+        let out = kubectl_at(
+            &kubeconfig,
+            &["get", "-f", "-", "-o", "json"],
+            Some(to_yaml_stream(&objects)),
+        )
+        .await;
+        assert!(
+            out.status.success(),
+            "get {dir}:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let listed: Value = serde_json::from_slice(&out.stdout).expect("kubectl get -o json");
+        let stored: BTreeMap<String, Value> = listed["items"]
+            .as_array()
+            .cloned()
+            .unwrap_or_else(|| vec![listed.clone()])
+            .into_iter()
+            .map(|o| (key(&o), o))
+            .collect();
+        for object in &objects {
+            let stored = stored
+                .get(&key(object))
+                .unwrap_or_else(|| panic!("{dir}: {} not stored", key(object)));
+            for field in ["spec", "rules", "subjects", "roleRef"] {
+                if let Some(rendered) = object.get(field) {
+                    assert_eq!(
+                        &stored[field],
+                        rendered,
+                        "{dir}: {} {field} as stored",
+                        key(object)
+                    );
+                }
+            }
+        }
+    }
+
+    // Strictness is real: a misspelt field in a built-in kind and in a custom resource is refused,
+    // naming the field.
+    let base = to_yaml_stream(&kustomize("base"));
+    for (from, to) in [
+        ("readOnlyRootFilesystem", "readOnlyRootFileSystem"),
+        ("tier: workstation", "teir: workstation"),
+    ] {
+        assert!(base.contains(from), "the base has {from}");
+        let broken = base.replacen(from, to, 1);
+        let out = kubectl_at(
+            &kubeconfig,
+            &["apply", "--validate=strict", "-f", "-"],
+            Some(broken),
+        )
+        .await;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let misspelt = to.split(':').next().unwrap_or(to);
+        assert!(
+            !out.status.success(),
+            "a manifest with {misspelt} was accepted"
+        );
+        assert!(
+            stderr.contains(misspelt),
+            "the error names {misspelt}:\n{stderr}"
+        );
+    }
+}
