@@ -72,3 +72,93 @@ fn unknown_subcommand_fails_with_usage() {
     assert!(!output.status.success());
     assert!(String::from_utf8_lossy(&output.stderr).contains("Usage"));
 }
+
+/// The binary as the harness runs it: against the emulator, installs the CRDs, manages a class, and on
+/// SIGTERM hands the lease back so that another replica takes over at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_manages_classes_and_releases_the_lease_on_sigterm() {
+    use gpupool_api::crd::{GpuModel, GpuModelSpec};
+    use k8s_openapi::api::coordination::v1::Lease;
+    use k8s_openapi::api::resource::v1::DeviceClass;
+    use kube::api::{Api, PostParams};
+    use std::time::Duration;
+
+    let server = gpupool_apiserver::ApiServer::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    server.write_kubeconfig(&kubeconfig).unwrap();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_gpupool-controller"))
+        .args(["run", "--install-crds", "--identity", "cli-test"])
+        .args(["--lease-duration", "3s", "--renew-interval", "500ms"])
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .args(["--log-format", "json"])
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+
+    let config = kube::Config::from_custom_kubeconfig(
+        kube::config::Kubeconfig::from_yaml(&server.kubeconfig_yaml()).unwrap(),
+        &Default::default(),
+    )
+    .await
+    .unwrap();
+    let client = kube::Client::try_from(config).unwrap();
+    let gpumodels = Api::<GpuModel>::all(client.clone());
+    let classes = Api::<DeviceClass>::all(client.clone());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    // The CRD is installed by the controller itself.
+    while gpumodels
+        .create(
+            &PostParams::default(),
+            &GpuModel::new(
+                "h100",
+                GpuModelSpec {
+                    model: Some("H100-SXM5-80GB".into()),
+                    product_name: None,
+                    compute_weight: 989,
+                    device_class_name: None,
+                    tier: None,
+                },
+            ),
+        )
+        .await
+        .is_err()
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "CRDs never installed"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    while classes
+        .get_opt("h100-sxm5-80gb.gpupool.dev")
+        .await
+        .unwrap()
+        .is_none()
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "class never created"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let pid = child.id().unwrap().to_string();
+    let killed = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(killed.success());
+    let status = tokio::time::timeout(Duration::from_secs(10), child.wait())
+        .await
+        .expect("exits after SIGTERM")
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+    let lease = Api::<Lease>::namespaced(client, "kube-system")
+        .get("gpupool-controller")
+        .await
+        .unwrap();
+    assert_eq!(
+        lease.spec.unwrap().holder_identity,
+        None,
+        "lease not released"
+    );
+}

@@ -292,6 +292,16 @@ async fn models_and_profiles_are_served_by_the_single_leader_and_survive_its_cra
         ]
     );
 
+    // Settled: further passes (watch events, resyncs) find nothing to change.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let settled = first.writes() + second.writes();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(
+        first.writes() + second.writes(),
+        settled,
+        "the controller keeps rewriting an unchanged state"
+    );
+
     // Exactly one replica wrote.
     let (leader, follower) = if first.writes() > 0 {
         (first, second)
