@@ -58,6 +58,11 @@ pub struct ClaimEntry {
     /// Shown in the claim's device status, kept so a restart can repeat it.
     #[serde(default)]
     pub warning: Option<String>,
+    /// Rebuilt from a spec file after the checkpoint was lost: the spec stays (containers of the
+    /// claim may restart and need it) but the kubelet's answer is unknown, so the next prepare
+    /// does the work again and unprepare removes it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub recovered: bool,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -161,6 +166,7 @@ mod tests {
                 }],
                 spec: None,
                 warning: Some("w".into()),
+                recovered: false,
             },
         );
         CheckpointData {

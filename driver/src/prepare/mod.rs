@@ -208,7 +208,7 @@ impl ClaimPreparer {
         let data = self.checkpoint.lock().await;
         data.claims
             .get(uid)
-            .filter(|e| e.state == ClaimState::PrepareCompleted)
+            .filter(|e| e.state == ClaimState::PrepareCompleted && !e.recovered)
             .map(|e| e.devices.clone())
     }
 
@@ -261,7 +261,7 @@ impl ClaimPreparer {
             let data = self.checkpoint.lock().await;
             data.claims
                 .get(&claim.uid)
-                .filter(|e| e.state == ClaimState::PrepareCompleted)
+                .filter(|e| e.state == ClaimState::PrepareCompleted && !e.recovered)
                 .cloned()
         };
         if let Some(entry) = recorded {
@@ -410,6 +410,7 @@ impl ClaimPreparer {
                     devices: Vec::new(),
                     spec: None,
                     warning: None,
+                    recovered: false,
                 },
             );
         })
@@ -444,6 +445,7 @@ impl ClaimPreparer {
                             devices: devices.clone(),
                             spec: Some(rendered.spec.clone()),
                             warning: rendered.warning.clone(),
+                            recovered: false,
                         },
                     );
                 })
@@ -616,6 +618,46 @@ fn ensure_mount_sources(
     Ok(())
 }
 
+/// Entries for the specs of ours found in the CDI root, when the checkpoint was lost. A spec that
+/// does not parse or is not valid CDI is left out (and then removed as an orphan).
+fn recover_from_cdi_root(cdi_root: &Path) -> CheckpointData {
+    let mut data = CheckpointData::default();
+    let Ok(entries) = fs::read_dir(cdi_root) else {
+        return data;
+    };
+    for dir_entry in entries.flatten() {
+        let name = dir_entry.file_name();
+        let Some(uid) = name.to_str().and_then(cdi::owned_file_uid) else {
+            continue;
+        };
+        if name.to_str().is_some_and(|n| n.ends_with(".tmp")) || !claim::is_uuid(uid) {
+            continue;
+        }
+        let spec = fs::read(dir_entry.path())
+            .ok()
+            .and_then(|b| serde_json::from_slice::<gpupool_api::cdi::Spec>(&b).ok())
+            .filter(|s| {
+                s.kind == gpupool_api::names::CDI_KIND && gpupool_api::cdi::validate(s).is_empty()
+            });
+        if let Some(spec) = spec {
+            tracing::warn!(uid, "keeping a CDI spec found without a checkpoint; the claim will be prepared again when the kubelet asks");
+            data.claims.insert(
+                uid.to_string(),
+                ClaimEntry {
+                    state: ClaimState::PrepareCompleted,
+                    namespace: String::new(),
+                    name: String::new(),
+                    devices: Vec::new(),
+                    spec: Some(spec),
+                    warning: None,
+                    recovered: true,
+                },
+            );
+        }
+    }
+    data
+}
+
 /// Start-up reconciliation; returns the checkpoint to run with and, when the file on disk was
 /// unreadable, the message describing what was moved aside.
 fn reconcile(
@@ -664,7 +706,7 @@ fn reconcile(
             );
             tracing::error!("{message}");
             corrupt = Some(message);
-            CheckpointData::default()
+            recover_from_cdi_root(&opts.cdi_root)
         }
     };
 

@@ -177,7 +177,7 @@ pub fn node_event(node: &str, reason: &str, message: &str, now: Timestamp) -> Ev
             api_version: Some("v1".into()),
             kind: Some("Node".into()),
             name: Some(node.into()),
-            uid: Some(node.into()),
+            // The Node's uid is not known here; name and kind identify it.
             ..Default::default()
         },
         reason: Some(reason.into()),

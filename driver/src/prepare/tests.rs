@@ -134,13 +134,7 @@ impl Node {
         let root = tempfile::tempdir().unwrap();
         // Nested, so that escaping the CDI root or state dir would still land inside `top`.
         let top = root.path().join("host");
-        let opts = PrepareOptions {
-            node_name: NODE.into(),
-            cdi_root: top.join("run/cdi"),
-            state_dir: top.join("var/lib/gpupool"),
-            vgpu_lib_dir: top.join("usr/local/vgpu"),
-            fake_gpus: true,
-        };
+        let opts = opts_under(&top);
         Node {
             _root: root,
             top,
@@ -197,6 +191,16 @@ impl Node {
         let mut out = BTreeSet::new();
         walk(self._root.path(), &mut out);
         out
+    }
+}
+
+fn opts_under(top: &Path) -> PrepareOptions {
+    PrepareOptions {
+        node_name: NODE.into(),
+        cdi_root: top.join("run/cdi"),
+        state_dir: top.join("var/lib/gpupool"),
+        vgpu_lib_dir: top.join("usr/local/vgpu"),
+        fake_gpus: true,
     }
 }
 
@@ -683,7 +687,7 @@ async fn a_corrupt_checkpoint_is_moved_aside_and_the_driver_works() {
         let node = Node::new();
         node.api.add("train", fractional(UID_A));
         let preparer = node.start().await;
-        preparer.prepare(vec![r("train", UID_A)]).await[0]
+        let first = preparer.prepare(vec![r("train", UID_A)]).await[0]
             .1
             .clone()
             .unwrap();
@@ -705,6 +709,10 @@ async fn a_corrupt_checkpoint_is_moved_aside_and_the_driver_works() {
         };
         fs::write(&path, bad).unwrap();
 
+        // A spec that is not valid CDI is not kept whatever happens.
+        let junk = node.spec_path(UID_B);
+        fs::write(&junk, b"{}").unwrap();
+
         let preparer = node.start().await;
         let aside: Vec<_> = fs::read_dir(&node.opts.state_dir)
             .unwrap()
@@ -712,10 +720,26 @@ async fn a_corrupt_checkpoint_is_moved_aside_and_the_driver_works() {
             .filter(|n| n.starts_with("checkpoint.json.corrupt-"))
             .collect();
         assert_eq!(aside.len(), 1, "{corruption}");
-        // Started empty: the orphaned spec is gone, and preparing works again.
+        // The claim's spec survives (its containers may restart), the junk does not.
+        assert_eq!(
+            node.cdi_files(),
+            BTreeSet::from([format!("gpupool.dev-claim_{UID_A}.json")]),
+            "{corruption}"
+        );
+        // Its answer is not trusted: the next prepare asks the API again and gives the same ids.
+        assert_eq!(preparer.prepared(UID_A).await, None);
+        let gets = node.api.gets.load(Ordering::SeqCst);
+        let again = preparer.prepare(vec![r("train", UID_A)]).await[0].1.clone();
+        assert_eq!(again.unwrap(), first, "{corruption}");
+        assert_eq!(node.api.gets.load(Ordering::SeqCst), gets + 1);
+        // And a recovered claim can be unprepared.
+        drop(preparer);
+        fs::write(checkpoint::path(&node.opts.state_dir), b"").unwrap();
+        let preparer = node.start().await;
+        assert!(preparer.unprepare(vec![r("train", UID_A)]).await[0]
+            .1
+            .is_ok());
         assert!(node.cdi_files().is_empty(), "{corruption}");
-        let answer = preparer.prepare(vec![r("train", UID_A)]).await;
-        assert!(answer[0].1.is_ok(), "{corruption}");
         // The Node event is posted in the background.
         for _ in 0..50 {
             if !node.api.event_reasons().is_empty() {
@@ -724,8 +748,8 @@ async fn a_corrupt_checkpoint_is_moved_aside_and_the_driver_works() {
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
         }
         assert_eq!(
-            node.api.event_reasons(),
-            vec![(NODE.to_string(), "CheckpointCorrupt".to_string())],
+            node.api.event_reasons()[0],
+            (NODE.to_string(), "CheckpointCorrupt".to_string()),
             "{corruption}"
         );
     }
@@ -760,4 +784,94 @@ async fn files_have_the_promised_modes_and_world_writable_roots_are_refused() {
     .await;
     assert!(matches!(refused, Err(PrepareError::CdiRoot { .. })));
     let _ = &node.top;
+}
+
+/// Set by [`killed_at_every_fault_point_the_node_recovers`] for its child process.
+const CRASH_DIR_ENV: &str = "GPUPOOL_TEST_CRASH_DIR";
+
+/// The child half of the crash test: prepare then unprepare, until the armed fault point kills it.
+/// Does nothing in a normal test run.
+#[tokio::test]
+async fn crash_child() {
+    let Ok(top) = std::env::var(CRASH_DIR_ENV) else {
+        return;
+    };
+    let api = Arc::new(FakeApi::default());
+    api.add("train", fractional(UID_A));
+    let (_tx, rx) = watch::channel(BTreeMap::new());
+    let preparer = ClaimPreparer::with_api(
+        opts_under(Path::new(&top)),
+        Arc::new(inventory()),
+        api,
+        rx,
+        "boot-1".into(),
+    )
+    .await
+    .unwrap();
+    preparer.prepare(vec![r("train", UID_A)]).await[0]
+        .1
+        .clone()
+        .unwrap();
+    preparer.unprepare(vec![r("train", UID_A)]).await[0]
+        .1
+        .clone()
+        .unwrap();
+}
+
+#[cfg(any(debug_assertions, feature = "fault-injection"))]
+#[tokio::test]
+async fn killed_at_every_fault_point_the_node_recovers() {
+    use std::os::unix::process::ExitStatusExt;
+    for point in fault::FAULT_POINTS {
+        let node = Node::new();
+        let status = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "prepare::tests::crash_child", "--test-threads=1"])
+            .env(CRASH_DIR_ENV, &node.top)
+            .env(fault::FAULT_POINT_ENV, point)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .unwrap();
+        assert_eq!(status.signal(), Some(libc::SIGKILL), "{point}: not killed");
+
+        node.api.add("train", fractional(UID_A));
+        let preparer = node.start().await;
+        let saved = checkpoint::load(&node.opts.state_dir).unwrap().unwrap();
+        let cache = node.opts.state_dir.join("vgpu-cache").join(UID_A);
+        match saved.claims.get(UID_A) {
+            // Killed after completion: the claim is prepared, with a valid spec and its cache.
+            Some(entry) => {
+                assert_eq!(entry.state, ClaimState::PrepareCompleted, "{point}");
+                assert_eq!(
+                    gpupool_api::cdi::validate(&node.spec(UID_A)),
+                    Vec::<String>::new()
+                );
+                assert!(cache.is_dir(), "{point}");
+                assert_eq!(node.cdi_files().len(), 1, "{point}");
+            }
+            // Killed before: nothing at all is left.
+            None => {
+                assert!(
+                    node.cdi_files().is_empty(),
+                    "{point}: {:?}",
+                    node.cdi_files()
+                );
+                assert!(!cache.exists(), "{point}");
+            }
+        }
+        let expected_survivor = matches!(*point, "after-prepare-completed" | "mid-unprepare");
+        assert_eq!(
+            saved.claims.contains_key(UID_A),
+            expected_survivor,
+            "{point}"
+        );
+
+        // Either way the kubelet's retries converge.
+        assert!(preparer.prepare(vec![r("train", UID_A)]).await[0].1.is_ok());
+        assert!(preparer.unprepare(vec![r("train", UID_A)]).await[0]
+            .1
+            .is_ok());
+        assert!(node.cdi_files().is_empty(), "{point}");
+        assert!(!cache.exists(), "{point}");
+    }
 }
