@@ -118,14 +118,27 @@ async fn kube_client(args: &RunArgs) -> anyhow::Result<Client> {
     Client::try_from(config).context("building the Kubernetes client")
 }
 
-async fn shutdown_signal() -> anyhow::Result<&'static str> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-    let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-    Ok(tokio::select! {
-        _ = term.recv() => "SIGTERM",
-        _ = int.recv() => "SIGINT",
-    })
+/// SIGTERM or SIGINT, handled from the start so that a stop during start-up is also clean.
+struct ShutdownSignals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl ShutdownSignals {
+    fn install() -> anyhow::Result<Self> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Self {
+            term: signal(SignalKind::terminate()).context("installing the SIGTERM handler")?,
+            int: signal(SignalKind::interrupt()).context("installing the SIGINT handler")?,
+        })
+    }
+
+    async fn recv(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.int.recv() => "SIGINT",
+        }
+    }
 }
 
 async fn serve_healthz(
@@ -158,6 +171,7 @@ async fn serve_healthz(
 }
 
 async fn run(args: RunArgs) -> anyhow::Result<()> {
+    let mut signals = ShutdownSignals::install()?;
     let node = args.node_name.clone();
     let inventory = Arc::new(inventory::discover(args.fake_gpus.as_deref(), &node)?);
     tracing::info!(
@@ -242,7 +256,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         .healthz_addr
         .map(|addr| tokio::spawn(serve_healthz(addr, ready_rx, stop.clone())));
 
-    let signal = shutdown_signal().await?;
+    let signal = signals.recv().await;
     tracing::info!(
         signal,
         "shutting down: no new calls, waiting for in-flight ones"
