@@ -166,6 +166,8 @@ const REGISTRY_DIR: &str = "/var/lib/kubelet/plugins_registry";
 const PLUGIN_DIR: &str = "/var/lib/kubelet/plugins/gpupool.dev";
 const CDI_ROOT: &str = "/var/run/cdi";
 const VGPU_LIB_DIR: &str = "/usr/local/vgpu";
+/// HAMi-core's lock folder; fixed by HAMi-core itself.
+const VGPU_LOCK_DIR: &str = "/tmp/vgpulock";
 
 #[test]
 fn base_and_overlays_render_with_kubectl_kustomize() {
@@ -220,8 +222,14 @@ fn driver_daemonset_mounts_exactly_what_it_needs() {
         let fake = dir.ends_with("fake-gpus");
 
         let mounts = host_mounts(ds, "driver");
-        let mut expected: BTreeSet<&str> =
-            [REGISTRY_DIR, PLUGIN_DIR, CDI_ROOT, VGPU_LIB_DIR].into();
+        let mut expected: BTreeSet<&str> = [
+            REGISTRY_DIR,
+            PLUGIN_DIR,
+            CDI_ROOT,
+            VGPU_LIB_DIR,
+            VGPU_LOCK_DIR,
+        ]
+        .into();
         if !fake {
             expected.insert("/dev");
         }
