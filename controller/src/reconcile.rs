@@ -531,6 +531,10 @@ impl Reconciler {
                     backoff.reset();
                     next_pass = Instant::now() + self.settings.resync;
                 }
+                Ok(_) if !self.leadership.is_leader() => {
+                    info!("leadership lost during a pass; the new leader carries on");
+                    next_pass = Instant::now() + self.settings.resync;
+                }
                 Ok(report) => {
                     let delay = backoff.next_delay();
                     for failure in &report.failures {
