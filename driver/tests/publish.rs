@@ -9,8 +9,11 @@ use gpupool_apiserver::ApiServer;
 use gpupool_driver::inventory::fake::fake_inventory;
 use gpupool_driver::publisher::{Outcome, SlicePublisher};
 use gpupool_driver::slices::{build_slices, SliceMode};
+use gpupool_proto::dra_v1;
+use hyper_util::rt::TokioIo;
+use k8s_openapi::api::resource::v1::ResourceClaim;
 use k8s_openapi::api::resource::v1::ResourceSlice;
-use kube::api::{ListParams, PostParams};
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config, ResourceExt};
 
@@ -216,6 +219,8 @@ async fn run_publishes_serves_sockets_and_stops_cleanly_on_sigterm() {
         reg.exists() && dra.exists()
     });
 
+    prepare_and_unprepare_over_the_dra_socket(&server, &dra, &dir.path().join("cdi")).await;
+
     let pid = driver.0.id() as libc::pid_t;
     // SAFETY: signalling our own child process.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
@@ -232,4 +237,95 @@ async fn run_publishes_serves_sockets_and_stops_cleanly_on_sigterm() {
     };
     assert!(status.success(), "{status}");
     assert!(!reg.exists() && !dra.exists(), "sockets removed on exit");
+}
+
+async fn dra_client(
+    path: &Path,
+) -> dra_v1::dra_plugin_client::DraPluginClient<tonic::transport::Channel> {
+    let path = path.to_path_buf();
+    let channel = tonic::transport::Endpoint::try_from("http://[::]:50051")
+        .unwrap()
+        .connect_with_connector(tower::service_fn(move |_| {
+            let path = path.clone();
+            async move {
+                Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(path).await?))
+            }
+        }))
+        .await
+        .unwrap();
+    dra_v1::dra_plugin_client::DraPluginClient::new(channel)
+}
+
+/// The kubelet's part, by hand: a claim allocated 8Gi + 50% of gpu-0 is prepared into a CDI spec,
+/// and unprepared again.
+async fn prepare_and_unprepare_over_the_dra_socket(
+    server: &ApiServer,
+    dra: &Path,
+    cdi_root: &Path,
+) {
+    let claims: Api<ResourceClaim> = Api::namespaced(client(server).await, "default");
+    let claim: ResourceClaim = serde_json::from_value(serde_json::json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": "half-a100", "namespace": "default"},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpupool.dev"}}]}}
+    }))
+    .unwrap();
+    let created = claims.create(&PostParams::default(), &claim).await.unwrap();
+    let status = serde_json::json!({"status": {"allocation": {"devices": {"results": [{
+        "request": "gpu", "driver": "gpupool.dev", "pool": "node-a", "device": "gpu-0",
+        "shareID": "7f3c2a10-0000-4000-8000-000000000001",
+        "consumedCapacity": {"memory": "8Gi", "cores": "50"}
+    }]}}}});
+    claims
+        .patch_status("half-a100", &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .unwrap();
+    let uid = created.metadata.uid.clone().unwrap();
+    let request = dra_v1::Claim {
+        namespace: "default".into(),
+        name: "half-a100".into(),
+        uid: uid.clone(),
+    };
+
+    let mut dra = dra_client(dra).await;
+    let answer = dra
+        .node_prepare_resources(dra_v1::NodePrepareResourcesRequest {
+            claims: vec![request.clone()],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let prepared = &answer.claims[&uid];
+    assert_eq!(prepared.error, "");
+    assert_eq!(prepared.devices.len(), 1);
+    let device = &prepared.devices[0];
+    assert_eq!(
+        (device.pool_name.as_str(), device.device_name.as_str()),
+        ("node-a", "gpu-0")
+    );
+    assert_eq!(
+        device.share_id.as_deref(),
+        Some("7f3c2a10-0000-4000-8000-000000000001")
+    );
+    assert_eq!(
+        device.cdi_device_ids,
+        [format!(
+            "gpupool.dev/claim={uid}-gpu-0-7f3c2a10-0000-4000-8000-000000000001"
+        )]
+    );
+    let spec_path = cdi_root.join(format!("gpupool.dev-claim_{uid}.json"));
+    let spec = std::fs::read_to_string(&spec_path).unwrap();
+    assert!(spec.contains("CUDA_DEVICE_MEMORY_LIMIT_0=8192m"), "{spec}");
+    assert!(spec.contains("CUDA_DEVICE_SM_LIMIT_0=50"), "{spec}");
+
+    let answer = dra
+        .node_unprepare_resources(dra_v1::NodeUnprepareResourcesRequest {
+            claims: vec![request],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(answer.claims[&uid].error, "");
+    assert!(!spec_path.exists(), "CDI spec removed on unprepare");
 }
