@@ -238,7 +238,36 @@ fn builtin_cells(kind: &str, object: &Value) -> Vec<Value> {
     }
 }
 
-/// Evaluates the simple JSONPath subset CRD printer columns use: `.a.b`, `.a[0].b`, `.a[*].b`.
+/// Splits a JSONPath on dots outside brackets.
+fn path_segments(path: &str) -> Vec<&str> {
+    let mut segments = Vec::new();
+    let (mut depth, mut start) = (0usize, 0usize);
+    for (i, c) in path.char_indices() {
+        match c {
+            '[' => depth += 1,
+            ']' => depth = depth.saturating_sub(1),
+            '.' if depth == 0 => {
+                segments.push(&path[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    segments.push(&path[start..]);
+    segments.into_iter().filter(|s| !s.is_empty()).collect()
+}
+
+/// `?(@.a.b=="v")` as (path, value).
+fn parse_filter(index: &str) -> Option<(String, String)> {
+    let inner = index.strip_prefix("?(")?.strip_suffix(')')?;
+    let (lhs, rhs) = inner.split_once("==")?;
+    let path = lhs.trim().strip_prefix('@')?.to_string();
+    let value = rhs.trim().trim_matches('"').trim_matches('\'').to_string();
+    Some((path, value))
+}
+
+/// Evaluates the JSONPath subset CRD printer columns use: `.a.b`, `.a[0].b`, `.a[*].b`,
+/// `.a[?(@.type=="Ready")].status`.
 pub fn eval_json_path(object: &Value, path: &str) -> Option<Value> {
     let mut current = vec![object.clone()];
     let trimmed = path
@@ -246,9 +275,12 @@ pub fn eval_json_path(object: &Value, path: &str) -> Option<Value> {
         .trim_start_matches('{')
         .trim_end_matches('}')
         .trim_start_matches('$');
-    for segment in trimmed.split('.').filter(|s| !s.is_empty()) {
+    for segment in path_segments(trimmed) {
         let (field, index) = match segment.find('[') {
-            Some(i) => (&segment[..i], Some(segment[i + 1..].trim_end_matches(']'))),
+            Some(i) => (
+                &segment[..i],
+                Some(&segment[i + 1..segment.len().saturating_sub(1).max(i + 1)]),
+            ),
             None => (segment, None),
         };
         let mut next = Vec::new();
@@ -261,6 +293,18 @@ pub fn eval_json_path(object: &Value, path: &str) -> Option<Value> {
             match (value, index) {
                 (Some(v), None) => next.push(v),
                 (Some(Value::Array(items)), Some("*")) => next.extend(items),
+                (Some(Value::Array(items)), Some(i)) if i.starts_with('?') => {
+                    if let Some((filter_path, wanted)) = parse_filter(i) {
+                        next.extend(items.into_iter().filter(|item| {
+                            eval_json_path(item, &filter_path).is_some_and(|v| {
+                                v.as_str()
+                                    .map(String::from)
+                                    .unwrap_or_else(|| v.to_string())
+                                    == wanted
+                            })
+                        }));
+                    }
+                }
                 (Some(Value::Array(items)), Some(i)) => {
                     if let Some(item) = i.parse::<usize>().ok().and_then(|i| items.get(i)) {
                         next.push(item.clone());
@@ -417,5 +461,10 @@ mod tests {
         assert_eq!(eval_json_path(&obj, ".spec.l[1].n"), Some(json!("b")));
         assert_eq!(eval_json_path(&obj, ".spec.l[*].n"), Some(json!("a,b")));
         assert_eq!(eval_json_path(&obj, ".spec.missing"), None);
+        let status = json!({"status": {"conditions": [{"type": "Synced", "status": "False"}, {"type": "Ready", "status": "True"}]}});
+        assert_eq!(
+            eval_json_path(&status, r#".status.conditions[?(@.type=="Ready")].status"#),
+            Some(json!("True"))
+        );
     }
 }

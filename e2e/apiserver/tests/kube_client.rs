@@ -1,0 +1,526 @@
+//! The emulator driven by a kube-rs client, the way gpupool-driver and gpupool-controller use it.
+
+use std::time::Duration;
+
+use futures::{StreamExt, TryStreamExt};
+use gpupool_api::crd::GpuModel;
+use gpupool_apiserver::ApiServer;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{
+    Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams,
+};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::runtime::watcher;
+use kube::{Client, Config, CustomResourceExt, ResourceExt};
+use serde_json::json;
+
+async fn client_for(server: &ApiServer) -> Client {
+    let kubeconfig = Kubeconfig::from_yaml(&server.kubeconfig_yaml()).expect("kubeconfig parses");
+    let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+        .await
+        .expect("kubeconfig is usable");
+    Client::try_from(config).expect("client")
+}
+
+fn config_map(name: &str, labels: serde_json::Value) -> ConfigMap {
+    serde_json::from_value(
+        json!({"metadata": {"name": name, "labels": labels}, "data": {"k": "v"}}),
+    )
+    .unwrap()
+}
+
+fn api_error(result: Result<impl std::fmt::Debug, kube::Error>) -> Box<kube::core::Status> {
+    match result {
+        Err(kube::Error::Api(status)) => status,
+        other => panic!("expected an API error, got {other:?}"),
+    }
+}
+
+async fn next_event<S, K>(stream: &mut S) -> WatchEvent<K>
+where
+    S: futures::Stream<Item = kube::Result<WatchEvent<K>>> + Unpin,
+{
+    loop {
+        let event = tokio::time::timeout(Duration::from_secs(10), stream.next())
+            .await
+            .expect("a watch event within 10s")
+            .expect("the stream is open")
+            .expect("a decodable event");
+        if !matches!(event, WatchEvent::Bookmark(_)) {
+            return event;
+        }
+    }
+}
+
+#[tokio::test]
+async fn watch_sees_create_update_delete_in_order() {
+    let server = ApiServer::start().await.unwrap();
+    let api: Api<ConfigMap> = Api::namespaced(client_for(&server).await, "default");
+    let rv = api
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .metadata
+        .resource_version
+        .unwrap();
+    let mut stream = api
+        .watch(&WatchParams::default(), &rv)
+        .await
+        .unwrap()
+        .boxed();
+
+    let created = api
+        .create(&PostParams::default(), &config_map("w", json!({})))
+        .await
+        .unwrap();
+    let mut changed = created.clone();
+    changed.data = Some([("k".to_string(), "changed".to_string())].into());
+    api.replace("w", &PostParams::default(), &changed)
+        .await
+        .unwrap();
+    api.delete("w", &DeleteParams::default()).await.unwrap();
+
+    match next_event(&mut stream).await {
+        WatchEvent::Added(cm) => assert_eq!(cm.name_any(), "w"),
+        other => panic!("expected Added, got {other:?}"),
+    }
+    match next_event(&mut stream).await {
+        WatchEvent::Modified(cm) => assert_eq!(cm.data.unwrap()["k"], "changed"),
+        other => panic!("expected Modified, got {other:?}"),
+    }
+    match next_event(&mut stream).await {
+        WatchEvent::Deleted(cm) => assert_eq!(cm.name_any(), "w"),
+        other => panic!("expected Deleted, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn stale_update_gets_409_conflict() {
+    let server = ApiServer::start().await.unwrap();
+    let api: Api<ConfigMap> = Api::namespaced(client_for(&server).await, "default");
+    let original = api
+        .create(&PostParams::default(), &config_map("c", json!({})))
+        .await
+        .unwrap();
+    let mut first = original.clone();
+    first.data = Some([("k".to_string(), "1".to_string())].into());
+    let first = api
+        .replace("c", &PostParams::default(), &first)
+        .await
+        .unwrap();
+    assert_ne!(first.resource_version(), original.resource_version());
+
+    let mut stale = original.clone();
+    stale.data = Some([("k".to_string(), "2".to_string())].into());
+    let status = api_error(api.replace("c", &PostParams::default(), &stale).await);
+    assert_eq!((status.code, status.reason.as_str()), (409, "Conflict"));
+    assert_eq!(api.get("c").await.unwrap().data.unwrap()["k"], "1");
+
+    let duplicate = api_error(
+        api.create(&PostParams::default(), &config_map("c", json!({})))
+            .await,
+    );
+    assert_eq!(
+        (duplicate.code, duplicate.reason.as_str()),
+        (409, "AlreadyExists")
+    );
+    let missing = api_error(api.get("nope").await);
+    assert_eq!((missing.code, missing.reason.as_str()), (404, "NotFound"));
+}
+
+#[tokio::test]
+async fn generate_name_and_server_fields() {
+    let server = ApiServer::start().await.unwrap();
+    let api: Api<ConfigMap> = Api::namespaced(client_for(&server).await, "default");
+    let mut cm = config_map("", json!({}));
+    cm.metadata.name = None;
+    cm.metadata.generate_name = Some("gen-".into());
+    let a = api.create(&PostParams::default(), &cm).await.unwrap();
+    let b = api.create(&PostParams::default(), &cm).await.unwrap();
+    assert!(a.name_any().starts_with("gen-") && a.name_any().len() == "gen-".len() + 5);
+    assert_ne!(a.name_any(), b.name_any());
+    assert!(a.uid().is_some());
+    assert!(a.metadata.creation_timestamp.is_some());
+    assert_eq!(a.metadata.generation, Some(1));
+
+    let elsewhere: Api<ConfigMap> = Api::namespaced(client_for(&server).await, "missing-ns");
+    let status = api_error(
+        elsewhere
+            .create(&PostParams::default(), &config_map("x", json!({})))
+            .await,
+    );
+    assert_eq!(status.code, 404);
+}
+
+#[tokio::test]
+async fn label_and_field_selectors_filter() {
+    let server = ApiServer::start().await.unwrap();
+    let client = client_for(&server).await;
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "default");
+    for (name, app) in [("a", "web"), ("b", "db"), ("c", "web")] {
+        api.create(
+            &PostParams::default(),
+            &config_map(name, json!({"app": app})),
+        )
+        .await
+        .unwrap();
+    }
+    let names = |list: kube::core::ObjectList<ConfigMap>| {
+        list.items.iter().map(|c| c.name_any()).collect::<Vec<_>>()
+    };
+    assert_eq!(
+        names(
+            api.list(&ListParams::default().labels("app=web"))
+                .await
+                .unwrap()
+        ),
+        ["a", "c"]
+    );
+    assert_eq!(
+        names(
+            api.list(&ListParams::default().labels("app notin (web)"))
+                .await
+                .unwrap()
+        ),
+        ["b"]
+    );
+    assert_eq!(
+        names(
+            api.list(&ListParams::default().fields("metadata.name=c"))
+                .await
+                .unwrap()
+        ),
+        ["c"]
+    );
+    assert_eq!(
+        names(
+            api.list(
+                &ListParams::default()
+                    .labels("app=web")
+                    .fields("metadata.name!=a")
+            )
+            .await
+            .unwrap()
+        ),
+        ["c"]
+    );
+
+    let slices: Api<ResourceSlice> = Api::all(client);
+    for node in ["node-a", "node-b"] {
+        let slice: ResourceSlice = serde_json::from_value(json!({
+            "metadata": {"name": format!("{node}-gpupool.dev")},
+            "spec": {"driver": "gpupool.dev", "nodeName": node, "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+                     "devices": [{"name": "gpu-0"}]}
+        }))
+        .unwrap();
+        slices.create(&PostParams::default(), &slice).await.unwrap();
+    }
+    let on_b = slices
+        .list(&ListParams::default().fields("spec.nodeName=node-b,spec.driver=gpupool.dev"))
+        .await
+        .unwrap();
+    assert_eq!(on_b.items.len(), 1);
+    assert_eq!(on_b.items[0].spec.node_name.as_deref(), Some("node-b"));
+}
+
+#[tokio::test]
+async fn runtime_watcher_sees_initial_list_then_changes() {
+    let server = ApiServer::start().await.unwrap();
+    let api: Api<ConfigMap> = Api::namespaced(client_for(&server).await, "default");
+    api.create(&PostParams::default(), &config_map("before", json!({})))
+        .await
+        .unwrap();
+
+    for config in [
+        watcher::Config::default(),
+        watcher::Config::default().streaming_lists(),
+    ] {
+        let mut events = watcher(api.clone(), config).boxed();
+        let mut initial = Vec::new();
+        loop {
+            match tokio::time::timeout(Duration::from_secs(10), events.try_next())
+                .await
+                .unwrap()
+                .unwrap()
+            {
+                Some(watcher::Event::Init) => {}
+                Some(watcher::Event::InitApply(cm)) => initial.push(cm.name_any()),
+                Some(watcher::Event::InitDone) => break,
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert!(initial.contains(&"before".to_string()), "{initial:?}");
+
+        let name = format!("after-{}", initial.len());
+        api.create(&PostParams::default(), &config_map(&name, json!({})))
+            .await
+            .unwrap();
+        api.delete(&name, &DeleteParams::default()).await.unwrap();
+        let mut seen = Vec::new();
+        while seen.len() < 2 {
+            match tokio::time::timeout(Duration::from_secs(10), events.try_next())
+                .await
+                .unwrap()
+                .unwrap()
+            {
+                Some(watcher::Event::Apply(cm)) => seen.push(format!("apply {}", cm.name_any())),
+                Some(watcher::Event::Delete(cm)) => seen.push(format!("delete {}", cm.name_any())),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert_eq!(seen, [format!("apply {name}"), format!("delete {name}")]);
+    }
+}
+
+#[tokio::test]
+async fn watch_from_compacted_version_gets_410() {
+    let server = ApiServer::start().await.unwrap();
+    let api: Api<ConfigMap> = Api::namespaced(client_for(&server).await, "default");
+    api.create(&PostParams::default(), &config_map("a", json!({})))
+        .await
+        .unwrap();
+    server.compact();
+    let mut stream = api
+        .watch(&WatchParams::default(), "1")
+        .await
+        .unwrap()
+        .boxed();
+    match next_event(&mut stream).await {
+        WatchEvent::Error(status) => assert_eq!(status.code, 410),
+        other => panic!("expected a 410 error event, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn crd_then_custom_resources_with_status_subresource() {
+    let server = ApiServer::start().await.unwrap();
+    let client = client_for(&server).await;
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    crds.create(&PostParams::default(), &GpuModel::crd())
+        .await
+        .unwrap();
+
+    let models: Api<GpuModel> = Api::all(client.clone());
+    let model: GpuModel = serde_json::from_value(json!({
+        "apiVersion": "gpupool.dev/v1alpha1", "kind": "GpuModel",
+        "metadata": {"name": "a100"},
+        "spec": {"model": "A100-SXM4-40GB", "computeWeight": 312},
+        "status": {"devices": 99}
+    }))
+    .unwrap();
+    let created = models.create(&PostParams::default(), &model).await.unwrap();
+    assert_eq!(created.spec.compute_weight, 312);
+    assert!(
+        created.status.is_none_or(|s| s.devices == 0),
+        "status is not set through the main endpoint"
+    );
+
+    let patched = models
+        .patch_status(
+            "a100",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"devices": 2, "nodes": 1}})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(patched.status.as_ref().unwrap().devices, 2);
+    assert_eq!(
+        patched.metadata.generation,
+        Some(1),
+        "status changes keep the generation"
+    );
+
+    let respec = models
+        .patch(
+            "a100",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"computeWeight": 300}, "status": {"devices": 7}})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(respec.spec.compute_weight, 300);
+    assert_eq!(
+        respec.status.unwrap().devices,
+        2,
+        "the main endpoint ignores status"
+    );
+    assert_eq!(respec.metadata.generation, Some(2));
+
+    let strict = PostParams::default();
+    let unknown = json!({"apiVersion": "gpupool.dev/v1alpha1", "kind": "GpuModel", "metadata": {"name": "v100"},
+        "spec": {"model": "V100", "computeWeight": 125, "colour": "green"}});
+    let dynamic: Api<kube::core::DynamicObject> = Api::all_with(
+        client.clone(),
+        &kube::discovery::ApiResource::erase::<GpuModel>(&()),
+    );
+    let stored = dynamic
+        .create(&strict, &serde_json::from_value(unknown).unwrap())
+        .await
+        .unwrap();
+    assert!(
+        stored.data["spec"].get("colour").is_none(),
+        "unknown fields are pruned"
+    );
+
+    crds.delete("gpumodels.gpupool.dev", &DeleteParams::default())
+        .await
+        .unwrap();
+    assert_eq!(
+        api_error(models.list(&ListParams::default()).await).code,
+        404
+    );
+}
+
+#[tokio::test]
+async fn patches_and_server_side_apply() {
+    let server = ApiServer::start().await.unwrap();
+    let api: Api<ConfigMap> = Api::namespaced(client_for(&server).await, "default");
+    let applied = api
+        .patch(
+            "ssa",
+            &PatchParams::apply("gpupool-test"),
+            &Patch::Apply(json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "ssa"}, "data": {"a": "1"}})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(applied.data.unwrap()["a"], "1");
+    let json_patched = api
+        .patch(
+            "ssa",
+            &PatchParams::default(),
+            &Patch::Json::<()>(
+                serde_json::from_value(json!([{"op": "add", "path": "/data/b", "value": "2"}]))
+                    .unwrap(),
+            ),
+        )
+        .await
+        .unwrap();
+    assert_eq!(json_patched.data.unwrap()["b"], "2");
+    let merged = api
+        .patch(
+            "ssa",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"data": {"a": null}})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(merged.data.unwrap().keys().collect::<Vec<_>>(), ["b"]);
+    let strategic = api
+        .patch(
+            "ssa",
+            &PatchParams::default(),
+            &Patch::Strategic(json!({"metadata": {"labels": {"x": "y"}}})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(strategic.labels()["x"], "y");
+}
+
+#[tokio::test]
+async fn invalid_slice_is_422_naming_the_field() {
+    let server = ApiServer::start().await.unwrap();
+    let slices: Api<ResourceSlice> = Api::all(client_for(&server).await);
+    let slice: ResourceSlice = serde_json::from_value(json!({
+        "metadata": {"name": "bad"},
+        "spec": {"driver": "gpupool.dev", "nodeName": "n", "pool": {"name": "n", "generation": 1, "resourceSliceCount": 1},
+                 "devices": [{"name": "gpu-0", "attributes": {"a_forty_character_attribute_name_xxxxxxx": {"int": 1}}}]}
+    }))
+    .unwrap();
+    let status = api_error(slices.create(&PostParams::default(), &slice).await);
+    assert_eq!((status.code, status.reason.as_str()), (422, "Invalid"));
+    let causes = status.details.unwrap().causes;
+    assert_eq!(
+        causes[0].field,
+        "spec.devices[0].attributes[a_forty_character_attribute_name_xxxxxxx]"
+    );
+}
+
+#[tokio::test]
+async fn claim_status_and_pod_binding() {
+    let server = ApiServer::start().await.unwrap();
+    let client = client_for(&server).await;
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
+    let claim: ResourceClaim = serde_json::from_value(json!({"metadata": {"name": "c"},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpupool.dev"}}]}}}))
+    .unwrap();
+    claims.create(&PostParams::default(), &claim).await.unwrap();
+    let allocated = claims
+        .patch_status(
+            "c",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"allocation": {"devices": {"results": [
+                {"request": "gpu", "driver": "gpupool.dev", "pool": "node-a", "device": "gpu-0"}]}}}})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        allocated
+            .status
+            .unwrap()
+            .allocation
+            .unwrap()
+            .devices
+            .unwrap()
+            .results
+            .unwrap()[0]
+            .device,
+        "gpu-0"
+    );
+
+    let pods: Api<Pod> = Api::namespaced(client, "default");
+    let pod: Pod = serde_json::from_value(json!({"metadata": {"name": "p"},
+        "spec": {"containers": [{"name": "c", "image": "busybox"}]}}))
+    .unwrap();
+    pods.create(&PostParams::default(), &pod).await.unwrap();
+    let binding = json!({"apiVersion": "v1", "kind": "Binding", "metadata": {"name": "p"}, "target": {"kind": "Node", "name": "node-a"}});
+    let _: kube::core::Status = pods
+        .create_subresource("binding", "p", &PostParams::default(), &binding)
+        .await
+        .unwrap();
+    assert_eq!(
+        pods.get("p")
+            .await
+            .unwrap()
+            .spec
+            .unwrap()
+            .node_name
+            .as_deref(),
+        Some("node-a")
+    );
+}
+
+#[tokio::test]
+async fn stop_and_resume_serving_keeps_the_store() {
+    let server = ApiServer::start().await.unwrap();
+    let api: Api<ConfigMap> = Api::namespaced(client_for(&server).await, "default");
+    api.create(&PostParams::default(), &config_map("kept", json!({})))
+        .await
+        .unwrap();
+    let writes_before = server
+        .requests()
+        .iter()
+        .filter(|r| r.method == "POST")
+        .count();
+    assert_eq!(writes_before, 1);
+
+    server.stop_serving().await;
+    assert!(
+        api.get("kept").await.is_err(),
+        "nothing answers while stopped"
+    );
+    server.resume_serving().await.unwrap();
+    let fresh: Api<ConfigMap> = Api::namespaced(client_for(&server).await, "default");
+    assert_eq!(fresh.get("kept").await.unwrap().name_any(), "kept");
+    let post = server
+        .requests()
+        .into_iter()
+        .find(|r| r.method == "POST")
+        .unwrap();
+    assert!(
+        post.path
+            .starts_with("/api/v1/namespaces/default/configmaps"),
+        "{post:?}"
+    );
+}

@@ -1,0 +1,376 @@
+//! The emulator driven by the real `kubectl` (skipped, with a message, where kubectl is not installed).
+
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+use gpupool_api::crd::GpuModel;
+use gpupool_apiserver::ApiServer;
+use kube::CustomResourceExt;
+use serde_json::json;
+
+const OBJECTS: &str = r#"
+apiVersion: resource.k8s.io/v1
+kind: DeviceClass
+metadata:
+  name: gpupool.dev
+spec:
+  selectors:
+  - cel:
+      expression: device.driver == "gpupool.dev"
+---
+apiVersion: resource.k8s.io/v1
+kind: ResourceSlice
+metadata:
+  name: node-a-gpupool.dev
+spec:
+  driver: gpupool.dev
+  nodeName: node-a
+  pool:
+    name: node-a
+    generation: 1
+    resourceSliceCount: 1
+  devices:
+  - name: gpu-0
+    allowMultipleAllocations: true
+    attributes:
+      productName: {string: "NVIDIA A100-SXM4-40GB"}
+      driverVersion: {version: "550.54.15"}
+    capacity:
+      memory:
+        value: 40Gi
+        requestPolicy:
+          default: 40Gi
+          validRange: {min: 1Mi, step: 1Mi}
+      cores:
+        value: "100"
+        requestPolicy:
+          default: "0"
+          validRange: {min: "0", max: "100", step: "1"}
+---
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaim
+metadata:
+  name: claim-a
+  namespace: default
+spec:
+  devices:
+    requests:
+    - name: gpu
+      exactly:
+        deviceClassName: gpupool.dev
+        capacity:
+          requests:
+            memory: 8Gi
+"#;
+
+fn kubectl_available() -> bool {
+    match std::process::Command::new("kubectl")
+        .args(["version", "--client"])
+        .output()
+    {
+        Ok(out) if out.status.success() => true,
+        Ok(out) => {
+            eprintln!(
+                "SKIP: `kubectl version --client` failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            false
+        }
+        Err(e) => {
+            eprintln!(
+                "SKIP: kubectl is not installed ({e}); the kubectl tests need the real kubectl"
+            );
+            false
+        }
+    }
+}
+
+struct Kubectl {
+    kubeconfig: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Kubectl {
+    fn new(server: &ApiServer) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let kubeconfig = dir.path().join("kubeconfig");
+        server.write_kubeconfig(&kubeconfig).unwrap();
+        Kubectl {
+            kubeconfig,
+            _dir: dir,
+        }
+    }
+
+    fn file(&self, name: &str, content: &str) -> PathBuf {
+        let path = self._dir.path().join(name);
+        std::fs::write(&path, content).unwrap();
+        path
+    }
+
+    async fn run(&self, args: &[&str]) -> Output {
+        tokio::process::Command::new("kubectl")
+            .args(args)
+            .env("KUBECONFIG", &self.kubeconfig)
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .output()
+            .await
+            .expect("kubectl runs")
+    }
+
+    /// Runs kubectl and returns stdout, failing the test with stderr when kubectl fails.
+    async fn ok(&self, args: &[&str]) -> String {
+        let out = self.run(args).await;
+        assert!(
+            out.status.success(),
+            "kubectl {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    /// Runs kubectl expecting failure; returns stderr.
+    async fn fails(&self, args: &[&str]) -> String {
+        let out = self.run(args).await;
+        assert!(
+            !out.status.success(),
+            "kubectl {args:?} should fail, printed {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        String::from_utf8(out.stderr).unwrap()
+    }
+}
+
+fn path_str(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+#[tokio::test]
+async fn kubectl_apply_get_describe_delete() {
+    if !kubectl_available() {
+        return;
+    }
+    let server = ApiServer::start().await.unwrap();
+    let kubectl = Kubectl::new(&server);
+    let manifest = kubectl.file("objects.yaml", OBJECTS);
+
+    let applied = kubectl.ok(&["apply", "-f", path_str(&manifest)]).await;
+    assert!(
+        applied.contains("deviceclass.resource.k8s.io/gpupool.dev created"),
+        "{applied}"
+    );
+    assert!(
+        applied.contains("resourceslice.resource.k8s.io/node-a-gpupool.dev created"),
+        "{applied}"
+    );
+    assert!(
+        applied.contains("resourceclaim.resource.k8s.io/claim-a created"),
+        "{applied}"
+    );
+    let again = kubectl.ok(&["apply", "-f", path_str(&manifest)]).await;
+    assert!(
+        again.contains("resourceclaim.resource.k8s.io/claim-a unchanged"),
+        "{again}"
+    );
+    let changed = kubectl.file(
+        "changed.yaml",
+        &OBJECTS.replace("memory: 8Gi", "memory: 4Gi"),
+    );
+    let reapplied = kubectl.ok(&["apply", "-f", path_str(&changed)]).await;
+    assert!(
+        reapplied.contains("resourceclaim.resource.k8s.io/claim-a configured"),
+        "{reapplied}"
+    );
+
+    let table = kubectl.ok(&["get", "resourceslices"]).await;
+    let mut lines = table.lines();
+    let header: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
+    assert_eq!(header, ["NAME", "NODE", "DRIVER", "POOL", "AGE"]);
+    let row: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
+    assert_eq!(
+        row[..4],
+        ["node-a-gpupool.dev", "node-a", "gpupool.dev", "node-a"]
+    );
+
+    let yaml = kubectl.ok(&["get", "resourceslices", "-o", "yaml"]).await;
+    assert!(yaml.contains("driver: gpupool.dev"), "{yaml}");
+    assert!(yaml.contains("productName:"), "{yaml}");
+    assert!(yaml.contains("resourceSliceCount: 1"), "{yaml}");
+
+    let claims = kubectl.ok(&["get", "resourceclaims"]).await;
+    assert!(
+        claims.contains("claim-a") && claims.contains("pending"),
+        "{claims}"
+    );
+
+    // Allocate the claim the way the scheduler does: through the status subresource.
+    let status = json!({"status": {
+        "allocation": {"devices": {"results": [{"request": "gpu", "driver": "gpupool.dev", "pool": "node-a",
+            "device": "gpu-0", "shareID": "6f1c1f9e-3c0e-4b43-9d59-1c2b3f4a5b6c",
+            "consumedCapacity": {"memory": "4Gi", "cores": "0"}}]}},
+        "reservedFor": [{"resource": "pods", "name": "trainer", "uid": "0c6e8c3e-0000-4000-8000-000000000001"}]
+    }});
+    let patched = kubectl
+        .ok(&[
+            "patch",
+            "resourceclaim",
+            "claim-a",
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            &status.to_string(),
+        ])
+        .await;
+    assert!(patched.contains("patched"), "{patched}");
+    let claims = kubectl.ok(&["get", "resourceclaims"]).await;
+    assert!(claims.contains("allocated,reserved"), "{claims}");
+
+    let described = kubectl.ok(&["describe", "resourceclaim", "claim-a"]).await;
+    for expected in [
+        "Allocation:",
+        "Device:",
+        "gpu-0",
+        "node-a",
+        "Share ID:",
+        "Reserved For:",
+        "trainer",
+        "Events:",
+    ] {
+        assert!(
+            described.contains(expected),
+            "describe lacks {expected:?}:\n{described}"
+        );
+    }
+    assert!(
+        server.requests().iter().any(|r| r
+            .path
+            .starts_with("/api/v1/namespaces/default/events?fieldSelector=")),
+        "describe asks for the claim's events"
+    );
+
+    let deleted = kubectl.ok(&["delete", "-f", path_str(&manifest)]).await;
+    assert!(
+        deleted.contains("resourceslice.resource.k8s.io \"node-a-gpupool.dev\" deleted"),
+        "{deleted}"
+    );
+    let empty = kubectl.run(&["get", "resourceslices"]).await;
+    assert!(String::from_utf8_lossy(&empty.stderr).contains("No resources found"));
+}
+
+fn slice_with_devices(devices: serde_json::Value) -> String {
+    json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": "bad"},
+        "spec": {"driver": "gpupool.dev", "nodeName": "node-a",
+                 "pool": {"name": "node-a", "generation": 1, "resourceSliceCount": 1}, "devices": devices}
+    })
+    .to_string()
+}
+
+#[tokio::test]
+async fn kubectl_apply_refuses_invalid_slices_naming_the_field() {
+    if !kubectl_available() {
+        return;
+    }
+    let server = ApiServer::start().await.unwrap();
+    let kubectl = Kubectl::new(&server);
+
+    let too_many: Vec<_> = (0..129)
+        .map(|i| json!({"name": format!("gpu-{i}")}))
+        .collect();
+    let file = kubectl.file("too-many.json", &slice_with_devices(json!(too_many)));
+    let stderr = kubectl.fails(&["apply", "-f", path_str(&file)]).await;
+    assert!(
+        stderr.contains("spec.devices: Too many: 129: must have at most 128 items"),
+        "{stderr}"
+    );
+
+    let long_name = "a".repeat(40);
+    let file = kubectl.file(
+        "long-attribute.json",
+        &slice_with_devices(
+            json!([{"name": "gpu-0", "attributes": {long_name.clone(): {"int": 1}}}]),
+        ),
+    );
+    let stderr = kubectl.fails(&["apply", "-f", path_str(&file)]).await;
+    assert!(
+        stderr.contains(&format!("spec.devices[0].attributes[{long_name}]")),
+        "{stderr}"
+    );
+
+    let file = kubectl.file(
+        "off-step.json",
+        &slice_with_devices(json!([{"name": "gpu-0", "capacity": {"memory": {"value": "40Gi",
+            "requestPolicy": {"default": "1500Ki", "validRange": {"min": "1Mi", "step": "1Mi"}}}}}])),
+    );
+    let stderr = kubectl.fails(&["apply", "-f", path_str(&file)]).await;
+    assert!(
+        stderr.contains("spec.devices[0].capacity[memory].requestPolicy.default"),
+        "{stderr}"
+    );
+
+    let file = kubectl.file(
+        "unknown-field.json",
+        &slice_with_devices(json!([{"name": "gpu-0", "colour": "green"}])),
+    );
+    let stderr = kubectl.fails(&["apply", "-f", path_str(&file)]).await;
+    assert!(
+        stderr.contains("unknown field \"spec.devices[0].colour\""),
+        "{stderr}"
+    );
+
+    let listed = kubectl.run(&["get", "resourceslices"]).await;
+    assert!(
+        String::from_utf8_lossy(&listed.stderr).contains("No resources found"),
+        "nothing was stored"
+    );
+}
+
+#[tokio::test]
+async fn kubectl_gets_custom_resources_with_printer_columns() {
+    if !kubectl_available() {
+        return;
+    }
+    let server = ApiServer::start().await.unwrap();
+    let kubectl = Kubectl::new(&server);
+    let crd = kubectl.file(
+        "crd.yaml",
+        &serde_yaml::to_string(&GpuModel::crd()).unwrap(),
+    );
+    let out = kubectl.ok(&["apply", "-f", path_str(&crd)]).await;
+    assert!(out.contains("gpumodels.gpupool.dev created"), "{out}");
+    let model = kubectl.file(
+        "model.yaml",
+        "apiVersion: gpupool.dev/v1alpha1\nkind: GpuModel\nmetadata:\n  name: a100\nspec:\n  model: A100-SXM4-40GB\n  computeWeight: 312\n",
+    );
+    let out = kubectl.ok(&["apply", "-f", path_str(&model)]).await;
+    assert!(out.contains("gpumodel.gpupool.dev/a100 created"), "{out}");
+    kubectl
+        .ok(&[
+            "patch",
+            "gpumodel",
+            "a100",
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            r#"{"status":{"devices":4,"nodes":2,"memory":"160Gi"}}"#,
+        ])
+        .await;
+
+    let table = kubectl.ok(&["get", "gpumodels"]).await;
+    let mut lines = table.lines();
+    let header: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
+    assert_eq!(
+        header[..5],
+        ["NAME", "MODEL", "WEIGHT", "DEVICES", "NODES"],
+        "{table}"
+    );
+    let row: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
+    assert_eq!(
+        row[..6],
+        ["a100", "A100-SXM4-40GB", "312", "4", "2", "160Gi"],
+        "{table}"
+    );
+    let short = kubectl
+        .ok(&["get", "gm", "a100", "-o", "jsonpath={.spec.computeWeight}"])
+        .await;
+    assert_eq!(short, "312");
+}
