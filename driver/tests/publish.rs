@@ -180,6 +180,8 @@ fn run_driver(dir: &Path, kubeconfig: &Path) -> Driver {
     .arg(dir.join("cdi"))
     .arg("--state-dir")
     .arg(dir.join("state"))
+    .arg("--vgpu-lib-dir")
+    .arg(dir.join("vgpu"))
     .stdout(Stdio::null())
     .stderr(Stdio::inherit());
     Driver(cmd.spawn().unwrap())
