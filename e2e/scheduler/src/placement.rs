@@ -146,13 +146,11 @@ mod tests {
             .to_vec()
     }
 
+    /// Node and result lines of one placed claim.
+    type Outcome = Result<(String, Vec<String>), NoFit>;
+
     /// Places each claim as its own pod, like the loop does, and records the allocation.
-    fn run(
-        claims: Vec<ResourceClaim>,
-    ) -> (
-        Vec<Result<(String, Vec<String>), NoFit>>,
-        Vec<ResourceClaim>,
-    ) {
+    fn run(claims: Vec<ResourceClaim>) -> (Vec<Outcome>, Vec<ResourceClaim>) {
         let classes = seed_classes();
         let slices = seed_slices();
         let mut done: Vec<ResourceClaim> = Vec::new();
@@ -169,7 +167,7 @@ mod tests {
         (outcomes, done)
     }
 
-    fn ok(node: &str, line: &str) -> Result<(String, Vec<String>), NoFit> {
+    fn ok(node: &str, line: &str) -> Outcome {
         Ok((node.to_string(), vec![line.to_string()]))
     }
 
