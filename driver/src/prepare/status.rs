@@ -134,7 +134,12 @@ pub fn prepare_failed_event(claim: &ClaimRef, node: &str, message: &str, now: Ti
     let suffix = uuid::Uuid::new_v4().simple().to_string();
     Event {
         metadata: ObjectMeta {
-            name: Some(format!("{}.{}", claim.name, &suffix[..16])),
+            // Object names stop at 253 characters; a long claim name must not lose the event.
+            name: Some(format!(
+                "{}.{}",
+                claim.name.chars().take(200).collect::<String>(),
+                &suffix[..16]
+            )),
             namespace: Some(claim.namespace.clone()),
             ..Default::default()
         },

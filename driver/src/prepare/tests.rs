@@ -212,6 +212,12 @@ fn r(name: &str, uid: &str) -> ClaimRef {
     }
 }
 
+#[test]
+fn the_preparer_can_be_shared_across_tasks() {
+    fn send_sync<T: Send + Sync + 'static>() {}
+    send_sync::<ClaimPreparer>();
+}
+
 /// A claim holding 8Gi + 50% of the node's A100.
 fn fractional(uid: &str) -> ResourceClaim {
     allocated_claim(
@@ -874,4 +880,65 @@ async fn killed_at_every_fault_point_the_node_recovers() {
         assert!(node.cdi_files().is_empty(), "{point}");
         assert!(!cache.exists(), "{point}");
     }
+}
+
+/// On a machine with an NVIDIA GPU: a fractional claim of the real card 0 gets a spec naming its
+/// real device node and UUID and the limits asked for.
+/// `cargo test -p gpupool-driver --lib -- --ignored real_gpu --nocapture`
+#[tokio::test]
+#[ignore = "needs an NVIDIA GPU and its driver"]
+async fn real_gpu_fractional_claim_names_the_real_card() {
+    let inventory = crate::inventory::discover(None, NODE).expect("NVML discovery");
+    let gpu = inventory.gpus.first().expect("at least one GPU").clone();
+    println!("card 0: {gpu:?}");
+    let root = tempfile::tempdir().unwrap();
+    let mut opts = opts_under(root.path());
+    opts.fake_gpus = false;
+    // A stand-in library file: the spec is not run here, only rendered.
+    fs::create_dir_all(&opts.vgpu_lib_dir).unwrap();
+    fs::write(opts.vgpu_lib_dir.join("libvgpu.so"), b"").unwrap();
+    let api = Arc::new(FakeApi::default());
+    api.add(
+        "train",
+        allocated_claim(
+            UID_A,
+            &[("gpu", NODE, "gpu-0", Some("a1b2"), Some("8Gi"), Some("50"))],
+            json!([]),
+        ),
+    );
+    let (_tx, rx) = watch::channel(BTreeMap::from([(gpu.model.clone(), 989i64)]));
+    let preparer = ClaimPreparer::with_api(
+        opts.clone(),
+        Arc::new(inventory),
+        api.clone(),
+        rx,
+        current_boot_id(),
+    )
+    .await
+    .unwrap();
+    let answer = preparer.prepare(vec![r("train", UID_A)]).await;
+    let devices = answer[0].1.clone().unwrap();
+    println!("answer: {devices:?}");
+    let spec_text = fs::read_to_string(cdi::spec_path(&opts.cdi_root, UID_A)).unwrap();
+    println!("spec:\n{spec_text}");
+    let spec: gpupool_api::cdi::Spec = serde_json::from_str(&spec_text).unwrap();
+    assert_eq!(gpupool_api::cdi::validate(&spec), Vec::<String>::new());
+    let edits = &spec.devices[0].container_edits;
+    assert_eq!(
+        edits.device_nodes[0].path,
+        format!("/dev/nvidia{}", gpu.minor)
+    );
+    for env in [
+        "CUDA_DEVICE_MEMORY_LIMIT_0=8192m".to_string(),
+        "CUDA_DEVICE_SM_LIMIT_0=50".to_string(),
+        format!("CUDA_VISIBLE_DEVICES={}", gpu.uuid),
+    ] {
+        assert!(edits.env.contains(&env), "{env} not in {:?}", edits.env);
+    }
+    let status = api.device_status("train");
+    println!(
+        "status data: {}",
+        serde_json::to_string(&status[0].data).unwrap()
+    );
+    assert_eq!(status[0].data.as_ref().unwrap().0["uuid"], gpu.uuid);
 }
