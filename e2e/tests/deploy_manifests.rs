@@ -776,21 +776,42 @@ fn go_missing(test: &str) -> bool {
     true
 }
 
-/// The chart rendered by deploy/tools/helm-render (`helm template --include-crds` for the subset of
-/// Helm the chart uses), with the release namespace gpupool and extra `--set`s.
-fn helm_template(sets: &[&str]) -> Vec<Value> {
-    let tool = deploy_dir().join("tools/helm-render");
+/// `go <args>` in deploy/tools/helm-render: stdlib only, so nothing to download and no toolchain
+/// switch; the build cache stays in the shared target folder.
+fn go_in_renderer(args: &[&str]) -> Command {
     let mut cmd = Command::new("go");
-    cmd.current_dir(&tool)
-        .args(["run", "."])
-        .arg("-chart")
-        .arg(deploy_dir().join("helm/gpupool"))
-        .args(["-name", "gpupool", "-namespace", "gpupool", "-include-crds"])
-        // Stdlib only: nothing to download, and no toolchain switch either.
+    cmd.current_dir(deploy_dir().join("tools/helm-render"))
+        .args(args)
         .env("GOPROXY", "off")
         .env("GOTOOLCHAIN", "local")
         .env("GOFLAGS", "-buildvcs=false")
         .env("GOCACHE", repo_root().join("target/go-build"));
+    cmd
+}
+
+#[test]
+fn helm_renderer_unit_tests_pass() {
+    if go_missing("helm_renderer_unit_tests_pass") {
+        return;
+    }
+    let out = go_in_renderer(&["test", "./..."])
+        .output()
+        .expect("run go test");
+    assert!(
+        out.status.success(),
+        "go test in deploy/tools/helm-render:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The chart rendered by deploy/tools/helm-render (`helm template --include-crds` for the subset of
+/// Helm the chart uses), with the release namespace gpupool and extra `--set`s.
+fn helm_template(sets: &[&str]) -> Vec<Value> {
+    let mut cmd = go_in_renderer(&["run", "."]);
+    cmd.arg("-chart")
+        .arg(deploy_dir().join("helm/gpupool"))
+        .args(["-name", "gpupool", "-namespace", "gpupool", "-include-crds"]);
     for set in sets {
         cmd.args(["-set", set]);
     }
