@@ -388,9 +388,12 @@ mod tests {
         );
     }
 
+    /// Breaks one rule of a good spec.
+    type Breakage = fn(&mut Spec);
+
     #[test]
     fn each_rule_is_enforced() {
-        let cases: Vec<(fn(&mut Spec), &str)> = vec![
+        let cases: Vec<(Breakage, &str)> = vec![
             (|s| s.cdi_version = "0.9.0".into(), "cdiVersion"),
             (|s| s.kind = "gpupool.dev".into(), "kind"),
             (|s| s.kind = "gpupool.dev/9claim".into(), "kind"),
