@@ -104,8 +104,8 @@ fn default_identity() -> String {
     format!("{host}_{}", &suffix[..8])
 }
 
-async fn client(kubeconfig: Option<&PathBuf>) -> anyhow::Result<kube::Client> {
-    let config = match kubeconfig {
+async fn client(kubeconfig: Option<&PathBuf>, identity: &str) -> anyhow::Result<kube::Client> {
+    let mut config = match kubeconfig {
         Some(path) => {
             let kubeconfig = Kubeconfig::read_from(path)
                 .with_context(|| format!("reading kubeconfig {}", path.display()))?;
@@ -117,6 +117,14 @@ async fn client(kubeconfig: Option<&PathBuf>) -> anyhow::Result<kube::Client> {
             .await
             .context("no kubeconfig: pass --kubeconfig, set KUBECONFIG or run in a cluster")?,
     };
+    // Audit logs (and the e2e emulator's request log) tell the replicas apart by this.
+    let user_agent = format!(
+        "gpupool-controller/{} ({identity})",
+        env!("CARGO_PKG_VERSION")
+    );
+    if let Ok(value) = http::HeaderValue::from_str(&user_agent) {
+        config.headers.push((http::header::USER_AGENT, value));
+    }
     kube::Client::try_from(config).context("building the Kubernetes client")
 }
 
@@ -131,11 +139,11 @@ async fn shutdown_signal() {
 
 async fn run(args: RunArgs) -> anyhow::Result<()> {
     init_logging(args.log_format);
-    let client = client(args.kubeconfig.as_ref()).await?;
+    let identity = args.identity.clone().unwrap_or_else(default_identity);
+    let client = client(args.kubeconfig.as_ref(), &identity).await?;
     if args.install_crds {
         reconcile::install_crds(&client).await?;
     }
-    let identity = args.identity.clone().unwrap_or_else(default_identity);
     info!(
         %identity,
         lease = %format!("{}/{}", args.lease_namespace, args.lease_name),

@@ -144,6 +144,14 @@ async fn run_manages_classes_and_releases_the_lease_on_sigterm() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
+    // Each replica names itself in its User-Agent, so writes can be told apart.
+    let ours = server
+        .requests()
+        .into_iter()
+        .filter(|r| r.method == "POST" && r.user_agent.contains("(cli-test)"))
+        .count();
+    assert!(ours > 0, "no request carried the controller's User-Agent");
+
     let pid = child.id().unwrap().to_string();
     let killed = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
     assert!(killed.success());
