@@ -20,6 +20,9 @@ use super::fsutil;
 use super::PreparedDevice;
 
 pub const CHECKPOINT_FILE: &str = "checkpoint.json";
+/// flock(2)ed around every read-modify-write, so that two driver processes on one node (a
+/// DaemonSet rolling update with surge) never lose each other's entries.
+pub const LOCK_FILE: &str = "checkpoint.lock";
 const CHECKPOINT_TEMP: &str = ".checkpoint.json.tmp";
 pub const VERSION: u32 = 1;
 
@@ -135,6 +138,79 @@ pub fn save(state_dir: &Path, data: &CheckpointData) -> Result<(), CheckpointErr
     })
 }
 
+/// An exclusive lock on the checkpoint, released on drop.
+pub struct CheckpointLock {
+    _file: std::fs::File,
+}
+
+impl CheckpointLock {
+    /// Wait for the lock (blocking: call from a blocking context).
+    pub fn acquire(state_dir: &Path) -> io::Result<Self> {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::OpenOptionsExt;
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .mode(0o600)
+            .open(state_dir.join(LOCK_FILE))?;
+        loop {
+            // SAFETY: flock on a file descriptor we own, for the lifetime of `file`.
+            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } == 0 {
+                return Ok(Self { _file: file });
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+}
+
+/// One change to the claims of a checkpoint.
+#[derive(Debug, Clone)]
+pub enum Change {
+    Put(String, Box<ClaimEntry>),
+    Remove(String),
+}
+
+impl Change {
+    pub fn apply(self, data: &mut CheckpointData) {
+        match self {
+            Change::Put(uid, entry) => {
+                data.claims.insert(uid, *entry);
+            }
+            Change::Remove(uid) => {
+                data.claims.remove(&uid);
+            }
+        }
+    }
+}
+
+/// Under the lock: read the file (falling back to `current` when it is missing or unreadable),
+/// apply `change`, write it; returns what was written.
+pub fn update(
+    state_dir: &Path,
+    current: &CheckpointData,
+    change: Change,
+) -> Result<CheckpointData, CheckpointError> {
+    let _lock = CheckpointLock::acquire(state_dir).map_err(|source| CheckpointError::Write {
+        path: state_dir.join(LOCK_FILE),
+        source,
+    })?;
+    let mut data = match load(state_dir) {
+        Ok(Some(on_disk)) => on_disk,
+        Ok(None) => current.clone(),
+        Err(e) => {
+            tracing::error!(error = %e, "checkpoint unreadable during an update; writing the in-memory copy");
+            current.clone()
+        }
+    };
+    change.apply(&mut data);
+    save(state_dir, &data)?;
+    Ok(data)
+}
+
 /// Move an unreadable checkpoint out of the way (`checkpoint.json.corrupt-<unix time>`) so the
 /// driver can start empty instead of failing on it at every restart.
 pub fn move_aside(state_dir: &Path, unix_time: u64) -> io::Result<PathBuf> {
@@ -233,6 +309,29 @@ mod tests {
         let aside = move_aside(dir.path(), 1700000000).unwrap();
         assert!(aside.ends_with("checkpoint.json.corrupt-1700000000"));
         assert_eq!(load(dir.path()).unwrap(), None);
+    }
+
+    #[test]
+    fn updates_keep_entries_written_by_another_process() {
+        let dir = tempfile::tempdir().unwrap();
+        save(dir.path(), &sample()).unwrap();
+        // This process's copy is stale: it never saw the sample's claim.
+        let stale = CheckpointData {
+            boot_id: "b1".into(),
+            claims: BTreeMap::new(),
+        };
+        let mut entry = sample().claims.into_values().next().unwrap();
+        entry.name = "other".into();
+        let written = update(
+            dir.path(),
+            &stale,
+            Change::Put("u2".into(), Box::new(entry)),
+        )
+        .unwrap();
+        assert_eq!(written.claims.len(), 2);
+        assert_eq!(load(dir.path()).unwrap().unwrap(), written);
+        let written = update(dir.path(), &stale, Change::Remove("u2".into())).unwrap();
+        assert_eq!(written, sample());
     }
 
     proptest! {

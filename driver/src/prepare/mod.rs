@@ -33,7 +33,7 @@ use tokio::sync::watch;
 
 use self::api::{ApiError, ClaimApi, KubeClaimApi};
 use self::cdi::{HostLayout, SpecDevice};
-use self::checkpoint::{CheckpointData, ClaimEntry, ClaimState};
+use self::checkpoint::{Change, CheckpointData, ClaimEntry, ClaimState};
 use self::fault::fault_point;
 
 /// A claim as the kubelet names it.
@@ -234,21 +234,17 @@ impl ClaimPreparer {
         }
     }
 
-    /// Change the checkpoint and persist it; the in-memory copy changes only if the file did.
-    async fn update_checkpoint(
-        &self,
-        change: impl FnOnce(&mut CheckpointData),
-    ) -> Result<(), String> {
+    /// Change the checkpoint and persist it; the in-memory copy follows what was written.
+    async fn update_checkpoint(&self, change: Change) -> Result<(), String> {
         let mut current = self.checkpoint.lock().await;
-        let mut next = current.clone();
-        change(&mut next);
         let dir = self.opts.state_dir.clone();
-        let to_save = next.clone();
-        tokio::task::spawn_blocking(move || checkpoint::save(&dir, &to_save))
-            .await
-            .map_err(|e| format!("checkpoint write did not finish: {e}"))?
-            .map_err(|e| e.to_string())?;
-        *current = next;
+        let snapshot = current.clone();
+        let written =
+            tokio::task::spawn_blocking(move || checkpoint::update(&dir, &snapshot, change))
+                .await
+                .map_err(|e| format!("checkpoint write did not finish: {e}"))?
+                .map_err(|e| e.to_string())?;
+        *current = written;
         Ok(())
     }
 
@@ -400,20 +396,18 @@ impl ClaimPreparer {
             .collect();
 
         let uid = claim.uid.clone();
-        self.update_checkpoint(|data| {
-            data.claims.insert(
-                uid.clone(),
-                ClaimEntry {
-                    state: ClaimState::PrepareStarted,
-                    namespace: claim.namespace.clone(),
-                    name: claim.name.clone(),
-                    devices: Vec::new(),
-                    spec: None,
-                    warning: None,
-                    recovered: false,
-                },
-            );
-        })
+        self.update_checkpoint(Change::Put(
+            uid.clone(),
+            Box::new(ClaimEntry {
+                state: ClaimState::PrepareStarted,
+                namespace: claim.namespace.clone(),
+                name: claim.name.clone(),
+                devices: Vec::new(),
+                spec: None,
+                warning: None,
+                recovered: false,
+            }),
+        ))
         .await
         .map_err(|e| format!("claim {claim_name}: {e}"))?;
         fault_point("after-prepare-started");
@@ -435,20 +429,18 @@ impl ClaimPreparer {
         };
         let completed = match written {
             Ok(()) => {
-                self.update_checkpoint(|data| {
-                    data.claims.insert(
-                        uid.clone(),
-                        ClaimEntry {
-                            state: ClaimState::PrepareCompleted,
-                            namespace: claim.namespace.clone(),
-                            name: claim.name.clone(),
-                            devices: devices.clone(),
-                            spec: Some(rendered.spec.clone()),
-                            warning: rendered.warning.clone(),
-                            recovered: false,
-                        },
-                    );
-                })
+                self.update_checkpoint(Change::Put(
+                    uid.clone(),
+                    Box::new(ClaimEntry {
+                        state: ClaimState::PrepareCompleted,
+                        namespace: claim.namespace.clone(),
+                        name: claim.name.clone(),
+                        devices: devices.clone(),
+                        spec: Some(rendered.spec.clone()),
+                        warning: rendered.warning.clone(),
+                        recovered: false,
+                    }),
+                ))
                 .await
             }
             Err(e) => Err(e),
@@ -516,9 +508,7 @@ impl ClaimPreparer {
             );
         }
         if let Err(e) = self
-            .update_checkpoint(|data| {
-                data.claims.remove(uid);
-            })
+            .update_checkpoint(Change::Remove(uid.to_string()))
             .await
         {
             tracing::error!(uid, error = %e, "rolling back a failed prepare could not update the checkpoint; the next start will");
@@ -551,10 +541,8 @@ impl ClaimPreparer {
             )
         })?;
         if known {
-            self.update_checkpoint(|data| {
-                data.claims.remove(&claim.uid);
-            })
-            .await?;
+            self.update_checkpoint(Change::Remove(claim.uid.clone()))
+                .await?;
             self.clear_device_status(claim).await;
         }
         drop(guard);
@@ -692,6 +680,8 @@ fn reconcile(
         .map_err(io_err(&layout.preload_file))?;
     }
 
+    let _lock = checkpoint::CheckpointLock::acquire(state_dir)
+        .map_err(io_err(&state_dir.join(checkpoint::LOCK_FILE)))?;
     let mut corrupt = None;
     let mut data = match checkpoint::load(state_dir) {
         Ok(Some(data)) => data,
