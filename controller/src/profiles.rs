@@ -221,10 +221,16 @@ pub fn plan(
         allowed
     };
 
-    let mut candidates: Vec<(&ServableModel, i64)> = allowed
-        .into_iter()
-        .filter_map(|m| cores(spec.compute, m.weight).map(|c| (m, c)))
-        .collect();
+    let mut candidates: Vec<(&ServableModel, i64)> = Vec::new();
+    for model in allowed {
+        match cores(spec.compute, model.weight) {
+            Some(c) => candidates.push((model, c)),
+            None => notes.push(format!(
+                "{} left out: compute {} is more than one card (weight {})",
+                model.model, spec.compute, model.weight
+            )),
+        }
+    }
     candidates.sort_by(|(a, _), (b, _)| {
         let by_weight = match spec.preference {
             Preference::Strongest => b.weight.cmp(&a.weight),
@@ -547,6 +553,9 @@ mod tests {
             ]
         );
         assert_eq!(outcome.namespaces, ["team-a"]);
+        assert!(outcome.verdicts[0]
+            .message
+            .contains("RTX-3090 left out: compute 156 is more than one card (weight 71)"));
         let status = outcome.status(None, &Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH));
         assert!(is_true(&status.conditions, READY));
         assert_eq!(status.observed_generation, Some(3));
