@@ -1,0 +1,202 @@
+//! The loop end to end against the API server emulator: a pod with a claim template gets a
+//! claim, an allocation, a reservation and a node; one that cannot fit gets events; deleting
+//! the pod deletes its generated claim.
+
+use std::time::Duration;
+
+use gpupool_apiserver::ApiServer;
+use gpupool_scheduler::{spawn, Options};
+use k8s_openapi::api::core::v1::{Event, Node, Pod};
+use k8s_openapi::api::resource::v1::{
+    DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
+};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Client, Config};
+use serde_json::json;
+
+async fn client_for(server: &ApiServer) -> Client {
+    let kubeconfig = Kubeconfig::from_yaml(&server.kubeconfig_yaml()).unwrap();
+    let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+        .await
+        .unwrap();
+    Client::try_from(config).unwrap()
+}
+
+async fn create<K>(api: &Api<K>, value: serde_json::Value) -> K
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + serde::Serialize + std::fmt::Debug,
+{
+    let object: K = serde_json::from_value(value).unwrap();
+    api.create(&PostParams::default(), &object).await.unwrap()
+}
+
+fn gpu(index: u32) -> serde_json::Value {
+    json!({
+        "name": format!("gpu-{index}"),
+        "allowMultipleAllocations": true,
+        "attributes": {"model": {"string": "A100-SXM4-40GB"}, "index": {"int": index}},
+        "capacity": {
+            "memory": {"value": "40Gi", "requestPolicy": {"default": "40Gi", "validRange": {"min": "1Mi", "step": "1Mi"}}},
+            "cores": {"value": "100", "requestPolicy": {"default": "0", "validRange": {"min": "0", "max": "100", "step": "1"}}}
+        }
+    })
+}
+
+/// Polls `check` until it yields a value, for up to 10 s.
+async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    for _ in 0..100 {
+        if let Some(value) = check().await {
+            return value;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+#[tokio::test]
+async fn schedules_template_pods_reports_misfits_and_cleans_up() {
+    let server = ApiServer::start().await.unwrap();
+    let client = client_for(&server).await;
+    let nodes: Api<Node> = Api::all(client.clone());
+    for name in ["node-b", "node-a"] {
+        create(&nodes, json!({"metadata": {"name": name}})).await;
+    }
+    let classes: Api<DeviceClass> = Api::all(client.clone());
+    create(&classes, json!({
+        "metadata": {"name": "a100-sxm4-40gb.gpupool.dev"},
+        "spec": {"selectors": [{"cel": {"expression":
+            "device.driver == \"gpupool.dev\" && device.attributes[\"gpupool.dev\"].model == \"A100-SXM4-40GB\""}}]}
+    })).await;
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    create(
+        &slices,
+        json!({
+            "metadata": {"name": "node-b-gpupool.dev"},
+            "spec": {"driver": "gpupool.dev", "nodeName": "node-b",
+                     "pool": {"name": "node-b", "generation": 1, "resourceSliceCount": 1},
+                     "devices": [gpu(0), gpu(1)]}
+        }),
+    )
+    .await;
+    let templates: Api<ResourceClaimTemplate> = Api::namespaced(client.clone(), "default");
+    create(
+        &templates,
+        json!({
+            "metadata": {"name": "half-a100"},
+            "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                "deviceClassName": "a100-sxm4-40gb.gpupool.dev",
+                "capacity": {"requests": {"memory": "1Gi", "cores": "50"}}}}]}}}
+        }),
+    )
+    .await;
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
+    create(
+        &claims,
+        json!({
+            "metadata": {"name": "too-big"},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                "deviceClassName": "a100-sxm4-40gb.gpupool.dev",
+                "capacity": {"requests": {"memory": "48Gi"}}}}]}}
+        }),
+    )
+    .await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let container =
+        json!([{"name": "main", "image": "busybox", "resources": {"claims": [{"name": "gpu"}]}}]);
+    create(&pods, json!({
+        "metadata": {"name": "trainer"},
+        "spec": {"containers": container, "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "half-a100"}]}
+    })).await;
+    create(&pods, json!({
+        "metadata": {"name": "greedy"},
+        "spec": {"containers": container, "resourceClaims": [{"name": "gpu", "resourceClaimName": "too-big"}]}
+    })).await;
+
+    let scheduler = spawn(client.clone(), Options::default());
+
+    let pod = eventually("trainer to be bound", || async {
+        let pod = pods.get("trainer").await.ok()?;
+        pod.spec.as_ref()?.node_name.as_ref()?;
+        Some(pod)
+    })
+    .await;
+    assert_eq!(
+        pod.spec.as_ref().unwrap().node_name.as_deref(),
+        Some("node-b")
+    );
+    let statuses = pod.status.unwrap().resource_claim_statuses.unwrap();
+    let claim_name = statuses[0].resource_claim_name.clone().unwrap();
+    assert!(claim_name.starts_with("trainer-gpu-"), "{claim_name}");
+    let claim = claims.get(&claim_name).await.unwrap();
+    let status = claim.status.unwrap();
+    let result = &status.allocation.unwrap().devices.unwrap().results.unwrap()[0];
+    assert_eq!(
+        (result.pool.as_str(), result.device.as_str()),
+        ("node-b", "gpu-0")
+    );
+    let consumed = result.consumed_capacity.clone().unwrap();
+    assert_eq!(
+        (consumed["memory"].0.as_str(), consumed["cores"].0.as_str()),
+        ("1Gi", "50")
+    );
+    let reserved = status.reserved_for.unwrap();
+    assert_eq!(
+        (reserved[0].resource.as_str(), reserved[0].name.as_str()),
+        ("pods", "trainer")
+    );
+
+    let events: Api<Event> = Api::namespaced(client.clone(), "default");
+    let messages = eventually("FailedScheduling events for greedy and too-big", || async {
+        let list = events.list(&ListParams::default()).await.ok()?;
+        let about = |name: &str| {
+            list.items.iter().find(|e| {
+                e.involved_object.name.as_deref() == Some(name)
+                    && e.reason.as_deref() == Some("FailedScheduling")
+                    && e.type_.as_deref() == Some("Warning")
+            })
+        };
+        Some((
+            about("greedy")?.message.clone()?,
+            about("too-big")?.message.clone()?,
+        ))
+    })
+    .await;
+    assert!(
+        messages
+            .0
+            .contains("insufficient memory on gpu-1: requested 48Gi, available 40Gi"),
+        "{}",
+        messages.0
+    );
+    assert!(
+        messages
+            .1
+            .contains("node-a: claim default/too-big: no devices are published for node node-a"),
+        "{}",
+        messages.1
+    );
+    let greedy = pods.get("greedy").await.unwrap();
+    assert_eq!(greedy.spec.unwrap().node_name, None);
+    let too_big = claims.get("too-big").await.unwrap();
+    assert!(too_big.status.and_then(|s| s.allocation).is_none());
+
+    pods.delete("trainer", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually("the generated claim to be deleted", || async {
+        claims
+            .get_opt(&claim_name)
+            .await
+            .ok()?
+            .is_none()
+            .then_some(())
+    })
+    .await;
+
+    scheduler.stop().await.unwrap();
+}
