@@ -161,6 +161,9 @@ impl RequestContext {
     }
 
     fn json_body(&self) -> Result<Value, ApiError> {
+        if self.content_type.contains("protobuf") || self.content_type.contains("cbor") {
+            return Err(ApiError::unsupported_body_encoding(&self.content_type));
+        }
         if self.content_type.contains("yaml") {
             return serde_yaml::from_slice(&self.body)
                 .map_err(|e| ApiError::bad_request(format!("error decoding YAML: {e}")));
@@ -534,9 +537,7 @@ struct WatchFilter {
 
 impl WatchFilter {
     fn encode(&self, event_type: &str, object: &Value) -> Bytes {
-        let mut object = object.clone();
-        object["apiVersion"] = json!(self.def.api_version());
-        object["kind"] = json!(self.def.kind);
+        let mut object = Store::present(&self.def, object);
         if self.table {
             let rv = object
                 .pointer("/metadata/resourceVersion")

@@ -4,6 +4,7 @@
 
 pub mod clock;
 pub mod discovery;
+pub mod events;
 mod http;
 pub mod openapi;
 pub mod patch;

@@ -72,7 +72,15 @@ impl ResourceDef {
 
     /// Objects of one resource share storage across the versions they are served at.
     pub fn storage_key(&self) -> (String, String) {
+        if self.is_events_alias() {
+            return (String::new(), "events".into());
+        }
         (self.group.clone(), self.plural.clone())
+    }
+
+    /// `events.k8s.io/v1` Events, stored as core Events.
+    pub fn is_events_alias(&self) -> bool {
+        self.group == "events.k8s.io" && self.plural == "events"
     }
 
     pub fn is_custom(&self) -> bool {
@@ -147,6 +155,7 @@ pub fn builtin_resources() -> Vec<ResourceDef> {
             false,
         ),
         builtin("coordination.k8s.io", "leases", "Lease", true, &[], false),
+        builtin("events.k8s.io", "events", "Event", true, &[], false),
         builtin(
             "apiextensions.k8s.io",
             "customresourcedefinitions",

@@ -115,6 +115,16 @@ impl ApiError {
         Self::new(415, "UnsupportedMediaType", format!("the body of the request was in an unknown format - accepted media types include: application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml (got {content_type:?})"), None)
     }
 
+    /// Typed clients (e.g. `kubectl create namespace`) send protobuf, which the emulator does not decode.
+    pub fn unsupported_body_encoding(content_type: &str) -> Self {
+        Self::new(
+            415,
+            "UnsupportedMediaType",
+            format!("the emulator accepts JSON or YAML request bodies, not {content_type:?}; use `kubectl apply -f` (or `kubectl create ... --dry-run=client -o yaml | kubectl apply -f -`)"),
+            None,
+        )
+    }
+
     pub fn gone(message: impl Into<String>) -> Self {
         Self::new(410, "Expired", message.into(), None)
     }

@@ -245,7 +245,12 @@ impl Store {
     }
 
     /// The object as served at `def`'s version.
-    fn present(def: &ResourceDef, object: &Value) -> Value {
+    pub fn present(def: &ResourceDef, object: &Value) -> Value {
+        if def.is_events_alias() {
+            let mut out = crate::events::from_core(object.clone());
+            out["kind"] = json!("Event");
+            return out;
+        }
         let mut out = object.clone();
         out["apiVersion"] = json!(def.api_version());
         out["kind"] = json!(def.kind);
@@ -438,6 +443,11 @@ impl Store {
         })
     }
 
+    /// The core Events resource that stores `events.k8s.io/v1` Events.
+    fn core_events(&self) -> ResourceDef {
+        self.find("", "v1", "events").expect("built in")
+    }
+
     pub fn create(
         &mut self,
         def: &ResourceDef,
@@ -445,6 +455,13 @@ impl Store {
         mut body: Value,
         options: WriteOptions,
     ) -> Result<WriteOutcome, ApiError> {
+        if def.is_events_alias() {
+            let core = self.core_events();
+            let mut outcome =
+                self.create(&core, namespace, crate::events::to_core(body), options)?;
+            outcome.object = Self::present(def, &outcome.object);
+            return Ok(outcome);
+        }
         let warnings = self.decode(def, &mut body, options)?;
         let namespace = if def.namespaced {
             let url_ns = namespace.unwrap_or_default();
@@ -559,6 +576,19 @@ impl Store {
         subresource: Option<&str>,
         options: WriteOptions,
     ) -> Result<WriteOutcome, ApiError> {
+        if def.is_events_alias() {
+            let core = self.core_events();
+            let mut outcome = self.update(
+                &core,
+                namespace,
+                name,
+                crate::events::to_core(body),
+                subresource,
+                options,
+            )?;
+            outcome.object = Self::present(def, &outcome.object);
+            return Ok(outcome);
+        }
         let key = Self::object_key(def, namespace, name);
         let existing = self
             .bucket(def)

@@ -524,3 +524,50 @@ async fn stop_and_resume_serving_keeps_the_store() {
         "{post:?}"
     );
 }
+
+#[tokio::test]
+async fn recorder_events_show_as_core_events() {
+    use k8s_openapi::api::core::v1::Event as CoreEvent;
+    use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+    use kube::Resource;
+
+    let server = ApiServer::start().await.unwrap();
+    let client = client_for(&server).await;
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
+    let claim: ResourceClaim = serde_json::from_value(json!({"metadata": {"name": "stuck"},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpupool.dev"}}]}}}))
+    .unwrap();
+    let claim = claims.create(&PostParams::default(), &claim).await.unwrap();
+
+    let recorder = Recorder::new(client.clone(), Reporter::from("gpupool-scheduler"));
+    let event = Event {
+        type_: EventType::Warning,
+        reason: "FailedScheduling".into(),
+        note: Some("no device fits".into()),
+        action: "Allocate".into(),
+        secondary: None,
+    };
+    recorder
+        .publish(&event, &claim.object_ref(&()))
+        .await
+        .unwrap();
+    recorder
+        .publish(&event, &claim.object_ref(&()))
+        .await
+        .unwrap();
+
+    let core: Api<CoreEvent> = Api::namespaced(client, "default");
+    let selector = format!(
+        "involvedObject.name=stuck,involvedObject.kind=ResourceClaim,involvedObject.uid={}",
+        claim.uid().unwrap()
+    );
+    let events = core
+        .list(&ListParams::default().fields(&selector))
+        .await
+        .unwrap()
+        .items;
+    assert_eq!(events.len(), 1, "the second publish updates the series");
+    assert_eq!(events[0].message.as_deref(), Some("no device fits"));
+    assert_eq!(events[0].reason.as_deref(), Some("FailedScheduling"));
+    assert_eq!(events[0].series.as_ref().map(|s| s.count), Some(Some(2)));
+}
