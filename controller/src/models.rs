@@ -781,6 +781,19 @@ mod tests {
     }
 
     #[test]
+    fn product_name_default_class_is_named_after_the_drivers_model_name() {
+        let mut model = gpumodel("rtx", "unused", 71, 1);
+        model.spec.model = None;
+        model.spec.product_name = Some("NVIDIA GeForce RTX 3090".to_string());
+        let plan = plan(&[model], &[], ON);
+        let class = class_named(&plan, "rtx-3090.gpupool.dev").expect("derived class name");
+        assert_eq!(
+            class.spec.extended_resource_name.as_deref(),
+            Some("gpupool.dev/rtx-3090")
+        );
+    }
+
+    #[test]
     fn status_counts_devices_nodes_and_memory() {
         let plan = plan(
             &[
