@@ -313,6 +313,13 @@ fn driver_daemonset_mounts_exactly_what_it_needs() {
             privileged, !fake,
             "{dir}: privileged only where NVML opens device nodes"
         );
+        let read_only_root = driver["securityContext"]["readOnlyRootFilesystem"]
+            .as_bool()
+            .unwrap_or(false);
+        assert_eq!(
+            read_only_root, fake,
+            "{dir}: read-only root wherever the NVIDIA runtime's hook does not write into it"
+        );
         let pod = &ds["spec"]["template"]["spec"];
         for host_namespace in ["hostNetwork", "hostPID", "hostIPC"] {
             assert!(
