@@ -251,8 +251,14 @@ impl ClaimPreparer {
     async fn prepare_claim(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, String> {
         claim::validate_ref(claim).map_err(|e| e.to_string())?;
         let lock = self.claim_lock(&claim.uid);
-        let _guard = lock.lock().await;
+        let guard = lock.lock().await;
+        let result = self.prepare_locked(claim).await;
+        drop(guard);
+        self.forget_claim_lock(&claim.uid, &lock);
+        result
+    }
 
+    async fn prepare_locked(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, String> {
         let recorded = {
             let data = self.checkpoint.lock().await;
             data.claims
@@ -519,6 +525,13 @@ impl ClaimPreparer {
         claim::validate_ref(claim).map_err(|e| e.to_string())?;
         let lock = self.claim_lock(&claim.uid);
         let guard = lock.lock().await;
+        let result = self.unprepare_locked(claim).await;
+        drop(guard);
+        self.forget_claim_lock(&claim.uid, &lock);
+        result
+    }
+
+    async fn unprepare_locked(&self, claim: &ClaimRef) -> Result<(), String> {
         let known = self.checkpoint.lock().await.claims.contains_key(&claim.uid);
 
         let (cdi_root, cache_dir, uid) = (
@@ -545,8 +558,6 @@ impl ClaimPreparer {
                 .await?;
             self.clear_device_status(claim).await;
         }
-        drop(guard);
-        self.forget_claim_lock(&claim.uid, &lock);
         Ok(())
     }
 

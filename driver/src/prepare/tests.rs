@@ -323,6 +323,8 @@ async fn two_prepares_of_one_claim_at_once_give_one_spec_and_one_answer() {
     assert_eq!(a[0].1.clone().unwrap(), b[0].1.clone().unwrap());
     assert_eq!(node.api.gets.load(Ordering::SeqCst), 1);
     assert_eq!(node.cdi_files().len(), 1);
+    // Per-claim locks do not pile up once nobody waits on them.
+    assert!(preparer.claim_locks.lock().unwrap().is_empty());
 }
 
 #[tokio::test]
