@@ -51,6 +51,8 @@ pub struct ClaimLine {
     pub limits: Vec<String>,
     /// For a claim without allocation, or a pod that is not running: the latest warning event.
     pub problem: Option<String>,
+    /// Whether any pod references the claim (an unused claim is never allocated).
+    pub used: bool,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -141,11 +143,11 @@ pub fn allocation_lines(claim: &ResourceClaim) -> Vec<AllocationLine> {
         .collect()
 }
 
-/// The limit env of a CDI spec (HAMi-core's and gpupool's own), device by device, then spec-wide.
+/// The limit env of a CDI spec (what HAMi-core enforces), device by device, then spec-wide.
 pub fn cdi_limits(spec: &Value) -> Vec<String> {
     let is_limit = |e: &&str| {
-        e.starts_with("CUDA_DEVICE_")
-            || e.starts_with("GPUPOOL_")
+        e.starts_with("CUDA_DEVICE_MEMORY_LIMIT_")
+            || e.starts_with("CUDA_DEVICE_SM_LIMIT_")
             || e.starts_with("CUDA_TASK_PRIORITY")
     };
     let env_of = |edits: &Value| -> Vec<String> {
@@ -201,6 +203,12 @@ pub fn latest_warning(events: &[Event], namespace: &str, kind: &str, name: &str)
         })
 }
 
+/// Whether a pod names the claim, directly or through its template's generated claim.
+pub fn pod_uses_claim(pod: &Pod, namespace: &str, claim: &str) -> bool {
+    pod.metadata.namespace.as_deref() == Some(namespace)
+        && crate::kubelet::pod_claim_names(pod).is_ok_and(|names| names.iter().any(|n| n == claim))
+}
+
 /// The text the sandbox prints.
 pub fn render(report: &Report) -> String {
     let mut out = String::new();
@@ -238,7 +246,13 @@ pub fn render(report: &Report) -> String {
     for claim in &report.claims {
         let _ = writeln!(out, "  {}/{}", claim.namespace, claim.name);
         if claim.allocations.is_empty() {
-            let why = claim.problem.as_deref().unwrap_or("no event yet");
+            let why = match (&claim.problem, claim.used) {
+                (Some(problem), _) => problem.as_str(),
+                (None, true) => "not allocated yet (no event)",
+                (None, false) => {
+                    "no pod uses it (a claim is allocated when a pod that needs it is scheduled)"
+                }
+            };
             let _ = writeln!(out, "    PENDING: {why}");
         }
         for a in &claim.allocations {
@@ -247,8 +261,17 @@ pub fn render(report: &Report) -> String {
                 .as_deref()
                 .map(|s| format!(" share {s}"))
                 .unwrap_or_default();
+            let card_memory = report
+                .devices
+                .iter()
+                .find(|d| d.node == a.pool && d.device == a.device)
+                .map(|d| d.memory.as_str());
+            let unthrottled = matches!(a.cores.as_deref(), None | Some("0"));
             let fraction = match (&a.memory, &a.cores) {
                 (None, None) => "whole card".to_string(),
+                (Some(m), _) if unthrottled && Some(m.as_str()) == card_memory => {
+                    format!("whole card (memory {m})")
+                }
                 (m, c) => format!(
                     "memory {}, cores {}%",
                     m.as_deref().unwrap_or("whole card"),
@@ -357,6 +380,8 @@ pub async fn gather(cluster: &TestCluster) -> Result<Report, HarnessError> {
             .map(|spec| cdi_limits(&spec))
             .unwrap_or_default();
         let problem = latest_warning(&events, &namespace, "ResourceClaim", &name);
+        let used =
+            !reserved.is_empty() || pods.iter().any(|p| pod_uses_claim(p, &namespace, &name));
         claim_lines.push(ClaimLine {
             namespace,
             name,
@@ -365,6 +390,7 @@ pub async fn gather(cluster: &TestCluster) -> Result<Report, HarnessError> {
             cdi_spec,
             limits,
             problem,
+            used,
         });
     }
     claim_lines.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
@@ -452,6 +478,7 @@ mod tests {
                     cdi_spec: Some("/cdi/x.json".into()),
                     limits: vec!["CUDA_DEVICE_MEMORY_LIMIT_0=1024m".into()],
                     problem: None,
+                    used: true,
                 },
                 ClaimLine {
                     namespace: "default".into(),
@@ -461,6 +488,17 @@ mod tests {
                     cdi_spec: None,
                     limits: vec![],
                     problem: Some("FailedScheduling: cannot allocate all claims".into()),
+                    used: true,
+                },
+                ClaimLine {
+                    namespace: "default".into(),
+                    name: "unused".into(),
+                    allocations: vec![],
+                    pods: vec![],
+                    cdi_spec: None,
+                    limits: vec![],
+                    problem: None,
+                    used: false,
                 },
             ],
             ..Default::default()
@@ -481,21 +519,58 @@ mod tests {
     }
 
     #[test]
-    fn limits_come_from_device_edits_in_order_then_spec_edits() {
+    fn a_claim_that_took_all_memory_unthrottled_is_a_whole_card() {
+        let report = Report {
+            devices: vec![DeviceLine {
+                node: "node-v100".into(),
+                device: "gpu-0".into(),
+                model: "V100-SXM2-32GB".into(),
+                memory: "32Gi".into(),
+                compute_weight: None,
+                shareable: true,
+            }],
+            claims: vec![ClaimLine {
+                namespace: "default".into(),
+                name: "whole".into(),
+                allocations: vec![AllocationLine {
+                    request: "gpu".into(),
+                    pool: "node-v100".into(),
+                    device: "gpu-0".into(),
+                    share_id: Some("s".into()),
+                    memory: Some("32Gi".into()),
+                    cores: Some("0".into()),
+                }],
+                pods: vec![],
+                cdi_spec: None,
+                limits: vec![],
+                problem: None,
+                used: true,
+            }],
+            waiting_pods: vec![],
+        };
+        let text = render(&report);
+        assert!(
+            text.contains("gpu -> node-v100/gpu-0 share s: whole card (memory 32Gi)"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn limits_come_from_device_edits_in_order_then_spec_edits_without_paths() {
         let spec = json!({
             "cdiVersion": "0.5.0", "kind": "gpupool.dev/claim",
             "devices": [
                 {"name": "a", "containerEdits": {"env": ["CUDA_DEVICE_MEMORY_LIMIT_0=8192m", "PATH=/x"]}},
                 {"name": "b", "containerEdits": {"env": ["CUDA_DEVICE_MEMORY_LIMIT_1=4096m"]}}
             ],
-            "containerEdits": {"env": ["CUDA_DEVICE_MEMORY_SHARED_CACHE=/c/u/x.cache"]}
+            "containerEdits": {"env": ["CUDA_DEVICE_MEMORY_SHARED_CACHE=/c/u/x.cache", "CUDA_TASK_PRIORITY=1"]}
         });
         assert_eq!(
             cdi_limits(&spec),
             [
                 "CUDA_DEVICE_MEMORY_LIMIT_0=8192m",
                 "CUDA_DEVICE_MEMORY_LIMIT_1=4096m",
-                "CUDA_DEVICE_MEMORY_SHARED_CACHE=/c/u/x.cache"
+                "CUDA_TASK_PRIORITY=1"
             ]
         );
     }

@@ -164,9 +164,24 @@ async fn run(args: Args) -> Result<(), String> {
             cluster.workdir().display()
         );
         println!("Ctrl-C stops it and removes everything.");
-        let _ = tokio::signal::ctrl_c().await;
+        std::future::pending::<()>().await;
     }
     Ok(())
+}
+
+/// Ctrl-C or SIGTERM: the cluster is then dropped, which stops the processes and removes the folder.
+async fn shutdown_signal() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(term) => term,
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
 }
 
 fn main() -> ExitCode {
@@ -189,7 +204,14 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(args)) {
+    let serve = args.serve;
+    let outcome = runtime.block_on(async {
+        tokio::select! {
+            result = run(args) => result,
+            _ = shutdown_signal() => if serve { Ok(()) } else { Err("interrupted".to_string()) },
+        }
+    });
+    match outcome {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("gpupool-sandbox: {err}");

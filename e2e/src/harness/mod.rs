@@ -8,6 +8,7 @@
 
 pub mod apply;
 pub mod cleanup;
+pub mod objects;
 pub mod process;
 mod upstream;
 
@@ -316,7 +317,8 @@ pub fn kubectl_path() -> Option<PathBuf> {
     })
 }
 
-fn real_node_names() -> Vec<String> {
+/// Node names from `GPUPOOL_E2E_NODE` (comma-separated).
+pub fn real_node_names() -> Vec<String> {
     std::env::var(env::NODE)
         .unwrap_or_default()
         .split(',')
@@ -411,20 +413,14 @@ impl TestCluster {
         Ok(cluster)
     }
 
-    /// Like `start`, but the child processes are spawned on a runtime worker thread, for a cluster kept
-    /// in a static and shared by a test file's tests (see `shared_runtime`): a child dies with the
-    /// thread that spawned it, and the first test's thread ends before the others.
+    /// Like `start`, for a cluster kept in a static and shared by a test file's tests (see
+    /// `shared_runtime`): such a cluster is never dropped, so its folder is removed at process exit.
     pub async fn start_shared(spec: ClusterSpec) -> Result<TestCluster, HarnessError> {
-        let cluster = tokio::spawn(async move {
-            let mut cluster = TestCluster::start(spec).await?;
-            if let Some(guard) = cluster._workdir_guard.take() {
-                cleanup::remove_at_exit(guard.keep());
-            }
-            Ok::<_, HarnessError>(cluster)
-        })
-        .await
-        .map_err(|e| HarnessError::Setup(format!("starting the cluster: {e}")))?;
-        cluster
+        let mut cluster = TestCluster::start(spec).await?;
+        if let Some(guard) = cluster._workdir_guard.take() {
+            cleanup::remove_at_exit(guard.keep());
+        }
+        Ok(cluster)
     }
 
     async fn start_controller(&mut self) -> Result<(), HarnessError> {
@@ -472,7 +468,13 @@ impl TestCluster {
             cdi: from_env(env::CDI_DIR, base.join("cdi")),
             state: base.join("state"),
         };
-        for dir in [&dirs.registry, &dirs.plugin, &dirs.cdi, &dirs.state] {
+        for dir in [
+            &dirs.registry,
+            &dirs.plugin,
+            &dirs.cdi,
+            &dirs.state,
+            &base.join("vgpu"),
+        ] {
             mkdir(dir)?;
         }
         let kubelet = if real_kubelet {
@@ -502,6 +504,9 @@ impl TestCluster {
             dirs.state.display().to_string(),
             "--fake-gpus".into(),
             spec.fake_gpus.clone(),
+            // An empty folder: the HAMi-core library is "not installed", whatever this host has.
+            "--vgpu-lib-dir".into(),
+            base.join("vgpu").display().to_string(),
         ];
         args.extend(spec.extra_driver_args.iter().cloned());
         let driver = ManagedProcess::spawn(

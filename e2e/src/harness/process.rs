@@ -5,6 +5,7 @@ use std::fs::File;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::{mpsc, Mutex, OnceLock};
 use std::time::Duration;
 
 #[derive(Debug, thiserror::Error)]
@@ -61,6 +62,35 @@ pub fn find_binary(name: &str) -> Result<PathBuf, ProcessError> {
             name: name.to_string(),
             searched,
         })
+}
+
+type SpawnRequest = (Command, mpsc::Sender<std::io::Result<Child>>);
+
+/// Spawns on a thread that lives as long as the process: PR_SET_PDEATHSIG fires when the *thread*
+/// that spawned the child exits, and test threads end long before a shared cluster does.
+fn spawn_from_keeper(command: Command) -> std::io::Result<Child> {
+    static KEEPER: OnceLock<Mutex<mpsc::Sender<SpawnRequest>>> = OnceLock::new();
+    let keeper = KEEPER.get_or_init(|| {
+        let (tx, rx) = mpsc::channel::<SpawnRequest>();
+        std::thread::Builder::new()
+            .name("gpupool-e2e-spawner".into())
+            .spawn(move || {
+                for (mut command, reply) in rx {
+                    let _ = reply.send(command.spawn());
+                }
+            })
+            .expect("starting the spawner thread");
+        Mutex::new(tx)
+    });
+    let (reply_tx, reply_rx) = mpsc::channel();
+    keeper
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .send((command, reply_tx))
+        .map_err(|_| std::io::Error::other("the spawner thread is gone"))?;
+    reply_rx
+        .recv()
+        .map_err(|_| std::io::Error::other("the spawner thread is gone"))?
 }
 
 /// A child process whose stdout and stderr go to a log file; killed when dropped.
@@ -129,18 +159,21 @@ impl ManagedProcess {
         let mut command = Command::new(&self.program);
         command
             .args(&self.args)
+            // Plain text logs: they are read from files and printed into test output.
+            .env("NO_COLOR", "1")
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log_err);
         // SAFETY: prctl is async-signal-safe; it only asks the kernel to kill the child when the
-        // spawning thread exits, so a crashed or interrupted test leaves no stray process.
+        // spawning thread (the keeper, which lives as long as the process) exits, so a crashed or
+        // interrupted test leaves no stray process.
         unsafe {
             command.pre_exec(|| {
                 libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
                 Ok(())
             });
         }
-        let child = command.spawn().map_err(|source| ProcessError::Spawn {
+        let child = spawn_from_keeper(command).map_err(|source| ProcessError::Spawn {
             name: self.name.clone(),
             source,
         })?;

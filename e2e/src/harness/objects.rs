@@ -1,0 +1,146 @@
+//! Manifests the scenarios create: a DeviceClass for all gpupool GPUs, claims pinned to one device
+//! (so scenarios sharing a cluster never compete for a card), and pods that use claims.
+
+use std::fmt::Write as _;
+
+/// DeviceClass the scenarios use: every gpupool GPU (independent of the controller's classes).
+pub const E2E_CLASS: &str = "e2e.gpupool.dev";
+
+pub fn device_class_yaml() -> String {
+    format!(
+        "apiVersion: resource.k8s.io/v1\nkind: DeviceClass\nmetadata:\n  name: {E2E_CLASS}\nspec:\n  selectors:\n  \
+         - cel:\n      expression: device.driver == \"gpupool.dev\"\n"
+    )
+}
+
+/// One request of a claim: pinned to the device with `uuid` (any gpupool GPU when `None`), with an
+/// optional capacity request.
+#[derive(Clone, Debug, Default)]
+pub struct Request {
+    pub name: String,
+    pub uuid: Option<String>,
+    pub memory: Option<String>,
+    pub cores: Option<String>,
+}
+
+impl Request {
+    pub fn new(name: &str) -> Self {
+        Request {
+            name: name.to_string(),
+            ..Default::default()
+        }
+    }
+
+    pub fn on(mut self, uuid: &str) -> Self {
+        self.uuid = Some(uuid.to_string());
+        self
+    }
+
+    pub fn memory(mut self, quantity: &str) -> Self {
+        self.memory = Some(quantity.to_string());
+        self
+    }
+
+    pub fn cores(mut self, percent: &str) -> Self {
+        self.cores = Some(percent.to_string());
+        self
+    }
+}
+
+/// A ResourceClaim with one `exactly` request per entry.
+pub fn claim_yaml(name: &str, requests: &[Request]) -> String {
+    let mut out = format!(
+        "apiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata:\n  name: {name}\nspec:\n  devices:\n    requests:\n"
+    );
+    for r in requests {
+        let _ = write!(
+            out,
+            "    - name: {}\n      exactly:\n        deviceClassName: {E2E_CLASS}\n        allocationMode: ExactCount\n        count: 1\n",
+            r.name
+        );
+        if let Some(uuid) = &r.uuid {
+            let _ = write!(
+                out,
+                "        selectors:\n        - cel:\n            expression: device.driver == \"gpupool.dev\" && device.attributes[\"gpupool.dev\"].uuid == \"{uuid}\"\n"
+            );
+        }
+        if r.memory.is_some() || r.cores.is_some() {
+            out.push_str("        capacity:\n          requests:\n");
+            if let Some(memory) = &r.memory {
+                let _ = writeln!(out, "            memory: {memory}");
+            }
+            if let Some(cores) = &r.cores {
+                let _ = writeln!(out, "            cores: \"{cores}\"");
+            }
+        }
+    }
+    out
+}
+
+/// A pod whose one container uses the named claims.
+pub fn pod_yaml(name: &str, claims: &[&str]) -> String {
+    let mut out = format!(
+        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\nspec:\n  restartPolicy: Never\n  resourceClaims:\n"
+    );
+    for (i, claim) in claims.iter().enumerate() {
+        let _ = write!(out, "  - name: c{i}\n    resourceClaimName: {claim}\n");
+    }
+    out.push_str(
+        "  containers:\n  - name: main\n    image: busybox:1.36\n    command: [\"sleep\", \"3600\"]\n    resources:\n      claims:\n",
+    );
+    for i in 0..claims.len() {
+        let _ = writeln!(out, "      - name: c{i}");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::Pod;
+    use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
+
+    #[test]
+    fn manifests_parse_as_the_kubernetes_types_with_what_was_asked() {
+        let _: DeviceClass = serde_yaml::from_str(&device_class_yaml()).unwrap();
+        let claim: ResourceClaim = serde_yaml::from_str(&claim_yaml(
+            "c",
+            &[
+                Request::new("a").on("GPU-1").memory("8Gi").cores("50"),
+                Request::new("b"),
+            ],
+        ))
+        .unwrap();
+        let requests = claim.spec.devices.unwrap().requests.unwrap();
+        let a = requests[0].exactly.as_ref().unwrap();
+        let cel = &a.selectors.as_ref().unwrap()[0]
+            .cel
+            .as_ref()
+            .unwrap()
+            .expression;
+        assert_eq!(cel, "device.driver == \"gpupool.dev\" && device.attributes[\"gpupool.dev\"].uuid == \"GPU-1\"");
+        let capacity = a.capacity.as_ref().unwrap().requests.as_ref().unwrap();
+        assert_eq!(capacity["memory"].0, "8Gi");
+        assert_eq!(capacity["cores"].0, "50");
+        assert!(requests[1].exactly.as_ref().unwrap().capacity.is_none());
+        let pod: Pod = serde_yaml::from_str(&pod_yaml("p", &["x", "y"])).unwrap();
+        let spec = pod.spec.unwrap();
+        assert_eq!(
+            spec.resource_claims.unwrap()[1]
+                .resource_claim_name
+                .as_deref(),
+            Some("y")
+        );
+        assert_eq!(
+            spec.containers[0]
+                .resources
+                .as_ref()
+                .unwrap()
+                .claims
+                .as_ref()
+                .unwrap()
+                .len(),
+            2
+        );
+    }
+}

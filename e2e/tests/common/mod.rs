@@ -1,0 +1,239 @@
+//! What the scenarios share: one cluster per test file and the checks a user would make by hand.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use gpupool_e2e::harness::{wait_for, TestCluster, TestNode};
+use gpupool_e2e::kubelet::PreparedClaim;
+use k8s_openapi::api::core::v1::{Event, Pod};
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use kube::api::{DeleteParams, ListParams};
+use kube::Api;
+use serde_json::Value;
+
+pub const TIMEOUT: Duration = Duration::from_secs(30);
+
+pub async fn apply(cluster: &TestCluster, namespace: &str, yaml: &str) {
+    cluster
+        .apply_yaml(yaml, namespace)
+        .await
+        .unwrap_or_else(|e| panic!("applying to {namespace}: {e}\n{yaml}"));
+}
+
+pub async fn claim(cluster: &TestCluster, namespace: &str, name: &str) -> ResourceClaim {
+    Api::<ResourceClaim>::namespaced(cluster.client(), namespace)
+        .get(name)
+        .await
+        .unwrap_or_else(|e| panic!("get resourceclaim {namespace}/{name}: {e}"))
+}
+
+pub async fn events_about(
+    cluster: &TestCluster,
+    namespace: &str,
+    kind: &str,
+    name: &str,
+) -> Vec<Event> {
+    let events = Api::<Event>::namespaced(cluster.client(), namespace)
+        .list(&ListParams::default())
+        .await
+        .map(|l| l.items)
+        .unwrap_or_default();
+    events
+        .into_iter()
+        .filter(|e| {
+            e.involved_object.kind.as_deref() == Some(kind)
+                && e.involved_object.name.as_deref() == Some(name)
+        })
+        .collect()
+}
+
+/// Waits for the pod to run; on timeout the panic says where it is stuck.
+pub async fn wait_pod_running(cluster: &TestCluster, namespace: &str, name: &str) -> Pod {
+    let pods: Api<Pod> = Api::namespaced(cluster.client(), namespace);
+    let result = wait_for(
+        &format!("pod {namespace}/{name} to run"),
+        TIMEOUT,
+        || async {
+            let pod = pods.get(name).await.ok()?;
+            let running = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
+            running.then_some(pod)
+        },
+    )
+    .await;
+    match result {
+        Ok(pod) => pod,
+        Err(err) => {
+            let pod = pods.get(name).await.ok();
+            let claims = Api::<ResourceClaim>::namespaced(cluster.client(), namespace)
+                .list(&ListParams::default())
+                .await
+                .map(|l| l.items)
+                .unwrap_or_default();
+            let kubelet_errors: Vec<String> = cluster
+                .nodes()
+                .iter()
+                .filter_map(|n| n.kubelet.as_ref())
+                .filter_map(|k| k.pod_error(namespace, name))
+                .collect();
+            panic!(
+                "{err}\npod: {}\nclaims: {}\nevents: {:?}\nkubelet errors: {kubelet_errors:?}",
+                serde_json::to_string(&pod).unwrap_or_default(),
+                serde_json::to_string(&claims).unwrap_or_default(),
+                events_about(cluster, namespace, "Pod", name)
+                    .await
+                    .iter()
+                    .map(|e| e.message.clone().unwrap_or_default())
+                    .collect::<Vec<_>>()
+            )
+        }
+    }
+}
+
+pub async fn delete_pod(cluster: &TestCluster, namespace: &str, name: &str) {
+    let pods: Api<Pod> = Api::namespaced(cluster.client(), namespace);
+    pods.delete(name, &DeleteParams::default())
+        .await
+        .unwrap_or_else(|e| panic!("delete pod {namespace}/{name}: {e}"));
+}
+
+/// Published devices of a node by name, once `count` are there.
+pub async fn devices_of(
+    cluster: &TestCluster,
+    node: &str,
+    count: usize,
+) -> BTreeMap<String, k8s_openapi::api::resource::v1::Device> {
+    let slices: Vec<ResourceSlice> = cluster
+        .wait_for_slices(node, count, TIMEOUT)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    slices
+        .into_iter()
+        .flat_map(|s| s.spec.devices.unwrap_or_default())
+        .map(|d| (d.name.clone(), d))
+        .collect()
+}
+
+/// A driver-domain attribute, published qualified (`gpupool.dev/x`) or not (`x`).
+pub fn attribute<'a>(
+    device: &'a k8s_openapi::api::resource::v1::Device,
+    name: &str,
+) -> Option<&'a k8s_openapi::api::resource::v1::DeviceAttribute> {
+    let attributes = device.attributes.as_ref()?;
+    attributes
+        .get(name)
+        .or_else(|| attributes.get(&format!("gpupool.dev/{name}")))
+}
+
+pub async fn device_uuid(cluster: &TestCluster, node: &str, device: &str, count: usize) -> String {
+    let devices = devices_of(cluster, node, count).await;
+    let d = devices
+        .get(device)
+        .unwrap_or_else(|| panic!("node {node} publishes no {device}: {:?}", devices.keys()));
+    attribute(d, "uuid")
+        .and_then(|a| a.string.clone())
+        .unwrap_or_else(|| panic!("{node}/{device} has no uuid attribute"))
+}
+
+/// The device's memory capacity in MiB, as the whole-card limit should read.
+pub fn memory_mib(device: &k8s_openapi::api::resource::v1::Device) -> u64 {
+    let q = &device.capacity.as_ref().expect("capacity")["memory"]
+        .value
+        .0;
+    let bytes = gpupool_api::quantity::parse(q)
+        .expect("memory quantity")
+        .ceil_units();
+    (bytes as u64) / (1024 * 1024)
+}
+
+/// What the kubelet prepared for a claim, once it has.
+pub async fn prepared(node: &TestNode, claim_uid: &str) -> PreparedClaim {
+    let kubelet = node.kubelet();
+    wait_for(
+        &format!("claim {claim_uid} prepared on {}", node.name),
+        TIMEOUT,
+        || async { kubelet.prepared_claims().get(claim_uid).cloned() },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The CDI spec of a claim; panics naming the path when it is missing.
+pub fn cdi_spec(node: &TestNode, claim_uid: &str) -> Value {
+    node.cdi_spec(claim_uid).unwrap_or_else(|| {
+        panic!(
+            "no CDI spec at {} (folder has {:?})",
+            node.cdi_spec_path(claim_uid).display(),
+            node.cdi_spec_files()
+        )
+    })
+}
+
+/// The env a container gets from one CDI device of the spec plus the spec-wide edits.
+pub fn env_for(spec: &Value, cdi_device_id: &str) -> BTreeMap<String, String> {
+    let device_name = cdi_device_id
+        .rsplit_once('=')
+        .map_or(cdi_device_id, |(_, n)| n);
+    let mut env = BTreeMap::new();
+    let mut add = |edits: Option<&Value>| {
+        for entry in edits
+            .and_then(|e| e.get("env"))
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+        {
+            if let Some((k, v)) = entry.split_once('=') {
+                env.insert(k.to_string(), v.to_string());
+            }
+        }
+    };
+    add(spec.get("containerEdits"));
+    let device = spec["devices"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|d| d["name"] == device_name)
+        .unwrap_or_else(|| panic!("CDI spec has no device {device_name}: {spec}"));
+    add(device.get("containerEdits"));
+    env
+}
+
+/// Every deviceNode path anywhere in the spec.
+pub fn device_nodes(spec: &Value) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut collect = |edits: &Value| {
+        for node in edits
+            .get("deviceNodes")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            out.push(node["path"].as_str().unwrap_or_default().to_string());
+        }
+    };
+    if let Some(edits) = spec.get("containerEdits") {
+        collect(edits);
+    }
+    for device in spec["devices"].as_array().into_iter().flatten() {
+        if let Some(edits) = device.get("containerEdits") {
+            collect(edits);
+        }
+    }
+    out
+}
+
+/// gpupool's allocation results of a claim: (request, pool, device, shareID).
+pub fn results(claim: &ResourceClaim) -> Vec<(String, String, String, Option<String>)> {
+    claim
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .and_then(|a| a.devices.as_ref())
+        .and_then(|d| d.results.clone())
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|r| r.driver == "gpupool.dev")
+        .map(|r| (r.request, r.pool, r.device, r.share_id))
+        .collect()
+}

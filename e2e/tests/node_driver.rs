@@ -1,0 +1,724 @@
+//! The node driver end to end (issues 2, 3, 4): the real `gpupool-driver` registers with the kubelet
+//! emulator, publishes slices the real kubectl shows, and prepares claims the scheduler allocated, with
+//! CDI specs carrying each claim's limits.
+//!
+//! One cluster serves every scenario of this file; each scenario works in its own namespace and pins its
+//! claims to its own cards, so they run side by side. The `*_real_cluster` twins run the same scenario
+//! against `GPUPOOL_E2E_KUBECONFIG` (`cargo test -p gpupool-e2e -- --ignored`).
+
+mod common;
+
+use std::collections::BTreeSet;
+
+use common::*;
+use gpupool_e2e::harness::objects::{claim_yaml, device_class_yaml, pod_yaml, Request};
+use gpupool_e2e::harness::{
+    real_node_names, shared_runtime, Backend, ClusterSpec, NodeSpec, TestCluster,
+};
+use gpupool_e2e::kubelet::{ClaimRef, DraVersion};
+use tokio::sync::OnceCell;
+
+/// node-a: six A100s, one or two per scenario. node-b: V100s ("another node"). node-old: a kubelet
+/// that only speaks v1beta1.
+const A100S: usize = 6;
+
+fn spec(backend: Backend) -> ClusterSpec {
+    let mut nodes = vec![
+        NodeSpec::new("node-a", "a100-40gb:6"),
+        NodeSpec::new("node-b", "v100-32gb:2"),
+        NodeSpec::new("node-old", "rtx3090:1").kubelet_versions(&["v1beta1.DRAPlugin"]),
+    ];
+    if backend != Backend::Emulator {
+        nodes.truncate(real_node_names().len());
+    }
+    ClusterSpec {
+        nodes,
+        backend: Some(backend),
+        ..ClusterSpec::new()
+    }
+}
+
+static EMULATED: OnceCell<TestCluster> = OnceCell::const_new();
+static REAL: OnceCell<TestCluster> = OnceCell::const_new();
+
+async fn cluster(real: bool) -> &'static TestCluster {
+    let (cell, backend) = if real {
+        assert!(
+            std::env::var_os("GPUPOOL_E2E_KUBECONFIG").is_some(),
+            "real-cluster scenarios need GPUPOOL_E2E_KUBECONFIG and GPUPOOL_E2E_NODE"
+        );
+        (&REAL, Backend::from_env())
+    } else {
+        (&EMULATED, Backend::Emulator)
+    };
+    cell.get_or_init(|| async move {
+        let cluster = TestCluster::start_shared(spec(backend))
+            .await
+            .unwrap_or_else(|e| panic!("starting the test cluster: {e}"));
+        cluster
+            .apply_yaml(&device_class_yaml(), "default")
+            .await
+            .unwrap_or_else(|e| panic!("creating the e2e DeviceClass: {e}"));
+        cluster
+    })
+    .await
+}
+
+macro_rules! scenario {
+    ($name:ident, $real:ident) => {
+        #[test]
+        fn $name() {
+            shared_runtime().block_on(async {
+                let cluster = cluster(false).await;
+                let _logs = cluster.logs_on_failure();
+                scenarios::$name(cluster).await;
+            });
+        }
+
+        #[test]
+        #[ignore = "runs against GPUPOOL_E2E_KUBECONFIG"]
+        fn $real() {
+            shared_runtime().block_on(async {
+                let cluster = cluster(true).await;
+                let _logs = cluster.logs_on_failure();
+                scenarios::$name(cluster).await;
+            });
+        }
+    };
+}
+
+scenario!(
+    driver_registers_v1_and_kubectl_shows_every_attribute,
+    registers_real_cluster
+);
+scenario!(
+    an_old_kubelet_gets_v1beta1_and_prepares_without_share_ids,
+    v1beta1_real_cluster
+);
+scenario!(
+    whole_a100_and_a_fraction_are_prepared_then_unprepared,
+    whole_and_fraction_real_cluster
+);
+scenario!(
+    describe_shows_the_share_and_a_second_prepare_returns_the_same_ids,
+    describe_real_cluster
+);
+scenario!(bad_claims_fail_alone_in_a_request, bad_claims_real_cluster);
+scenario!(
+    three_pods_share_one_a100_each_with_its_own_limits,
+    three_pods_real_cluster
+);
+scenario!(
+    two_shares_of_different_cards_get_ordinals_in_cdi_id_order,
+    two_shares_real_cluster
+);
+scenario!(
+    a_claim_that_cannot_fit_gets_an_event_and_stays_pending,
+    cannot_fit_real_cluster
+);
+
+mod scenarios {
+    use super::*;
+    use k8s_openapi::api::core::v1::Pod;
+    use kube::Api;
+    use serde_json::Value;
+
+    const DRIVER: &str = "gpupool.dev";
+
+    fn uid(claim: &k8s_openapi::api::resource::v1::ResourceClaim) -> String {
+        claim.metadata.uid.clone().expect("claim uid")
+    }
+
+    pub async fn driver_registers_v1_and_kubectl_shows_every_attribute(cluster: &TestCluster) {
+        let node = cluster.node_at(0);
+        if let Some(kubelet) = &node.kubelet {
+            let reg = kubelet.registration(DRIVER).expect("registered at start");
+            assert_eq!(reg.version, DraVersion::V1, "{reg:?}");
+            assert!(reg.health_advertised, "the driver serves health: {reg:?}");
+            assert_eq!(reg.endpoint, node.dirs.plugin.join("dra.sock"));
+        }
+        devices_of(cluster, &node.name, A100S).await;
+
+        let yaml = cluster
+            .kubectl(&["get", "resourceslices", "-o", "yaml"])
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let list: Value = serde_yaml::from_str(&yaml).expect("kubectl prints YAML");
+        let slices: Vec<&Value> = list["items"]
+            .as_array()
+            .expect("a List")
+            .iter()
+            .filter(|s| {
+                s["spec"]["driver"] == DRIVER && s["spec"]["nodeName"] == node.name.as_str()
+            })
+            .collect();
+        let count: usize = slices
+            .iter()
+            .map(|s| s["spec"]["devices"].as_array().map_or(0, Vec::len))
+            .sum();
+        assert_eq!(count, A100S, "kubectl shows every A100 of {}", node.name);
+        let attributes = [
+            "productName",
+            "model",
+            "architecture",
+            "uuid",
+            "index",
+            "multiprocessors",
+            "cudaCores",
+            "computeWeight",
+            "brand",
+            "cudaComputeCapability",
+            "driverVersion",
+            "cudaDriverVersion",
+        ];
+        let standard = [
+            "resource.kubernetes.io/pciBusID",
+            "resource.kubernetes.io/pcieRoot",
+            "resource.kubernetes.io/numaNode",
+        ];
+        let mut uuids = BTreeSet::new();
+        for slice in slices {
+            for device in slice["spec"]["devices"].as_array().unwrap() {
+                let name = device["name"].as_str().unwrap();
+                let attrs = device["attributes"].as_object().expect("attributes");
+                let get = |a: &str| {
+                    attrs
+                        .get(a)
+                        .or_else(|| attrs.get(&format!("gpupool.dev/{a}")))
+                };
+                for a in attributes {
+                    if a == "computeWeight" && get(a).is_none() {
+                        // Published only once a GpuModel gives this model a weight (the controller's part).
+                        continue;
+                    }
+                    assert!(
+                        get(a).is_some(),
+                        "{name}: attribute {a} missing in {attrs:?}"
+                    );
+                }
+                for a in standard {
+                    assert!(
+                        attrs.contains_key(a),
+                        "{name}: attribute {a} missing in {attrs:?}"
+                    );
+                }
+                assert_eq!(get("model").unwrap()["string"], "A100-SXM4-40GB");
+                assert_eq!(
+                    get("productName").unwrap()["string"],
+                    "NVIDIA A100-SXM4-40GB"
+                );
+                assert_eq!(get("multiprocessors").unwrap()["int"], 108);
+                assert!(
+                    get("cudaComputeCapability").unwrap()["version"].is_string(),
+                    "semver"
+                );
+                uuids.insert(get("uuid").unwrap()["string"].as_str().unwrap().to_string());
+
+                assert_eq!(device["allowMultipleAllocations"], true, "{name}");
+                let capacity = device["capacity"].as_object().expect("capacity");
+                let keys: BTreeSet<&str> = capacity.keys().map(String::as_str).collect();
+                assert_eq!(
+                    keys,
+                    BTreeSet::from(["cores", "memory"]),
+                    "{name}: only memory and cores"
+                );
+                let memory = &capacity["memory"];
+                assert_eq!(
+                    memory["value"], memory["requestPolicy"]["default"],
+                    "{name}: whole card by default"
+                );
+                assert_eq!(
+                    memory["requestPolicy"]["validRange"]["step"], "1Mi",
+                    "{name}"
+                );
+                assert_eq!(
+                    memory["requestPolicy"]["validRange"]["min"], "1Mi",
+                    "{name}"
+                );
+                let cores = &capacity["cores"];
+                assert_eq!(cores["value"], "100", "{name}");
+                assert_eq!(cores["requestPolicy"]["default"], "0", "{name}");
+                assert_eq!(cores["requestPolicy"]["validRange"]["max"], "100", "{name}");
+                assert_eq!(cores["requestPolicy"]["validRange"]["step"], "1", "{name}");
+            }
+        }
+        assert_eq!(uuids.len(), A100S, "every card has its own uuid");
+    }
+
+    pub async fn an_old_kubelet_gets_v1beta1_and_prepares_without_share_ids(cluster: &TestCluster) {
+        let Some(node) = cluster.nodes().iter().find(|n| n.spec.name == "node-old") else {
+            eprintln!("skipped: needs a third node in GPUPOOL_E2E_NODE");
+            return;
+        };
+        let Some(kubelet) = &node.kubelet else {
+            eprintln!("skipped: a real kubelet picks its own version");
+            return;
+        };
+        let reg = kubelet.registration(DRIVER).expect("registered at start");
+        assert_eq!(reg.version, DraVersion::V1beta1, "{reg:?}");
+
+        let ns = cluster.create_namespace("e2e-v1beta1").await.unwrap();
+        let uuid = device_uuid(cluster, &node.name, "gpu-0", 1).await;
+        apply(
+            cluster,
+            &ns,
+            &claim_yaml("rtx", &[Request::new("gpu").on(&uuid)]),
+        )
+        .await;
+        apply(cluster, &ns, &pod_yaml("p", &["rtx"])).await;
+        wait_pod_running(cluster, &ns, "p").await;
+        let claim = claim(cluster, &ns, "rtx").await;
+        let prepared = prepared(node, &uid(&claim)).await;
+        assert_eq!(prepared.devices.len(), 1);
+        assert_eq!(
+            prepared.devices[0].share_id, None,
+            "v1beta1 has no share id"
+        );
+        assert_eq!(prepared.devices[0].device_name, "gpu-0");
+        assert!(node.cdi_spec_path(&uid(&claim)).is_file());
+        delete_pod(cluster, &ns, "p").await;
+    }
+
+    pub async fn whole_a100_and_a_fraction_are_prepared_then_unprepared(cluster: &TestCluster) {
+        let node = cluster.node_at(0);
+        let devices = devices_of(cluster, &node.name, A100S).await;
+        let uuid0 = device_uuid(cluster, &node.name, "gpu-0", A100S).await;
+        let uuid1 = device_uuid(cluster, &node.name, "gpu-1", A100S).await;
+        let ns = cluster
+            .create_namespace("e2e-whole-fraction")
+            .await
+            .unwrap();
+        apply(
+            cluster,
+            &ns,
+            &claim_yaml("whole", &[Request::new("gpu").on(&uuid0)]),
+        )
+        .await;
+        apply(
+            cluster,
+            &ns,
+            &claim_yaml(
+                "fraction",
+                &[Request::new("gpu").on(&uuid1).memory("8Gi").cores("50")],
+            ),
+        )
+        .await;
+        apply(cluster, &ns, &pod_yaml("whole", &["whole"])).await;
+        apply(cluster, &ns, &pod_yaml("fraction", &["fraction"])).await;
+        let whole_pod = wait_pod_running(cluster, &ns, "whole").await;
+        wait_pod_running(cluster, &ns, "fraction").await;
+        assert_eq!(
+            whole_pod.spec.as_ref().unwrap().node_name.as_deref(),
+            Some(node.name.as_str())
+        );
+
+        let whole = claim(cluster, &ns, "whole").await;
+        let fraction = claim(cluster, &ns, "fraction").await;
+        for (claim, device, uuid, memory, cores) in [
+            (&whole, "gpu-0", &uuid0, memory_mib(&devices["gpu-0"]), None),
+            (&fraction, "gpu-1", &uuid1, 8192, Some("50")),
+        ] {
+            let uid = uid(claim);
+            let prepared = prepared(node, &uid).await;
+            assert_eq!(prepared.devices.len(), 1);
+            let d = &prepared.devices[0];
+            assert_eq!(
+                (d.pool_name.as_str(), d.device_name.as_str()),
+                (node.name.as_str(), device)
+            );
+            assert_eq!(d.request_names, ["gpu"]);
+            let share = results(claim)[0].3.clone();
+            assert_eq!(d.share_id, share, "the share id of the allocation");
+            let expected_name = gpupool_api::names::cdi_device_name(&uid, device, share.as_deref());
+            assert_eq!(
+                d.cdi_device_ids,
+                [gpupool_api::names::cdi_device_id(&expected_name)]
+            );
+
+            let spec = cdi_spec(node, &uid);
+            assert_eq!(spec["kind"], "gpupool.dev/claim");
+            assert!(
+                device_nodes(&spec).is_empty(),
+                "fake GPUs have no device nodes: {spec}"
+            );
+            let env = env_for(&spec, &d.cdi_device_ids[0]);
+            assert_eq!(
+                env.get("CUDA_DEVICE_MEMORY_LIMIT_0"),
+                Some(&format!("{memory}m")),
+                "{env:?}"
+            );
+            match cores {
+                Some(c) => assert_eq!(
+                    env.get("CUDA_DEVICE_SM_LIMIT_0").map(String::as_str),
+                    Some(c)
+                ),
+                None => {
+                    let sm = env
+                        .get("CUDA_DEVICE_SM_LIMIT_0")
+                        .map(|v| v.parse::<u32>().unwrap());
+                    assert!(
+                        matches!(sm, None | Some(0) | Some(100..)),
+                        "whole card is unthrottled: {env:?}"
+                    );
+                }
+            }
+            assert_eq!(env.get("GPUPOOL_DEVICE_UUID_0"), Some(uuid), "{env:?}");
+            assert_eq!(
+                env.get("GPUPOOL_DEVICE_MODEL_0").map(String::as_str),
+                Some("A100-SXM4-40GB")
+            );
+        }
+
+        let uids = [uid(&whole), uid(&fraction)];
+        delete_pod(cluster, &ns, "whole").await;
+        delete_pod(cluster, &ns, "fraction").await;
+        gpupool_e2e::harness::wait_for(
+            "CDI specs removed after the pods went",
+            TIMEOUT,
+            || async {
+                uids.iter()
+                    .all(|u| !node.cdi_spec_path(u).exists())
+                    .then_some(())
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}: {:?}", node.cdi_spec_files()));
+        let kubelet = node.kubelet();
+        for u in &uids {
+            assert!(!kubelet.prepared_claims().contains_key(u));
+            let cache = node.dirs.state.join("vgpu-cache").join(u);
+            assert!(
+                !cache.exists(),
+                "cache folder {} removed on unprepare",
+                cache.display()
+            );
+        }
+    }
+
+    pub async fn describe_shows_the_share_and_a_second_prepare_returns_the_same_ids(
+        cluster: &TestCluster,
+    ) {
+        let node = cluster.node_at(0);
+        let uuid = device_uuid(cluster, &node.name, "gpu-5", A100S).await;
+        let ns = cluster.create_namespace("e2e-describe").await.unwrap();
+        apply(
+            cluster,
+            &ns,
+            &claim_yaml(
+                "slice",
+                &[Request::new("gpu").on(&uuid).memory("8Gi").cores("50")],
+            ),
+        )
+        .await;
+        apply(cluster, &ns, &pod_yaml("p", &["slice"])).await;
+        wait_pod_running(cluster, &ns, "p").await;
+        let claim = claim(cluster, &ns, "slice").await;
+        let prepared = prepared(node, &uid(&claim)).await;
+        let share = results(&claim)[0]
+            .3
+            .clone()
+            .expect("a share of a shareable card");
+
+        let again = node
+            .kubelet()
+            .prepare(DRIVER, &[ClaimRef::of(&claim)])
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let devices = again[&uid(&claim)]
+            .as_ref()
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            devices, &prepared.devices,
+            "a repeated prepare answers the same"
+        );
+
+        // The driver writes status.devices after prepare; describe shows it.
+        let describe = gpupool_e2e::harness::wait_for(
+            "describe to show the device status",
+            TIMEOUT,
+            || async {
+                let out = cluster
+                    .kubectl(&["describe", "resourceclaim", "slice", "-n", &ns])
+                    .await
+                    .ok()?;
+                (out.contains(&share) && out.contains("gpu-5")).then_some(out)
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert!(describe.contains("gpu-5"), "{describe}");
+        assert!(describe.contains(&share), "share id: {describe}");
+        assert!(
+            describe.contains("8Gi") || describe.contains("8192"),
+            "memory limit: {describe}"
+        );
+        assert!(describe.contains("50"), "core limit: {describe}");
+        delete_pod(cluster, &ns, "p").await;
+    }
+
+    pub async fn bad_claims_fail_alone_in_a_request(cluster: &TestCluster) {
+        let node = cluster.node_at(0);
+        let Some(kubelet) = &node.kubelet else {
+            eprintln!("skipped: crafted requests need the kubelet emulator");
+            return;
+        };
+        let uuid = device_uuid(cluster, &node.name, "gpu-5", A100S).await;
+        let ns = cluster.create_namespace("e2e-bad-claims").await.unwrap();
+        apply(
+            cluster,
+            &ns,
+            &claim_yaml(
+                "good",
+                &[Request::new("gpu").on(&uuid).memory("4Gi").cores("10")],
+            ),
+        )
+        .await;
+        apply(cluster, &ns, &pod_yaml("good", &["good"])).await;
+        apply(
+            cluster,
+            &ns,
+            &claim_yaml("never-allocated", &[Request::new("gpu")]),
+        )
+        .await;
+        wait_pod_running(cluster, &ns, "good").await;
+        let good = claim(cluster, &ns, "good").await;
+        let good_devices = prepared(node, &uid(&good)).await.devices;
+        let unallocated = claim(cluster, &ns, "never-allocated").await;
+        let mut claims = vec![
+            ClaimRef::of(&good),
+            ClaimRef {
+                uid: "00000000-0000-4000-8000-000000000000".into(),
+                ..ClaimRef::of(&good)
+            },
+            ClaimRef::of(&unallocated),
+        ];
+        let mut expected_errors = vec![
+            ("00000000-0000-4000-8000-000000000000".to_string(), "good"),
+            (uid(&unallocated), "never-allocated"),
+        ];
+        if let Some(other) = cluster.nodes().get(1) {
+            let v100 = device_uuid(cluster, &other.name, "gpu-0", 2).await;
+            apply(
+                cluster,
+                &ns,
+                &claim_yaml("elsewhere", &[Request::new("gpu").on(&v100).memory("1Gi")]),
+            )
+            .await;
+            apply(cluster, &ns, &pod_yaml("elsewhere", &["elsewhere"])).await;
+            wait_pod_running(cluster, &ns, "elsewhere").await;
+            let elsewhere = claim(cluster, &ns, "elsewhere").await;
+            claims.push(ClaimRef::of(&elsewhere));
+            expected_errors.push((uid(&elsewhere), "elsewhere"));
+        }
+
+        let outcome = kubelet
+            .prepare(DRIVER, &claims)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            outcome[&uid(&good)]
+                .as_ref()
+                .unwrap_or_else(|e| panic!("good claim failed: {e}")),
+            &good_devices
+        );
+        for (uid, name) in expected_errors {
+            let result = outcome
+                .get(&uid)
+                .unwrap_or_else(|| panic!("no answer for {name}: {outcome:?}"));
+            let error = result
+                .as_ref()
+                .expect_err(&format!("claim {name} must fail"));
+            assert!(
+                error.contains(name),
+                "the error names claim {name}: {error}"
+            );
+        }
+        delete_pod(cluster, &ns, "good").await;
+        if cluster.nodes().len() > 1 {
+            delete_pod(cluster, &ns, "elsewhere").await;
+        }
+    }
+
+    pub async fn three_pods_share_one_a100_each_with_its_own_limits(cluster: &TestCluster) {
+        let node = cluster.node_at(0);
+        let uuid = device_uuid(cluster, &node.name, "gpu-2", A100S).await;
+        let ns = cluster.create_namespace("e2e-share").await.unwrap();
+        let shares = [
+            ("s8", "8Gi", "50", 8192),
+            ("s16a", "16Gi", "25", 16384),
+            ("s16b", "16Gi", "25", 16384),
+        ];
+        for (name, memory, cores, _) in shares {
+            apply(
+                cluster,
+                &ns,
+                &claim_yaml(
+                    name,
+                    &[Request::new("gpu").on(&uuid).memory(memory).cores(cores)],
+                ),
+            )
+            .await;
+            apply(cluster, &ns, &pod_yaml(name, &[name])).await;
+        }
+        let mut share_ids = BTreeSet::new();
+        let mut caches = BTreeSet::new();
+        for (name, _, cores, mib) in shares {
+            wait_pod_running(cluster, &ns, name).await;
+            let claim = claim(cluster, &ns, name).await;
+            let r = results(&claim);
+            assert_eq!(r.len(), 1);
+            assert_eq!(r[0].2, "gpu-2", "{name} is on the pinned card");
+            share_ids.insert(r[0].3.clone().expect("a share id"));
+            let uid = uid(&claim);
+            let prepared = prepared(node, &uid).await;
+            let spec = cdi_spec(node, &uid);
+            let env = env_for(&spec, &prepared.devices[0].cdi_device_ids[0]);
+            assert_eq!(
+                env.get("CUDA_DEVICE_MEMORY_LIMIT_0"),
+                Some(&format!("{mib}m")),
+                "{name}: {env:?}"
+            );
+            assert_eq!(
+                env.get("CUDA_DEVICE_SM_LIMIT_0").map(String::as_str),
+                Some(cores),
+                "{name}"
+            );
+            let cache = env
+                .get("CUDA_DEVICE_MEMORY_SHARED_CACHE")
+                .unwrap_or_else(|| panic!("{name}: no shared cache env: {env:?}"))
+                .clone();
+            assert!(
+                cache.contains(&uid),
+                "{name}: the cache is the claim's own: {cache}"
+            );
+            let folder = std::path::Path::new(&cache).parent().unwrap().to_path_buf();
+            assert!(
+                folder.is_dir(),
+                "{name}: cache folder {} exists",
+                folder.display()
+            );
+            caches.insert(folder);
+        }
+        assert_eq!(
+            share_ids.len(),
+            3,
+            "three shares of one card: {share_ids:?}"
+        );
+        assert_eq!(caches.len(), 3, "three cache folders: {caches:?}");
+        for (name, ..) in shares {
+            delete_pod(cluster, &ns, name).await;
+        }
+    }
+
+    pub async fn two_shares_of_different_cards_get_ordinals_in_cdi_id_order(cluster: &TestCluster) {
+        let node = cluster.node_at(0);
+        let uuid3 = device_uuid(cluster, &node.name, "gpu-3", A100S).await;
+        let uuid4 = device_uuid(cluster, &node.name, "gpu-4", A100S).await;
+        let ns = cluster.create_namespace("e2e-two-shares").await.unwrap();
+        apply(
+            cluster,
+            &ns,
+            &claim_yaml(
+                "pair",
+                &[
+                    Request::new("a").on(&uuid3).memory("4Gi").cores("10"),
+                    Request::new("b").on(&uuid4).memory("6Gi").cores("20"),
+                ],
+            ),
+        )
+        .await;
+        apply(cluster, &ns, &pod_yaml("p", &["pair"])).await;
+        wait_pod_running(cluster, &ns, "p").await;
+        let claim = claim(cluster, &ns, "pair").await;
+        let uid = uid(&claim);
+        let prepared = prepared(node, &uid).await;
+        let spec = cdi_spec(node, &uid);
+        let ids = prepared.cdi_device_ids();
+        assert_eq!(ids.len(), 2, "{prepared:?}");
+        let expected = |device: &str| match device {
+            "gpu-3" => ("4096m", "10", &uuid3),
+            "gpu-4" => ("6144m", "20", &uuid4),
+            other => panic!("unexpected device {other}"),
+        };
+        let mut seen = BTreeSet::new();
+        for (ordinal, id) in ids.iter().enumerate() {
+            let device = prepared
+                .devices
+                .iter()
+                .find(|d| d.cdi_device_ids.contains(id))
+                .unwrap();
+            seen.insert(device.device_name.clone());
+            let (memory, cores, uuid) = expected(&device.device_name);
+            let env = env_for(&spec, id);
+            assert_eq!(
+                env.get(&format!("CUDA_DEVICE_MEMORY_LIMIT_{ordinal}"))
+                    .map(String::as_str),
+                Some(memory),
+                "ordinal {ordinal} is {} (CDI id {id}): {env:?}",
+                device.device_name
+            );
+            assert_eq!(
+                env.get(&format!("CUDA_DEVICE_SM_LIMIT_{ordinal}"))
+                    .map(String::as_str),
+                Some(cores)
+            );
+            assert_eq!(
+                env.get(&format!("GPUPOOL_DEVICE_UUID_{ordinal}")),
+                Some(uuid)
+            );
+        }
+        assert_eq!(
+            seen,
+            BTreeSet::from(["gpu-3".to_string(), "gpu-4".to_string()])
+        );
+        delete_pod(cluster, &ns, "p").await;
+    }
+
+    pub async fn a_claim_that_cannot_fit_gets_an_event_and_stays_pending(cluster: &TestCluster) {
+        let ns = cluster.create_namespace("e2e-cannot-fit").await.unwrap();
+        apply(
+            cluster,
+            &ns,
+            &claim_yaml("huge", &[Request::new("gpu").memory("100Gi")]),
+        )
+        .await;
+        apply(cluster, &ns, &pod_yaml("p", &["huge"])).await;
+        let events = gpupool_e2e::harness::wait_for(
+            "an Event on the claim that cannot fit",
+            TIMEOUT,
+            || async {
+                let events = events_about(cluster, &ns, "ResourceClaim", "huge").await;
+                (!events.is_empty()).then_some(events)
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            events.iter().any(|e| e.type_.as_deref() == Some("Warning")),
+            "a warning: {events:?}"
+        );
+        let claim = claim(cluster, &ns, "huge").await;
+        assert!(
+            claim
+                .status
+                .as_ref()
+                .and_then(|s| s.allocation.as_ref())
+                .is_none(),
+            "nothing half-allocated: {:?}",
+            claim.status
+        );
+        let pod = Api::<Pod>::namespaced(cluster.client(), &ns)
+            .get("p")
+            .await
+            .unwrap();
+        assert_eq!(
+            pod.spec.as_ref().unwrap().node_name,
+            None,
+            "the pod is not bound"
+        );
+        assert_ne!(
+            pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+            Some("Running")
+        );
+    }
+}
