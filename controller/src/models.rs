@@ -505,10 +505,19 @@ fn no_devices_verdict(outcome: &ModelOutcome) -> Verdict {
     }
 }
 
+/// An object name as a label value: label values stop at 63 characters and must end alphanumeric,
+/// object names may be longer.
+pub fn label_value(name: &str) -> String {
+    let truncated: String = name.chars().take(63).collect();
+    truncated
+        .trim_end_matches(|c: char| !c.is_ascii_alphanumeric())
+        .to_string()
+}
+
 fn managed_labels(extra: Option<(&str, &str)>) -> BTreeMap<String, String> {
     let mut labels = BTreeMap::from([(MANAGED_BY_LABEL.to_string(), MANAGER.to_string())]);
     if let Some((k, v)) = extra {
-        labels.insert(k.to_string(), v.to_string());
+        labels.insert(k.to_string(), label_value(v));
     }
     labels
 }
@@ -995,6 +1004,13 @@ mod tests {
         assert!(is_dns_subdomain("a100-sxm4-40gb.gpupool.dev"));
         assert!(!is_dns_subdomain("A100.gpupool.dev"));
         assert!(!is_dns_subdomain("-a.dev"));
+    }
+
+    #[test]
+    fn long_names_make_valid_label_values() {
+        let long = format!("{}-{}", "a".repeat(62), "b".repeat(20));
+        assert_eq!(label_value(&long), "a".repeat(62));
+        assert_eq!(label_value("half-a100"), "half-a100");
     }
 
     #[test]

@@ -17,7 +17,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{
     LabelSelector, ObjectMeta, OwnerReference, Time,
 };
 
-use crate::models::{dns_label, ModelOutcome, MANAGED_BY_LABEL, MANAGER};
+use crate::models::{dns_label, label_value, ModelOutcome, MANAGED_BY_LABEL, MANAGER};
 use crate::status::{Verdict, INVALID, READY};
 
 /// Which ComputeProfile a template (and the claims made from it) comes from.
@@ -142,7 +142,7 @@ impl ProfileOutcome {
 fn profile_labels(profile: &str) -> BTreeMap<String, String> {
     BTreeMap::from([
         (MANAGED_BY_LABEL.to_string(), MANAGER.to_string()),
-        (PROFILE_LABEL.to_string(), profile.to_string()),
+        (PROFILE_LABEL.to_string(), label_value(profile)),
     ])
 }
 
@@ -306,7 +306,10 @@ pub fn plan(
 
     let template = ResourceClaimTemplateSpec {
         metadata: Some(ObjectMeta {
-            labels: Some(BTreeMap::from([(PROFILE_LABEL.to_string(), name.clone())])),
+            labels: Some(BTreeMap::from([(
+                PROFILE_LABEL.to_string(),
+                label_value(&name),
+            )])),
             ..Default::default()
         }),
         spec: ResourceClaimSpec {

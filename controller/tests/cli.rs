@@ -87,12 +87,15 @@ async fn run_manages_classes_and_releases_the_lease_on_sigterm() {
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = dir.path().join("kubeconfig");
     server.write_kubeconfig(&kubeconfig).unwrap();
+    let log = dir.path().join("controller.log");
+    let log_text = || std::fs::read_to_string(&log).unwrap_or_default();
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_gpupool-controller"))
         .args(["run", "--install-crds", "--identity", "cli-test"])
         .args(["--lease-duration", "3s", "--renew-interval", "500ms"])
         .arg("--kubeconfig")
         .arg(&kubeconfig)
         .args(["--log-format", "json"])
+        .stderr(std::fs::File::create(&log).unwrap())
         .kill_on_drop(true)
         .spawn()
         .unwrap();
@@ -159,7 +162,7 @@ async fn run_manages_classes_and_releases_the_lease_on_sigterm() {
         .await
         .expect("exits after SIGTERM")
         .unwrap();
-    assert!(status.success(), "{status:?}");
+    assert!(status.success(), "{status:?}\n{}", log_text());
     let lease = Api::<Lease>::namespaced(client, "kube-system")
         .get("gpupool-controller")
         .await
