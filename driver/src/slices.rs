@@ -52,9 +52,18 @@ pub fn slice_name(node_name: &str, n: usize) -> String {
     format!("{prefix}-{hash}{suffix}")
 }
 
-fn string(value: impl Into<String>) -> DeviceAttribute {
+/// Upstream limit of a string attribute value, in bytes.
+const MAX_STRING_LEN: usize = 64;
+
+/// A string attribute, cut to the upstream limit (at a character boundary) so that one odd value
+/// reported by a device cannot keep the whole pool from being published.
+fn string(value: &str) -> DeviceAttribute {
+    let mut end = value.len().min(MAX_STRING_LEN);
+    while !value.is_char_boundary(end) {
+        end -= 1;
+    }
     DeviceAttribute {
-        string: Some(value.into()),
+        string: Some(value[..end].to_string()),
         ..Default::default()
     }
 }
@@ -381,6 +390,25 @@ mod tests {
                 .values()
                 .all(|v| v.string.as_ref().is_none_or(|s| s.len() <= 64)));
         }
+    }
+
+    #[test]
+    fn a_slice_the_api_would_reject_is_an_error_naming_the_field() {
+        let inv = fake_inventory("t4:1", "Node_A").unwrap();
+        let err = build_slices(&inv, "Node_A", &BTreeMap::new(), 1, SliceMode::Shared).unwrap_err();
+        assert_eq!(err.slice, "Node_A-gpupool.dev-0");
+        let text = err.to_string();
+        assert!(text.contains("spec.pool.name"), "{text}");
+    }
+
+    #[test]
+    fn overlong_strings_are_cut_to_the_upstream_limit() {
+        let mut inv = fake_inventory("t4:1", "n").unwrap();
+        inv.gpus[0].product_name = format!("NVIDIA {}", "Ü".repeat(40));
+        let slices = build_slices(&inv, "n", &BTreeMap::new(), 1, SliceMode::Shared).unwrap();
+        let d = &slices[0].spec.devices.as_ref().unwrap()[0];
+        let name = attrs(d)["productName"].string.clone().unwrap();
+        assert!(name.len() <= 64 && name.starts_with("NVIDIA ÜÜ"), "{name}");
     }
 
     #[test]
