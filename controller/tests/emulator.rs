@@ -18,7 +18,7 @@ use k8s_openapi::api::resource::v1::{
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::{Api, DeleteParams, PostParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::Client;
 use tokio::task::JoinHandle;
@@ -310,6 +310,23 @@ async fn models_and_profiles_are_served_by_the_single_leader_and_survive_its_cra
     };
     assert!(leader.writes() > 0);
     assert_eq!(follower.writes(), 0, "the follower wrote");
+
+    // A new weight changes the template (recreated: its spec is immutable).
+    gpumodels
+        .patch(
+            "v100-sxm2-32gb",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"computeWeight": 200}})),
+        )
+        .await
+        .unwrap();
+    eventually("V100 cores 78", Duration::from_secs(15), || async {
+        let template = templates.get_opt("half-a100").await.unwrap()?;
+        subrequest_cores(&template)
+            .contains(&("v100-sxm2-32gb".to_string(), "78".to_string()))
+            .then_some(())
+    })
+    .await;
 
     // Deleting a GpuModel removes its class and its subrequest; the others stay.
     gpumodels
