@@ -1140,3 +1140,91 @@ async fn manifests_apply_to_the_api_emulator_with_strict_field_validation() {
         );
     }
 }
+
+/// The workspace's built binary `name`, next to this test's own executable (target/<profile>/).
+fn built_binary(name: &str) -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let profile_dir = exe.parent()?.parent()?;
+    let path = profile_dir.join(name);
+    path.is_file().then_some(path)
+}
+
+/// Long flags of `<binary> run --help`, each with its possible values when clap lists them.
+fn run_flags(binary: &Path) -> BTreeMap<String, Option<Vec<String>>> {
+    let out = Command::new(binary)
+        .args(["run", "--help"])
+        .output()
+        .expect("run --help");
+    assert!(out.status.success(), "{} run --help", binary.display());
+    let help = String::from_utf8_lossy(&out.stdout).into_owned();
+    let mut flags: BTreeMap<String, Option<Vec<String>>> = BTreeMap::new();
+    let mut current: Option<String> = None;
+    for line in help.lines() {
+        let trimmed = line.trim_start();
+        let long = trimmed
+            .split_whitespace()
+            .find(|word| word.starts_with("--"))
+            .filter(|_| trimmed.starts_with('-'));
+        if let Some(long) = long {
+            let name = long.trim_end_matches(',').to_owned();
+            flags.insert(name.clone(), None);
+            current = Some(name);
+        }
+        if let (Some(name), Some(start)) = (&current, line.find("[possible values: ")) {
+            let rest = &line[start + "[possible values: ".len()..];
+            let values = rest.split(']').next().unwrap_or_default();
+            flags.insert(
+                name.clone(),
+                Some(values.split(", ").map(str::to_owned).collect()),
+            );
+        }
+    }
+    flags
+}
+
+#[test]
+fn workload_args_are_flags_the_binaries_accept() {
+    if kubectl_missing("workload_args_are_flags_the_binaries_accept") {
+        return;
+    }
+    for (binary, kind, workload, container_name) in [
+        ("gpupool-driver", "DaemonSet", "gpupool-driver", "driver"),
+        (
+            "gpupool-controller",
+            "Deployment",
+            "gpupool-controller",
+            "controller",
+        ),
+    ] {
+        let Some(path) = built_binary(binary) else {
+            println!("skipping the {binary} flags: the binary is not built next to this test (cargo test --workspace builds it)");
+            continue;
+        };
+        let known = run_flags(&path);
+        assert!(
+            known.contains_key("--help"),
+            "{binary}: parsed its help: {known:?}"
+        );
+        for dir in RENDERED {
+            let objects = kustomize(dir);
+            let c = container(find(&objects, kind, workload), container_name);
+            assert_eq!(
+                strings(&c["command"]).first().map(String::as_str),
+                Some(binary),
+                "{dir}"
+            );
+            for arg in strings(&c["args"]) {
+                let (name, value) = arg.split_once('=').unwrap_or((arg.as_str(), ""));
+                let possible = known
+                    .get(name)
+                    .unwrap_or_else(|| panic!("{dir}: {binary} run has no flag {name}"));
+                if let Some(values) = possible {
+                    assert!(
+                        values.iter().any(|v| v == value),
+                        "{dir}: {name}={value} not in {values:?}"
+                    );
+                }
+            }
+        }
+    }
+}
