@@ -9,6 +9,7 @@ mod http;
 pub mod openapi;
 pub mod patch;
 pub mod resources;
+pub mod rules;
 pub mod schema;
 pub mod selectors;
 pub mod status;

@@ -9,6 +9,7 @@ use serde_json::{json, Map, Value};
 use crate::clock;
 use crate::patch;
 use crate::resources::{builtin_resources, crd_resources, CrdError, ResourceDef};
+use crate::rules;
 use crate::schema::{decode_builtin, decode_custom, DecodeError};
 use crate::selectors::{FieldSelector, LabelSelector};
 use crate::status::ApiError;
@@ -697,6 +698,17 @@ impl Store {
                 updated["status"]["conditions"] = conditions.clone();
             }
         }
+        let mut causes = if subresource.is_none() {
+            rules::validate_update(&def.group, &def.kind, &existing, &updated)
+        } else {
+            Vec::new()
+        };
+        if def.group == "resource.k8s.io" && def.kind == "ResourceClaim" {
+            causes.extend(rules::validate_claim_status(Some(&existing), &updated));
+        }
+        if !causes.is_empty() {
+            return Err(ApiError::invalid(def, name, &causes));
+        }
         self.validate(def, &updated)?;
         if updated == existing {
             return Ok(WriteOutcome {
@@ -1124,8 +1136,7 @@ mod tests {
             .object;
         assert!(claim.get("status").is_none(), "status is dropped on create");
         let mut with_status = claim.clone();
-        with_status["status"] =
-            json!({"reservedFor": [{"resource": "pods", "name": "p", "uid": "u"}]});
+        with_status["status"] = json!({"allocation": {"devices": {"results": []}}, "reservedFor": [{"resource": "pods", "name": "p", "uid": "u"}]});
         let out = store
             .update(
                 &def,

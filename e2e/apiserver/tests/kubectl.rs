@@ -171,14 +171,27 @@ async fn kubectl_apply_get_describe_delete() {
         again.contains("resourceclaim.resource.k8s.io/claim-a unchanged"),
         "{again}"
     );
+    let relabelled = kubectl.file(
+        "relabelled.yaml",
+        &OBJECTS.replace(
+            "  name: claim-a\n",
+            "  name: claim-a\n  labels:\n    team: ml\n",
+        ),
+    );
+    let reapplied = kubectl.ok(&["apply", "-f", path_str(&relabelled)]).await;
+    assert!(
+        reapplied.contains("resourceclaim.resource.k8s.io/claim-a configured"),
+        "{reapplied}"
+    );
+    // A claim's spec is immutable, as on a real cluster.
     let changed = kubectl.file(
         "changed.yaml",
         &OBJECTS.replace("memory: 8Gi", "memory: 4Gi"),
     );
-    let reapplied = kubectl.ok(&["apply", "-f", path_str(&changed)]).await;
+    let stderr = kubectl.fails(&["apply", "-f", path_str(&changed)]).await;
     assert!(
-        reapplied.contains("resourceclaim.resource.k8s.io/claim-a configured"),
-        "{reapplied}"
+        stderr.contains("spec: Invalid value: field is immutable"),
+        "{stderr}"
     );
 
     let table = kubectl.ok(&["get", "resourceslices"]).await;

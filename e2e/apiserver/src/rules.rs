@@ -1,0 +1,363 @@
+//! Update rules of the real API server that gpupool's components can trip over: immutable specs of
+//! ResourceClaims and their templates, what a pod update may change, and what a ResourceClaim's
+//! status may say (DESIGN.md, "How a real 1.36 cluster treats this model"). Pure functions.
+
+use std::collections::BTreeSet;
+
+use serde_json::Value;
+
+/// (field, message) pairs, as the Invalid status lists its causes.
+pub type Causes = Vec<(String, String)>;
+
+/// The largest `status.devices[].data` the real server stores.
+pub const MAX_DEVICE_STATUS_DATA_BYTES: usize = 10 * 1024;
+pub const MAX_RESERVED_FOR: usize = 256;
+
+const POD_UPDATE_RULE: &str = "Forbidden: pod updates may not change fields other than `spec.containers[*].image`,`spec.initContainers[*].image`,`spec.activeDeadlineSeconds`,`spec.tolerations` (only additions to existing tolerations),`spec.terminationGracePeriodSeconds` (allow it to be set to 1 if it was previously negative)";
+
+fn immutable(field: &str, old: &Value, new: &Value, causes: &mut Causes) {
+    let before = old.pointer(&format!("/{}", field.replace('.', "/")));
+    let after = new.pointer(&format!("/{}", field.replace('.', "/")));
+    if before != after {
+        causes.push((
+            field.to_string(),
+            "Invalid value: field is immutable".to_string(),
+        ));
+    }
+}
+
+/// The pod spec with every field an update may change replaced by `from`'s value.
+fn pod_spec_without_mutable(spec: &Value, from: &Value) -> Value {
+    let mut masked = spec.clone();
+    for list in ["containers", "initContainers"] {
+        if let (Some(items), Some(old_items)) = (
+            masked.get_mut(list).and_then(Value::as_array_mut),
+            from.get(list).and_then(Value::as_array),
+        ) {
+            for (item, old) in items.iter_mut().zip(old_items) {
+                if let (Some(obj), Some(image)) = (item.as_object_mut(), old.get("image")) {
+                    obj.insert("image".into(), image.clone());
+                }
+            }
+        }
+    }
+    if let Some(obj) = masked.as_object_mut() {
+        for field in [
+            "activeDeadlineSeconds",
+            "tolerations",
+            "terminationGracePeriodSeconds",
+            "schedulingGates",
+        ] {
+            match from.get(field) {
+                Some(value) => obj.insert(field.into(), value.clone()),
+                None => obj.remove(field),
+            };
+        }
+    }
+    masked
+}
+
+/// Rules for replacing `old` with `new` through the main endpoint of a built-in kind.
+pub fn validate_update(group: &str, kind: &str, old: &Value, new: &Value) -> Causes {
+    let mut causes = Vec::new();
+    match (group, kind) {
+        ("resource.k8s.io", "ResourceClaim") | ("resource.k8s.io", "ResourceClaimTemplate") => {
+            immutable("spec", old, new, &mut causes);
+        }
+        ("resource.k8s.io", "ResourceSlice") => {
+            immutable("spec.nodeName", old, new, &mut causes);
+            immutable("spec.driver", old, new, &mut causes);
+        }
+        ("", "Pod") => {
+            let old_spec = old.get("spec").cloned().unwrap_or(Value::Null);
+            let new_spec = new.get("spec").cloned().unwrap_or(Value::Null);
+            if pod_spec_without_mutable(&new_spec, &old_spec) != old_spec {
+                causes.push(("spec".into(), POD_UPDATE_RULE.into()));
+            }
+        }
+        _ => {}
+    }
+    causes
+}
+
+fn device_key(value: &Value) -> (String, String, String, Option<String>) {
+    let text = |k: &str| {
+        value
+            .get(k)
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string()
+    };
+    (
+        text("driver"),
+        text("pool"),
+        text("device"),
+        value
+            .get("shareID")
+            .and_then(Value::as_str)
+            .map(String::from),
+    )
+}
+
+/// What a ResourceClaim's status may hold, given the status before the write (None on create).
+pub fn validate_claim_status(old: Option<&Value>, new: &Value) -> Causes {
+    let mut causes = Vec::new();
+    let allocation = new.pointer("/status/allocation").filter(|a| !a.is_null());
+    if let Some(old_allocation) = old
+        .and_then(|o| o.pointer("/status/allocation"))
+        .filter(|a| !a.is_null())
+    {
+        if let Some(new_allocation) = allocation {
+            if new_allocation != old_allocation {
+                causes.push((
+                    "status.allocation".into(),
+                    "Invalid value: field is immutable".into(),
+                ));
+            }
+        }
+    }
+    let reserved = new
+        .pointer("/status/reservedFor")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default();
+    if !reserved.is_empty() && allocation.is_none() {
+        causes.push((
+            "status.reservedFor".into(),
+            "Forbidden: may not be specified when `allocated` is not set".into(),
+        ));
+    }
+    if reserved.len() > MAX_RESERVED_FOR {
+        causes.push((
+            "status.reservedFor".into(),
+            format!(
+                "Too many: {}: must have at most {MAX_RESERVED_FOR} items",
+                reserved.len()
+            ),
+        ));
+    }
+    let mut uids = BTreeSet::new();
+    for (i, consumer) in reserved.iter().enumerate() {
+        let uid = consumer
+            .get("uid")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        if !uids.insert(uid.to_string()) {
+            causes.push((
+                format!("status.reservedFor[{i}].uid"),
+                format!("Duplicate value: {uid:?}"),
+            ));
+        }
+    }
+
+    let allocated: BTreeSet<_> = allocation
+        .and_then(|a| a.pointer("/devices/results"))
+        .and_then(Value::as_array)
+        .map(|results| results.iter().map(device_key).collect())
+        .unwrap_or_default();
+    let devices = new
+        .pointer("/status/devices")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default();
+    let mut seen = BTreeSet::new();
+    for (i, device) in devices.iter().enumerate() {
+        let field = format!("status.devices[{i}]");
+        let key = device_key(device);
+        if !allocated.contains(&key) {
+            causes.push((
+                field.clone(),
+                format!(
+                    "Invalid value: {{driver: {:?}, pool: {:?}, device: {:?}, shareID: {:?}}}: must be an allocated device in the claim",
+                    key.0, key.1, key.2, key.3
+                ),
+            ));
+        }
+        if !seen.insert(key.clone()) {
+            causes.push((
+                field.clone(),
+                "Duplicate value: the device is listed more than once".into(),
+            ));
+        }
+        if let Some(data) = device.get("data").filter(|d| !d.is_null()) {
+            if !data.is_object() {
+                causes.push((
+                    format!("{field}.data"),
+                    "Invalid value: must be a JSON object".into(),
+                ));
+            } else {
+                let size = serde_json::to_vec(data).map_or(0, |b| b.len());
+                if size > MAX_DEVICE_STATUS_DATA_BYTES {
+                    causes.push((
+                        format!("{field}.data"),
+                        format!(
+                            "Too long: may not be more than {MAX_DEVICE_STATUS_DATA_BYTES} bytes"
+                        ),
+                    ));
+                }
+            }
+        }
+        for (j, condition) in device
+            .get("conditions")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .enumerate()
+        {
+            for required in ["type", "status", "reason", "lastTransitionTime"] {
+                if condition
+                    .get(required)
+                    .and_then(Value::as_str)
+                    .is_none_or(str::is_empty)
+                {
+                    causes.push((
+                        format!("{field}.conditions[{j}].{required}"),
+                        "Required value".into(),
+                    ));
+                }
+            }
+        }
+    }
+    causes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn allocated_claim() -> Value {
+        json!({"spec": {"devices": {}}, "status": {"allocation": {"devices": {"results": [
+            {"request": "gpu", "driver": "gpupool.dev", "pool": "node-a", "device": "gpu-0", "shareID": "s1"}]}}}})
+    }
+
+    fn fields(causes: Causes) -> Vec<String> {
+        causes.into_iter().map(|(f, _)| f).collect()
+    }
+
+    #[test]
+    fn claim_and_template_specs_are_immutable() {
+        let old = json!({"spec": {"devices": {"requests": [{"name": "a"}]}}});
+        let new = json!({"spec": {"devices": {"requests": [{"name": "b"}]}}});
+        assert_eq!(
+            fields(validate_update(
+                "resource.k8s.io",
+                "ResourceClaim",
+                &old,
+                &new
+            )),
+            ["spec"]
+        );
+        assert_eq!(
+            fields(validate_update(
+                "resource.k8s.io",
+                "ResourceClaimTemplate",
+                &old,
+                &new
+            )),
+            ["spec"]
+        );
+        assert!(validate_update("resource.k8s.io", "DeviceClass", &old, &new).is_empty());
+    }
+
+    #[test]
+    fn slice_node_and_driver_are_immutable() {
+        let old = json!({"spec": {"nodeName": "a", "driver": "d", "devices": []}});
+        let moved =
+            json!({"spec": {"nodeName": "b", "driver": "d", "devices": [{"name": "gpu-0"}]}});
+        assert_eq!(
+            fields(validate_update(
+                "resource.k8s.io",
+                "ResourceSlice",
+                &old,
+                &moved
+            )),
+            ["spec.nodeName"]
+        );
+    }
+
+    #[test]
+    fn pod_updates_may_only_change_images_and_tolerations() {
+        let old = json!({"spec": {"containers": [{"name": "c", "image": "a", "env": [{"name": "X", "value": "1"}]}]}});
+        let image = json!({"spec": {"containers": [{"name": "c", "image": "b", "env": [{"name": "X", "value": "1"}]}],
+            "tolerations": [{"key": "k", "operator": "Exists"}]}});
+        assert!(validate_update("", "Pod", &old, &image).is_empty());
+        let env = json!({"spec": {"containers": [{"name": "c", "image": "a", "env": [{"name": "X", "value": "2"}]}]}});
+        assert_eq!(fields(validate_update("", "Pod", &old, &env)), ["spec"]);
+        let node = json!({"spec": {"containers": [{"name": "c", "image": "a", "env": [{"name": "X", "value": "1"}]}], "nodeName": "n"}});
+        assert_eq!(
+            fields(validate_update("", "Pod", &old, &node)),
+            ["spec"],
+            "binding is the way to set nodeName"
+        );
+    }
+
+    #[test]
+    fn allocation_is_immutable_once_set() {
+        let old = allocated_claim();
+        let mut moved = old.clone();
+        moved["status"]["allocation"]["devices"]["results"][0]["device"] = json!("gpu-1");
+        assert_eq!(
+            fields(validate_claim_status(Some(&old), &moved)),
+            ["status.allocation"]
+        );
+        let cleared = json!({"status": {}});
+        assert!(
+            validate_claim_status(Some(&old), &cleared).is_empty(),
+            "deallocation is allowed"
+        );
+    }
+
+    #[test]
+    fn reserved_for_needs_an_allocation_and_unique_uids() {
+        let claim =
+            json!({"status": {"reservedFor": [{"resource": "pods", "name": "p", "uid": "u"}]}});
+        assert_eq!(
+            fields(validate_claim_status(None, &claim)),
+            ["status.reservedFor"]
+        );
+        let mut twice = allocated_claim();
+        twice["status"]["reservedFor"] =
+            json!([{"name": "p", "uid": "u"}, {"name": "q", "uid": "u"}]);
+        assert_eq!(
+            fields(validate_claim_status(None, &twice)),
+            ["status.reservedFor[1].uid"]
+        );
+    }
+
+    #[test]
+    fn device_status_names_an_allocated_device_and_share() {
+        let mut claim = allocated_claim();
+        claim["status"]["devices"] = json!([{"driver": "gpupool.dev", "pool": "node-a", "device": "gpu-0", "shareID": "s1",
+            "data": {"limits": {"memory": "8Gi"}},
+            "conditions": [{"type": "Ready", "status": "True", "reason": "Prepared", "message": "", "lastTransitionTime": "2025-01-01T00:00:00Z"}]}]);
+        assert!(validate_claim_status(None, &claim).is_empty());
+        claim["status"]["devices"][0]["shareID"] = json!("other");
+        assert_eq!(
+            fields(validate_claim_status(None, &claim)),
+            ["status.devices[0]"]
+        );
+    }
+
+    #[test]
+    fn device_status_data_and_conditions() {
+        let mut claim = allocated_claim();
+        claim["status"]["devices"] = json!([{"driver": "gpupool.dev", "pool": "node-a", "device": "gpu-0", "shareID": "s1",
+            "data": {"blob": "x".repeat(MAX_DEVICE_STATUS_DATA_BYTES)},
+            "conditions": [{"type": "Ready", "status": "True"}]}]);
+        assert_eq!(
+            fields(validate_claim_status(None, &claim)),
+            [
+                "status.devices[0].data",
+                "status.devices[0].conditions[0].reason",
+                "status.devices[0].conditions[0].lastTransitionTime"
+            ]
+        );
+        claim["status"]["devices"][0]["data"] = json!("not an object");
+        claim["status"]["devices"][0]["conditions"] = json!([]);
+        assert_eq!(
+            fields(validate_claim_status(None, &claim)),
+            ["status.devices[0].data"]
+        );
+    }
+}
