@@ -31,6 +31,9 @@ use crate::placement::{claim_key, place};
 
 /// Component name on events and in binding, like the real scheduler's.
 const COMPONENT: &str = "default-scheduler";
+/// Finalizer kube-scheduler puts on the claims it allocates; the resourceclaim controller
+/// removes it after deallocating.
+pub const DELETE_PROTECTION_FINALIZER: &str = "resource.kubernetes.io/delete-protection";
 /// Upstream's limit on `status.reservedFor`.
 const MAX_RESERVED_FOR: usize = 256;
 
@@ -176,8 +179,9 @@ impl Scheduler {
             && spec.scheduler_name.as_deref().unwrap_or(COMPONENT) == self.options.scheduler_name
     }
 
-    /// Drop reservations of pods that are gone or done; delete claims generated for such pods;
-    /// deallocate other claims nobody uses any more.
+    /// Drop reservations of pods that are gone or done; deallocate claims this scheduler
+    /// allocated (they carry the delete-protection finalizer) once nobody uses them, then
+    /// release the finalizer; delete claims generated for pods that are gone or done.
     async fn release(&mut self, world: &mut World) {
         let live: HashMap<&str, &Pod> = world
             .pods
@@ -185,7 +189,7 @@ impl Scheduler {
             .filter(|p| !is_terminal(p))
             .filter_map(|p| p.metadata.uid.as_deref().map(|uid| (uid, p)))
             .collect();
-        // Claims a pod still waiting for scheduling refers to by name keep their allocation.
+        // Claims a pod still waiting for scheduling refers to keep their allocation.
         let wanted: HashSet<(String, String)> = world
             .pods
             .iter()
@@ -203,51 +207,90 @@ impl Scheduler {
             .collect();
         let mut deleted = Vec::new();
         for claim in world.claims.iter_mut() {
-            if claim.metadata.deletion_timestamp.is_some() {
-                continue;
-            }
             let key = (namespace_of(&claim.metadata), name_of(&claim.metadata));
-            let status = claim.status.clone().unwrap_or_default();
-            let reserved = status.reserved_for.clone().unwrap_or_default();
+            let label = format!("{}/{}", key.0, key.1);
+            let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), &key.0);
+            let reserved = claim
+                .status
+                .as_ref()
+                .and_then(|s| s.reserved_for.clone())
+                .unwrap_or_default();
             let keep: Vec<ResourceClaimConsumerReference> = reserved
                 .iter()
                 .filter(|r| r.resource != "pods" || live.contains_key(r.uid.as_str()))
                 .cloned()
                 .collect();
+            let deleting = claim.metadata.deletion_timestamp.is_some();
             let owner_gone = owner_pod_uid(claim).is_some_and(|uid| !live.contains_key(uid));
-            let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), &key.0);
-            if owner_gone && keep.is_empty() {
+            let protected = has_finalizer(claim);
+            let allocated = claim
+                .status
+                .as_ref()
+                .is_some_and(|s| s.allocation.is_some());
+            let deallocate = keep.is_empty()
+                && protected
+                && allocated
+                && (deleting || owner_gone || !wanted.contains(&key));
+            if keep.len() != reserved.len() || deallocate {
+                let mut updated = claim.clone();
+                let status = updated.status.get_or_insert_with(Default::default);
+                status.reserved_for = (!keep.is_empty()).then_some(keep.clone());
+                if deallocate {
+                    status.allocation = None;
+                    status.devices = None;
+                }
+                match api
+                    .replace_status(&key.1, &PostParams::default(), &updated)
+                    .await
+                {
+                    Ok(written) => {
+                        if deallocate {
+                            info!(claim = %label, "deallocated a claim nobody uses");
+                        }
+                        *claim = written;
+                    }
+                    Err(err) => {
+                        debug!("releasing claim {label}: {err}");
+                        continue;
+                    }
+                }
+            }
+            let allocated = claim
+                .status
+                .as_ref()
+                .is_some_and(|s| s.allocation.is_some());
+            if protected && !allocated && keep.is_empty() {
+                let rest: Vec<String> = claim
+                    .metadata
+                    .finalizers
+                    .iter()
+                    .flatten()
+                    .filter(|f| f.as_str() != DELETE_PROTECTION_FINALIZER)
+                    .cloned()
+                    .collect();
+                let patch = serde_json::json!({"metadata": {
+                    "finalizers": rest,
+                    "resourceVersion": claim.metadata.resource_version,
+                }});
+                match api
+                    .patch(&key.1, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                {
+                    Ok(written) => *claim = written,
+                    Err(err) => {
+                        debug!("releasing the finalizer of claim {label}: {err}");
+                        continue;
+                    }
+                }
+            }
+            if owner_gone && keep.is_empty() && !deleting {
                 match api.delete(&key.1, &DeleteParams::default()).await {
                     Ok(_) => {
-                        info!(claim = %format!("{}/{}", key.0, key.1), "deleted the claim of a finished pod");
+                        info!(claim = %label, "deleted the claim of a finished pod");
                         deleted.push(key);
                     }
-                    Err(err) => debug!("deleting claim {}/{}: {err}", key.0, key.1),
+                    Err(err) => debug!("deleting claim {label}: {err}"),
                 }
-                continue;
-            }
-            let unused = keep.is_empty() && status.allocation.is_some() && !wanted.contains(&key);
-            if keep.len() == reserved.len() && !unused {
-                continue;
-            }
-            let mut updated = claim.clone();
-            let new_status = updated.status.get_or_insert_with(Default::default);
-            new_status.reserved_for = (!keep.is_empty()).then_some(keep.clone());
-            if keep.is_empty() {
-                new_status.allocation = None;
-                new_status.devices = None;
-            }
-            match api
-                .replace_status(&key.1, &PostParams::default(), &updated)
-                .await
-            {
-                Ok(written) => {
-                    if keep.is_empty() {
-                        info!(claim = %format!("{}/{}", key.0, key.1), "deallocated an unused claim");
-                    }
-                    *claim = written;
-                }
-                Err(err) => debug!("releasing claim {}/{}: {err}", key.0, key.1),
             }
         }
         world
@@ -457,6 +500,28 @@ impl Scheduler {
                 extended_name = updated.metadata.name.clone();
                 world.claims.push(updated.clone());
             }
+            let needs_allocation = updated
+                .status
+                .as_ref()
+                .and_then(|s| s.allocation.as_ref())
+                .is_none();
+            if needs_allocation && !has_finalizer(&updated) {
+                // Like kube-scheduler: protect the claim from deletion while allocated.
+                let mut finalizers = updated.metadata.finalizers.clone().unwrap_or_default();
+                finalizers.push(DELETE_PROTECTION_FINALIZER.to_string());
+                let patch = serde_json::json!({"metadata": {
+                    "finalizers": finalizers,
+                    "resourceVersion": updated.metadata.resource_version,
+                }});
+                updated = claims_api
+                    .patch(
+                        &name_of(&updated.metadata),
+                        &PatchParams::default(),
+                        &Patch::Merge(&patch),
+                    )
+                    .await
+                    .context("adding the delete-protection finalizer")?;
+            }
             let status = updated.status.get_or_insert_with(Default::default);
             if status.allocation.is_none() {
                 let mut allocation = allocations
@@ -504,6 +569,12 @@ impl Scheduler {
         }
         self.bind(&pods_api, pod, &placement.node).await?;
         self.posted.remove(&pod_uid);
+        let message = format!(
+            "Successfully assigned {ns}/{pod_name} to {}",
+            placement.node
+        );
+        self.create_event(&pod_reference(pod), "Normal", "Scheduled", &message)
+            .await;
         info!(pod = %format!("{ns}/{pod_name}"), node = %placement.node, "bound pod");
         Ok(())
     }
@@ -540,15 +611,7 @@ impl Scheduler {
     }
 
     async fn post_pod_event(&mut self, pod: &Pod, message: &str) {
-        let reference = ObjectReference {
-            api_version: Some("v1".to_string()),
-            kind: Some("Pod".to_string()),
-            name: pod.metadata.name.clone(),
-            namespace: pod.metadata.namespace.clone(),
-            uid: pod.metadata.uid.clone(),
-            resource_version: pod.metadata.resource_version.clone(),
-            field_path: None,
-        };
+        let reference = pod_reference(pod);
         self.post_event(&reference, message).await;
     }
 
@@ -558,6 +621,21 @@ impl Scheduler {
         if self.posted.get(&uid).map(String::as_str) == Some(message) {
             return;
         }
+        if self
+            .create_event(object, "Warning", "FailedScheduling", message)
+            .await
+        {
+            self.posted.insert(uid, message.to_string());
+        }
+    }
+
+    async fn create_event(
+        &self,
+        object: &ObjectReference,
+        type_: &str,
+        reason: &str,
+        message: &str,
+    ) -> bool {
         let now = Timestamp::now();
         let namespace = object
             .namespace
@@ -574,9 +652,9 @@ impl Scheduler {
                 ..Default::default()
             },
             involved_object: object.clone(),
-            reason: Some("FailedScheduling".to_string()),
+            reason: Some(reason.to_string()),
             message: Some(message.to_string()),
-            type_: Some("Warning".to_string()),
+            type_: Some(type_.to_string()),
             source: Some(EventSource {
                 component: Some(COMPONENT.to_string()),
                 host: None,
@@ -594,12 +672,36 @@ impl Scheduler {
             Ok(_) => {
                 info!(
                     object = %format!("{}/{}", namespace, object.name.as_deref().unwrap_or_default()),
-                    "FailedScheduling: {message}"
+                    "{reason}: {message}"
                 );
-                self.posted.insert(uid, message.to_string());
+                true
             }
-            Err(err) => debug!("posting event: {err}"),
+            Err(err) => {
+                debug!("posting event: {err}");
+                false
+            }
         }
+    }
+}
+
+fn has_finalizer(claim: &ResourceClaim) -> bool {
+    claim
+        .metadata
+        .finalizers
+        .iter()
+        .flatten()
+        .any(|f| f == DELETE_PROTECTION_FINALIZER)
+}
+
+fn pod_reference(pod: &Pod) -> ObjectReference {
+    ObjectReference {
+        api_version: Some("v1".to_string()),
+        kind: Some("Pod".to_string()),
+        name: pod.metadata.name.clone(),
+        namespace: pod.metadata.namespace.clone(),
+        uid: pod.metadata.uid.clone(),
+        resource_version: pod.metadata.resource_version.clone(),
+        field_path: None,
     }
 }
 

@@ -144,6 +144,10 @@ async fn schedules_template_pods_reports_misfits_and_cleans_up() {
         (consumed["memory"].0.as_str(), consumed["cores"].0.as_str()),
         ("1Gi", "50")
     );
+    assert_eq!(
+        claim.metadata.finalizers.as_deref(),
+        Some(&["resource.kubernetes.io/delete-protection".to_string()][..])
+    );
     let reserved = status.reserved_for.unwrap();
     assert_eq!(
         (reserved[0].resource.as_str(), reserved[0].name.as_str()),
@@ -185,6 +189,13 @@ async fn schedules_template_pods_reports_misfits_and_cleans_up() {
     let too_big = claims.get("too-big").await.unwrap();
     assert!(too_big.status.and_then(|s| s.allocation).is_none());
 
+    let scheduled = events.list(&ListParams::default()).await.unwrap();
+    assert!(scheduled.items.iter().any(|e| {
+        e.involved_object.name.as_deref() == Some("trainer")
+            && e.reason.as_deref() == Some("Scheduled")
+            && e.message.as_deref() == Some("Successfully assigned default/trainer to node-b")
+    }));
+
     pods.delete("trainer", &DeleteParams::default())
         .await
         .unwrap();
@@ -197,6 +208,48 @@ async fn schedules_template_pods_reports_misfits_and_cleans_up() {
             .then_some(())
     })
     .await;
+
+    // A claim the user made outlives its pod, deallocated and without the finalizer.
+    create(
+        &claims,
+        json!({
+            "metadata": {"name": "standalone"},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                "deviceClassName": "a100-sxm4-40gb.gpupool.dev",
+                "capacity": {"requests": {"memory": "2Gi"}}}}]}}
+        }),
+    )
+    .await;
+    create(&pods, json!({
+        "metadata": {"name": "user"},
+        "spec": {"containers": container, "resourceClaims": [{"name": "gpu", "resourceClaimName": "standalone"}]}
+    })).await;
+    eventually("the standalone claim to be allocated", || async {
+        claims
+            .get("standalone")
+            .await
+            .ok()?
+            .status?
+            .allocation
+            .map(|_| ())
+    })
+    .await;
+    pods.delete("user", &DeleteParams::default()).await.unwrap();
+    let released = eventually("the standalone claim to be deallocated", || async {
+        let claim = claims.get("standalone").await.ok()?;
+        let status = claim.status.clone().unwrap_or_default();
+        let done = status.allocation.is_none()
+            && status.reserved_for.is_none()
+            && claim
+                .metadata
+                .finalizers
+                .clone()
+                .unwrap_or_default()
+                .is_empty();
+        done.then_some(claim)
+    })
+    .await;
+    assert_eq!(released.metadata.name.as_deref(), Some("standalone"));
 
     scheduler.stop().await.unwrap();
 }
