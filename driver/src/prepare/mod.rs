@@ -617,6 +617,17 @@ fn ensure_mount_sources(
     Ok(())
 }
 
+/// The first device node a spec names that is not on this host.
+fn missing_device_node(spec: &gpupool_api::cdi::Spec) -> Option<String> {
+    spec.devices
+        .iter()
+        .map(|d| &d.container_edits)
+        .chain(std::iter::once(&spec.container_edits))
+        .flat_map(|e| &e.device_nodes)
+        .map(|n| n.host_path.clone().unwrap_or_else(|| n.path.clone()))
+        .find(|p| !Path::new(p).exists())
+}
+
 /// Entries for the specs of ours found in the CDI root, when the checkpoint was lost. A spec that
 /// does not parse or is not valid CDI is left out (and then removed as an orphan).
 fn recover_from_cdi_root(cdi_root: &Path) -> CheckpointData {
@@ -719,6 +730,15 @@ fn reconcile(
     for (uid, entry) in std::mem::take(&mut data.claims) {
         let valid_uid = claim::is_uuid(&uid);
         match (&entry.state, &entry.spec) {
+            (ClaimState::PrepareCompleted, Some(spec))
+                if valid_uid && rebooted && missing_device_node(spec).is_some() =>
+            {
+                // The cards moved or left with the reboot: a fresh prepare finds the truth.
+                tracing::error!(uid, node = ?missing_device_node(spec), "a prepared claim's device node is gone after the reboot; dropping it so the next prepare starts over");
+                cdi::remove_spec(&opts.cdi_root, &uid).map_err(io_err(&opts.cdi_root))?;
+                fsutil::remove_dir_all(&layout.cache_dir(&uid))
+                    .map_err(io_err(&layout.cache_root))?;
+            }
             (ClaimState::PrepareCompleted, Some(spec)) if valid_uid => {
                 if rebooted || !cdi::spec_path(&opts.cdi_root, &uid).exists() {
                     ensure_mount_sources(layout, &uid, spec).map_err(io_err(&layout.cache_root))?;

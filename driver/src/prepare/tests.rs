@@ -690,6 +690,35 @@ async fn after_a_reboot_specs_come_back_with_identical_ids() {
 }
 
 #[tokio::test]
+async fn after_a_reboot_a_claim_whose_card_is_gone_is_dropped() {
+    let node = Node::new();
+    node.api.add("train", fractional(UID_A));
+    let preparer = node.start_with_boot("boot-1").await;
+    preparer.prepare(vec![r("train", UID_A)]).await[0]
+        .1
+        .clone()
+        .unwrap();
+    drop(preparer);
+    // As if the claim had been prepared on a card whose node no longer exists.
+    let mut data = checkpoint::load(&node.opts.state_dir).unwrap().unwrap();
+    let spec = data.claims.get_mut(UID_A).unwrap().spec.as_mut().unwrap();
+    spec.devices[0]
+        .container_edits
+        .device_nodes
+        .push(gpupool_api::cdi::DeviceNode {
+            path: "/dev/nvidia-gone-99".into(),
+            ..Default::default()
+        });
+    checkpoint::save(&node.opts.state_dir, &data).unwrap();
+
+    let preparer = node.start_with_boot("boot-2").await;
+    assert!(node.cdi_files().is_empty());
+    assert_eq!(preparer.prepared(UID_A).await, None);
+    // The kubelet's prepare after the reboot starts over and succeeds on what is there.
+    assert!(preparer.prepare(vec![r("train", UID_A)]).await[0].1.is_ok());
+}
+
+#[tokio::test]
 async fn a_corrupt_checkpoint_is_moved_aside_and_the_driver_works() {
     for corruption in ["truncated", "flipped", "version", "empty"] {
         let node = Node::new();
