@@ -1,6 +1,7 @@
 //! Slice publication and the `run` command against the API server emulator on loopback.
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -143,6 +144,25 @@ async fn publisher_keeps_this_nodes_slices_and_leaves_others_alone() {
 
 struct Driver(Child);
 
+fn free_port() -> SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap()
+}
+
+/// Status code of a plain HTTP GET, None when nothing answers.
+fn http_status(addr: SocketAddr, path: &str) -> Option<u16> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).ok()?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    response.split_whitespace().nth(1)?.parse().ok()
+}
+
 impl Drop for Driver {
     fn drop(&mut self) {
         let _ = self.0.kill();
@@ -158,7 +178,7 @@ fn wait_until(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
     }
 }
 
-fn run_driver(dir: &Path, kubeconfig: &Path) -> Driver {
+fn run_driver(dir: &Path, kubeconfig: &Path, healthz: SocketAddr) -> Driver {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_gpupool-driver"));
     for var in ["FAKE_GPUS", "NODE_NAME", "LOG_FORMAT", "HEALTHZ_ADDR"] {
         cmd.env_remove(var);
@@ -182,6 +202,8 @@ fn run_driver(dir: &Path, kubeconfig: &Path) -> Driver {
     .arg(dir.join("state"))
     .arg("--vgpu-lib-dir")
     .arg(dir.join("vgpu"))
+    .arg("--healthz-addr")
+    .arg(healthz.to_string())
     .stdout(Stdio::null())
     .stderr(Stdio::inherit());
     Driver(cmd.spawn().unwrap())
@@ -196,7 +218,8 @@ async fn run_publishes_serves_sockets_and_stops_cleanly_on_sigterm() {
     let reg: PathBuf = dir.path().join("registry/gpupool.dev-reg.sock");
     let dra: PathBuf = dir.path().join("plugins/gpupool.dev/dra.sock");
 
-    let mut driver = run_driver(dir.path(), &kubeconfig);
+    let healthz = free_port();
+    let mut driver = run_driver(dir.path(), &kubeconfig, healthz);
     let api: Api<ResourceSlice> = Api::all(client(&server).await);
     let start = Instant::now();
     let slice = loop {
@@ -219,6 +242,9 @@ async fn run_publishes_serves_sockets_and_stops_cleanly_on_sigterm() {
     assert_eq!(names, ["gpu-0", "gpu-1"]);
     wait_until("sockets", Duration::from_secs(20), || {
         reg.exists() && dra.exists()
+    });
+    wait_until("/healthz 200", Duration::from_secs(20), || {
+        http_status(healthz, "/healthz") == Some(200)
     });
 
     prepare_and_unprepare_over_the_dra_socket(&server, &dra, &dir.path().join("cdi")).await;

@@ -208,3 +208,58 @@ async fn kubelet_registers_prepares_and_watches_health_then_sockets_go_away() {
     assert!(!reg_path.exists());
     assert!(!dra_path.exists());
 }
+
+/// Takes a while to prepare, like a claim whose API read is slow.
+struct SlowPreparer;
+
+#[tonic::async_trait]
+impl Preparer for SlowPreparer {
+    async fn prepare(&self, claims: Vec<ClaimRef>) -> PrepareResults {
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        FakePreparer.prepare(claims).await
+    }
+
+    async fn unprepare(&self, claims: Vec<ClaimRef>) -> UnprepareResults {
+        FakePreparer.unprepare(claims).await
+    }
+}
+
+#[tokio::test]
+async fn a_call_in_flight_at_shutdown_still_gets_its_answer() {
+    let dir = tempfile::tempdir().unwrap();
+    let dra_path = dir.path().join("dra.sock");
+    let stop = CancellationToken::new();
+    let (_devices_tx, devices_rx) = watch::channel(vec!["gpu-0".to_string()]);
+    let dra = server::serve_dra(
+        &dra_path,
+        Arc::new(SlowPreparer),
+        HealthService::new("node-1", devices_rx, stop.clone()),
+        stop.clone(),
+    )
+    .unwrap();
+    let mut client = dra_v1::dra_plugin_client::DraPluginClient::new(channel(&dra_path).await);
+    let call = tokio::spawn(async move {
+        client
+            .node_prepare_resources(dra_v1::NodePrepareResourcesRequest {
+                claims: vec![claim("good-slow", "uid-slow")],
+            })
+            .await
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    stop.cancel();
+    let answer = call
+        .await
+        .unwrap()
+        .expect("the in-flight call completes")
+        .into_inner();
+    assert_eq!(answer.claims["uid-slow"].error, "");
+    tokio::time::timeout(std::time::Duration::from_secs(10), dra.finish())
+        .await
+        .expect("server stops once the call is answered")
+        .unwrap();
+    assert!(!dra_path.exists());
+    assert!(
+        UnixStream::connect(&dra_path).await.is_err(),
+        "no new connections after shutdown"
+    );
+}
