@@ -116,7 +116,7 @@ pub fn format_bytes(bytes: u64) -> String {
     }
     for (suffix, shift) in SUFFIXES {
         let unit = 1u64 << shift;
-        if bytes % unit == 0 {
+        if bytes.is_multiple_of(unit) {
             return format!("{}{suffix}", bytes / unit);
         }
     }
