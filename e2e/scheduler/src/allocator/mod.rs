@@ -341,9 +341,6 @@ impl<'a> Search<'a> {
             return self.solve(request + 1);
         }
         for candidate in start..self.candidates.len() {
-            if self.candidates.len() - candidate < remaining {
-                break;
-            }
             if let Ok(consumption) = self.try_candidate(request, variant, candidate)? {
                 self.picks.push(Pick {
                     request,
@@ -351,7 +348,12 @@ impl<'a> Search<'a> {
                     candidate,
                     consumption,
                 });
-                if self.pick(request, variant, remaining - 1, candidate + 1)? {
+                let next = if self.candidates[candidate].shared() {
+                    candidate
+                } else {
+                    candidate + 1
+                };
+                if self.pick(request, variant, remaining - 1, next)? {
                     return Ok(true);
                 }
                 self.picks.pop();
@@ -484,17 +486,22 @@ impl<'a> Search<'a> {
         let c = &self.candidates[candidate];
         let key = c.key();
         let v = &self.requests[request].variants[variant];
-        if c.pool_invalid {
+        // Upstream allocates nothing from a pool it cannot see completely.
+        if c.pool_invalid || c.pool_incomplete {
+            let state = if c.pool_invalid {
+                "invalid"
+            } else {
+                "being updated"
+            };
             return Ok(Err(Rejection::InvalidPool(format!(
-                "resource pool {}/{} is currently invalid",
+                "resource pool {}/{} is currently {state}",
                 c.driver, c.pool
             ))));
         }
         if !v.admin_access {
-            let taken_by_claim = self.picks.iter().any(|p| {
-                p.candidate == candidate
-                    && (!c.shared() || (p.request == request && p.variant == variant))
-            });
+            // A shared device may serve several requests, even several slots of one request
+            // (upstream: use distinctAttribute to spread them); capacity decides.
+            let taken_by_claim = !c.shared() && self.picks.iter().any(|p| p.candidate == candidate);
             if self.in_use.exclusive.contains(&key) || taken_by_claim {
                 return Ok(Err(Rejection::InUse(format!(
                     "{} is already allocated",
@@ -813,7 +820,7 @@ fn explain(v: &Variant<'_>, usable: usize, needed: usize, rejections: &[Rejectio
         };
     }
     message.push_str(&specific.join("; "));
-    message
+    message.trim_end_matches(": ").to_string()
 }
 
 /// The first NoSchedule/NoExecute taint no toleration of the request matches.

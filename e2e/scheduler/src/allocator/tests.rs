@@ -592,3 +592,76 @@ fn an_unknown_class_is_named() {
         )
     );
 }
+
+fn two_slots(name: &str, requests: &[(&str, &str)]) -> ResourceClaim {
+    let mut c = claim(name, vec![exact("gpu", A100, requests)]);
+    let request = &mut c.spec.devices.as_mut().unwrap().requests.as_mut().unwrap()[0];
+    request.exactly.as_mut().unwrap().count = Some(2);
+    c
+}
+
+#[test]
+fn one_request_may_take_two_shares_of_one_device_unless_distinct_is_asked() {
+    let slices = seed_slices();
+    let packed = on(
+        "node-a",
+        &two_slots("c", &[("memory", "10Gi")]),
+        &slices,
+        &[],
+    )
+    .unwrap();
+    assert_eq!(
+        summary(&packed),
+        vec![
+            "gpu node-a/gpu-0 memory=10Gi cores=0",
+            "gpu node-a/gpu-0 memory=10Gi cores=0"
+        ]
+    );
+    let shares: BTreeSet<_> = packed
+        .devices
+        .unwrap()
+        .results
+        .unwrap()
+        .into_iter()
+        .map(|r| r.share_id.unwrap())
+        .collect();
+    assert_eq!(shares.len(), 2);
+
+    let mut spread = two_slots("c", &[("memory", "10Gi")]);
+    spread.spec.devices.as_mut().unwrap().constraints = Some(vec![DeviceConstraint {
+        distinct_attribute: Some("gpupool.dev/index".into()),
+        ..Default::default()
+    }]);
+    assert_eq!(
+        summary(&on("node-a", &spread, &slices, &[]).unwrap()),
+        vec![
+            "gpu node-a/gpu-0 memory=10Gi cores=0",
+            "gpu node-a/gpu-1 memory=10Gi cores=0"
+        ]
+    );
+    // Whole cards cannot share: two slots need two cards.
+    assert_eq!(
+        summary(&on("node-a", &two_slots("c", &[]), &slices, &[]).unwrap()),
+        vec![
+            "gpu node-a/gpu-0 memory=40Gi cores=0",
+            "gpu node-a/gpu-1 memory=40Gi cores=0"
+        ]
+    );
+}
+
+#[test]
+fn devices_of_an_incomplete_pool_are_not_allocated() {
+    // Generation 2 announces two slices; only one has arrived.
+    let slices = vec![slice_of(
+        "gpupool.dev",
+        "node-a",
+        "node-a",
+        2,
+        2,
+        vec![gpu(0, "A100-SXM4-40GB", "40Gi")],
+    )];
+    assert_eq!(
+        on("node-a", &claim("c", vec![exact("gpu", A100, &[])]), &slices, &[]),
+        Err("claim default/c, request gpu: resource pool gpupool.dev/node-a is currently being updated".to_string())
+    );
+}
