@@ -116,6 +116,10 @@ scenario!(
     a_claim_that_cannot_fit_gets_an_event_and_stays_pending,
     cannot_fit_real_cluster
 );
+scenario!(
+    bad_gpu_configs_fail_naming_the_field_and_good_ones_apply,
+    gpu_config_real_cluster
+);
 
 mod scenarios {
     use super::*;
@@ -136,6 +140,21 @@ mod scenarios {
             assert_eq!(reg.version, DraVersion::V1, "{reg:?}");
             assert!(reg.health_advertised, "the driver serves health: {reg:?}");
             assert_eq!(reg.endpoint, node.dirs.plugin.join("dra.sock"));
+            let health =
+                gpupool_e2e::harness::wait_for("the driver's health stream", TIMEOUT, || async {
+                    let health = kubelet.device_health(DRIVER);
+                    (health.len() == A100S).then_some(health)
+                })
+                .await
+                .unwrap_or_else(|e| panic!("{e}: {:?}", kubelet.device_health(DRIVER)));
+            for device in &health {
+                assert_eq!(device.pool_name, node.name);
+                assert_eq!(
+                    device.health,
+                    gpupool_proto::health_v1alpha1::HealthStatus::Healthy,
+                    "{device:?}"
+                );
+            }
         }
         devices_of(cluster, &node.name, A100S).await;
 
@@ -720,5 +739,134 @@ mod scenarios {
             pod.status.as_ref().and_then(|s| s.phase.as_deref()),
             Some("Running")
         );
+    }
+
+    pub async fn bad_gpu_configs_fail_naming_the_field_and_good_ones_apply(cluster: &TestCluster) {
+        let node = cluster.node_at(0);
+        let uuid = device_uuid(cluster, &node.name, "gpu-5", A100S).await;
+        let ns = cluster.create_namespace("e2e-gpuconfig").await.unwrap();
+        let request = || Request::new("gpu").on(&uuid).memory("4Gi").cores("10");
+        // (claim, GpuConfig, the field its error must name)
+        let bad = [
+            (
+                "typo",
+                serde_json::json!({"memoryLimt": "1Gi"}),
+                "memoryLimt",
+            ),
+            (
+                "above",
+                serde_json::json!({"memoryLimit": "8Gi"}),
+                "memoryLimit",
+            ),
+            (
+                "enum",
+                serde_json::json!({"sharing": "Sometimes"}),
+                "sharing",
+            ),
+        ];
+        for (name, config, _) in &bad {
+            apply(
+                cluster,
+                &ns,
+                &claim_yaml(name, &[request().gpu_config(config.clone())]),
+            )
+            .await;
+            apply(cluster, &ns, &pod_yaml(name, &[name])).await;
+        }
+        apply(
+            cluster,
+            &ns,
+            &claim_yaml(
+                "lowered",
+                &[request().gpu_config(serde_json::json!({"memoryLimit": "1Gi"}))],
+            ),
+        )
+        .await;
+        apply(cluster, &ns, &pod_yaml("lowered", &["lowered"])).await;
+
+        wait_pod_running(cluster, &ns, "lowered").await;
+        let lowered = claim(cluster, &ns, "lowered").await;
+        let prepared_lowered = prepared(node, &uid(&lowered)).await;
+        let env = env_for(
+            &cdi_spec(node, &uid(&lowered)),
+            &prepared_lowered.devices[0].cdi_device_ids[0],
+        );
+        assert_eq!(
+            env.get("CUDA_DEVICE_MEMORY_LIMIT_0").map(String::as_str),
+            Some("1024m"),
+            "{env:?}"
+        );
+
+        for (name, _, field) in &bad {
+            let events = gpupool_e2e::harness::wait_for(
+                &format!("an Event on claim {name} naming {field}"),
+                TIMEOUT,
+                || async {
+                    let events = events_about(cluster, &ns, "ResourceClaim", name).await;
+                    events
+                        .iter()
+                        .any(|e| e.message.as_deref().unwrap_or_default().contains(field))
+                        .then_some(events)
+                },
+            )
+            .await;
+            let events = match events {
+                Ok(events) => events,
+                Err(e) => {
+                    let messages = |events: Vec<k8s_openapi::api::core::v1::Event>| {
+                        events
+                            .into_iter()
+                            .filter_map(|e| e.message)
+                            .collect::<BTreeSet<_>>()
+                    };
+                    let seen = messages(events_about(cluster, &ns, "ResourceClaim", name).await);
+                    let pod_events = messages(events_about(cluster, &ns, "Pod", name).await);
+                    panic!("{e}: claim events {seen:?}, pod events {pod_events:?}")
+                }
+            };
+            assert!(
+                events.iter().any(|e| e.type_.as_deref() == Some("Warning")),
+                "{events:?}"
+            );
+            let pod = Api::<Pod>::namespaced(cluster.client(), &ns)
+                .get(name)
+                .await
+                .unwrap();
+            assert_ne!(
+                pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+                Some("Running"),
+                "{name}"
+            );
+            let c = claim(cluster, &ns, name).await;
+            assert!(
+                !node.cdi_spec_path(&uid(&c)).exists(),
+                "no CDI spec for failed claim {name}"
+            );
+        }
+
+        if let Some(kubelet) = &node.kubelet {
+            let mut refs = vec![ClaimRef::of(&lowered)];
+            for (name, ..) in &bad {
+                refs.push(ClaimRef::of(&claim(cluster, &ns, name).await));
+            }
+            let outcome = kubelet
+                .prepare(DRIVER, &refs)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(
+                outcome[&uid(&lowered)].as_ref().unwrap(),
+                &prepared_lowered.devices
+            );
+            for ((name, _, field), r) in bad.iter().zip(&refs[1..]) {
+                let error = outcome[&r.uid].as_ref().expect_err(name);
+                assert!(
+                    error.contains(field),
+                    "{name}: the error names {field}: {error}"
+                );
+            }
+        }
+        for name in ["typo", "above", "enum", "lowered"] {
+            delete_pod(cluster, &ns, name).await;
+        }
     }
 }

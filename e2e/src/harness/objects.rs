@@ -21,6 +21,8 @@ pub struct Request {
     pub uuid: Option<String>,
     pub memory: Option<String>,
     pub cores: Option<String>,
+    /// GpuConfig parameters for this request (`apiVersion`/`kind` are added), as claim config.
+    pub gpu_config: Option<serde_json::Value>,
 }
 
 impl Request {
@@ -43,6 +45,11 @@ impl Request {
 
     pub fn cores(mut self, percent: &str) -> Self {
         self.cores = Some(percent.to_string());
+        self
+    }
+
+    pub fn gpu_config(mut self, parameters: serde_json::Value) -> Self {
+        self.gpu_config = Some(parameters);
         self
     }
 }
@@ -72,6 +79,28 @@ pub fn claim_yaml(name: &str, requests: &[Request]) -> String {
             if let Some(cores) = &r.cores {
                 let _ = writeln!(out, "            cores: \"{cores}\"");
             }
+        }
+    }
+    let configs: Vec<&Request> = requests.iter().filter(|r| r.gpu_config.is_some()).collect();
+    if !configs.is_empty() {
+        out.push_str("    config:\n");
+        for r in configs {
+            let mut parameters = serde_json::json!({
+                "apiVersion": gpupool_api::names::API_GROUP_VERSION,
+                "kind": "GpuConfig",
+            });
+            if let (Some(target), Some(serde_json::Value::Object(fields))) =
+                (parameters.as_object_mut(), r.gpu_config.clone())
+            {
+                target.extend(fields);
+            }
+            // JSON is YAML: the parameters go in flow style, exactly as given.
+            let _ = write!(
+                out,
+                "    - requests: [{}]\n      opaque:\n        driver: {}\n        parameters: {parameters}\n",
+                r.name,
+                gpupool_api::names::DRIVER_NAME
+            );
         }
     }
     out
@@ -123,6 +152,20 @@ mod tests {
         assert_eq!(capacity["memory"].0, "8Gi");
         assert_eq!(capacity["cores"].0, "50");
         assert!(requests[1].exactly.as_ref().unwrap().capacity.is_none());
+
+        let claim: ResourceClaim = serde_yaml::from_str(&claim_yaml(
+            "c",
+            &[Request::new("a").gpu_config(serde_json::json!({"memoryLimt": "1Gi"}))],
+        ))
+        .unwrap();
+        let config = &claim.spec.devices.unwrap().config.unwrap()[0];
+        assert_eq!(config.requests.as_deref(), Some(&["a".to_string()][..]));
+        let opaque = config.opaque.as_ref().unwrap();
+        assert_eq!(opaque.driver, "gpupool.dev");
+        assert_eq!(
+            opaque.parameters.0,
+            serde_json::json!({"apiVersion": "gpupool.dev/v1alpha1", "kind": "GpuConfig", "memoryLimt": "1Gi"})
+        );
         let pod: Pod = serde_yaml::from_str(&pod_yaml("p", &["x", "y"])).unwrap();
         let spec = pod.spec.unwrap();
         assert_eq!(
