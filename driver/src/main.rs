@@ -141,8 +141,16 @@ impl ShutdownSignals {
     }
 }
 
+/// Binds the health endpoint, so that a taken port fails the start rather than going unnoticed.
+async fn bind_healthz(addr: std::net::SocketAddr) -> anyhow::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding the health endpoint {addr}"))
+}
+
+/// GET /healthz: 200 once the kubelet sockets are served and the slices were published, else 503.
 async fn serve_healthz(
-    addr: std::net::SocketAddr,
+    listener: tokio::net::TcpListener,
     ready: watch::Receiver<bool>,
     stop: CancellationToken,
 ) -> anyhow::Result<()> {
@@ -160,10 +168,7 @@ async fn serve_healthz(
             }
         }),
     );
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("binding the health endpoint {addr}"))?;
-    tracing::info!(%addr, "serving GET /healthz");
+    tracing::info!(addr = ?listener.local_addr().ok(), "serving GET /healthz");
     axum::serve(listener, app)
         .with_graceful_shutdown(stop.cancelled_owned())
         .await
@@ -182,6 +187,10 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         "discovered GPUs"
     );
     let client = kube_client(&args).await?;
+    let healthz_listener = match args.healthz_addr {
+        Some(addr) => Some(bind_healthz(addr).await?),
+        None => None,
+    };
     let stop = CancellationToken::new();
 
     let (weights_tx, weights_rx) = weights::channel(&inventory);
@@ -252,9 +261,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             }
         }
     });
-    let healthz = args
-        .healthz_addr
-        .map(|addr| tokio::spawn(serve_healthz(addr, ready_rx, stop.clone())));
+    let healthz = healthz_listener
+        .map(|listener| tokio::spawn(serve_healthz(listener, ready_rx, stop.clone())));
 
     let signal = signals.recv().await;
     tracing::info!(
@@ -270,7 +278,14 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     match tokio::time::timeout(SHUTDOWN_GRACE, sockets).await {
         Ok(result) => result?,
-        Err(_) => tracing::warn!("in-flight calls did not finish within {SHUTDOWN_GRACE:?}"),
+        Err(_) => {
+            tracing::warn!(
+                "in-flight calls did not finish within {SHUTDOWN_GRACE:?}; stopping anyway"
+            );
+            for path in [args.registration_socket(), args.dra_socket()] {
+                let _ = std::fs::remove_file(path);
+            }
+        }
     }
     let _ = publisher_task.await;
     let _ = weights_task.await;

@@ -142,7 +142,8 @@ async fn publisher_keeps_this_nodes_slices_and_leaves_others_alone() {
     assert_eq!(restarted.mode(), SliceMode::Shared);
 }
 
-struct Driver(Child);
+/// The driver process; its log is printed when the test fails.
+struct Driver(Child, PathBuf);
 
 fn free_port() -> SocketAddr {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -167,6 +168,10 @@ impl Drop for Driver {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
+        if std::thread::panicking() {
+            let log = std::fs::read_to_string(&self.1).unwrap_or_default();
+            eprintln!("--- gpupool-driver log ---\n{log}");
+        }
     }
 }
 
@@ -205,8 +210,8 @@ fn run_driver(dir: &Path, kubeconfig: &Path, healthz: SocketAddr) -> Driver {
     .arg("--healthz-addr")
     .arg(healthz.to_string())
     .stdout(Stdio::null())
-    .stderr(Stdio::inherit());
-    Driver(cmd.spawn().unwrap())
+    .stderr(std::fs::File::create(dir.join("driver.log")).unwrap());
+    Driver(cmd.spawn().unwrap(), dir.join("driver.log"))
 }
 
 #[tokio::test(flavor = "multi_thread")]
