@@ -322,6 +322,32 @@ pub struct ModelsPlan {
     pub classes: Vec<DeviceClass>,
 }
 
+impl ModelsPlan {
+    /// Models whose class name is held by a DeviceClass we do not manage get no class and a Conflict.
+    pub fn refuse_foreign_classes(&mut self, foreign: &BTreeSet<String>) {
+        for outcome in &mut self.outcomes {
+            let Some(class) = outcome.class_name.clone().filter(|c| foreign.contains(c)) else {
+                continue;
+            };
+            let message = format!("DeviceClass {class} exists and is not managed by {MANAGER}");
+            outcome.class_name = None;
+            let devices = no_devices_verdict(outcome);
+            outcome.verdicts = vec![
+                Verdict::new(READY, false, "DeviceClassNotManaged", message.clone()),
+                Verdict::new(INVALID, false, "Valid", ""),
+                Verdict::new(CONFLICT, true, "DeviceClassNotManaged", message),
+                devices,
+            ];
+        }
+        self.classes.retain(|c| {
+            !c.metadata
+                .name
+                .as_ref()
+                .is_some_and(|n| foreign.contains(n))
+        });
+    }
+}
+
 /// Judge every GpuModel, count its devices and build the DeviceClasses to keep.
 pub fn plan(models: &[GpuModel], devices: &[PublishedDevice], options: ClassOptions) -> ModelsPlan {
     let mut ordered: Vec<&GpuModel> = models.iter().collect();
@@ -959,6 +985,25 @@ mod tests {
         second.spec.device_class_name = Some("h100-b.example.com".to_string());
         let plan = plan(&[first, second], &[], ON);
         assert!(is_true(&status_of(&plan, "second").conditions, CONFLICT));
+    }
+
+    #[test]
+    fn class_name_held_by_someone_else_is_a_conflict() {
+        let mut plan = plan(&[gpumodel("a100", "A100-SXM4-40GB", 312, 1)], &pool(), ON);
+        plan.refuse_foreign_classes(&BTreeSet::from(["a100-sxm4-40gb.gpupool.dev".to_string()]));
+        let status = status_of(&plan, "a100");
+        let conflict = status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == CONFLICT)
+            .unwrap();
+        assert_eq!(
+            (conflict.status.as_str(), conflict.reason.as_str()),
+            ("True", "DeviceClassNotManaged")
+        );
+        assert_eq!(status.device_class_name, None);
+        assert_eq!(status.devices, 3);
+        assert!(class_named(&plan, "a100-sxm4-40gb.gpupool.dev").is_none());
     }
 
     #[test]

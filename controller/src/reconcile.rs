@@ -30,7 +30,6 @@ use crate::leader::Leadership;
 use crate::models::{self, ClassOptions, PublishedDevice};
 use crate::plan::{self, ClassAction, TemplateAction};
 use crate::profiles::{self, NamespaceInfo, ServableModel};
-use crate::status::{Verdict, CONFLICT, INVALID, NO_MATCHING_DEVICES, READY};
 
 #[derive(Debug, Error)]
 pub enum ReconcileError {
@@ -187,46 +186,17 @@ impl Reconciler {
         let class_actions = plan::diff_classes(&model_plan.classes, &classes);
 
         // A model whose class name is taken by an object we do not manage cannot be served.
-        let foreign: BTreeSet<&str> = class_actions
+        let foreign: BTreeSet<String> = class_actions
             .iter()
             .filter_map(|a| match a {
-                ClassAction::Foreign(name) => Some(name.as_str()),
+                ClassAction::Foreign(name) => Some(name.clone()),
                 _ => None,
             })
             .collect();
-        for outcome in &mut model_plan.outcomes {
-            if let Some(class) = outcome
-                .class_name
-                .clone()
-                .filter(|c| foreign.contains(c.as_str()))
-            {
-                let message = format!(
-                    "DeviceClass {class} exists and is not managed by {}",
-                    models::MANAGER
-                );
-                outcome.class_name = None;
-                outcome.verdicts = vec![
-                    Verdict::new(READY, false, "DeviceClassNotManaged", message.clone()),
-                    Verdict::new(INVALID, false, "Valid", ""),
-                    Verdict::new(CONFLICT, true, "DeviceClassNotManaged", message),
-                    outcome
-                        .verdicts
-                        .iter()
-                        .find(|v| v.type_ == NO_MATCHING_DEVICES)
-                        .cloned()
-                        .unwrap_or_else(|| Verdict::new(NO_MATCHING_DEVICES, false, "", "")),
-                ];
-            }
-        }
         for name in &foreign {
-            if !model_plan
-                .outcomes
-                .iter()
-                .any(|o| o.class_name.as_deref() == Some(name))
-            {
-                debug!(class = %name, "a DeviceClass of this name exists and is not ours; left alone");
-            }
+            debug!(class = %name, "a DeviceClass of this name exists and is not ours; left alone");
         }
+        model_plan.refuse_foreign_classes(&foreign);
 
         let servable = ServableModel::from_outcomes(&model_plan.outcomes);
         let namespace_infos: Vec<NamespaceInfo> = namespaces
