@@ -253,3 +253,73 @@ async fn schedules_template_pods_reports_misfits_and_cleans_up() {
 
     scheduler.stop().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_pod_asking_for_an_extended_resource_gets_a_generated_claim() {
+    let server = ApiServer::start().await.unwrap();
+    let client = client_for(&server).await;
+    create(
+        &Api::<Node>::all(client.clone()),
+        json!({"metadata": {"name": "node-b"}}),
+    )
+    .await;
+    create(&Api::<DeviceClass>::all(client.clone()), json!({
+        "metadata": {"name": "a100-sxm4-40gb.gpupool.dev"},
+        "spec": {"extendedResourceName": "gpupool.dev/a100", "selectors": [{"cel": {"expression":
+            "device.driver == \"gpupool.dev\" && device.attributes[\"gpupool.dev\"].model == \"A100-SXM4-40GB\""}}]}
+    })).await;
+    create(
+        &Api::<ResourceSlice>::all(client.clone()),
+        json!({
+            "metadata": {"name": "node-b-gpupool.dev"},
+            "spec": {"driver": "gpupool.dev", "nodeName": "node-b",
+                     "pool": {"name": "node-b", "generation": 1, "resourceSliceCount": 1},
+                     "devices": [gpu(0), gpu(1)]}
+        }),
+    )
+    .await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    create(
+        &pods,
+        json!({
+            "metadata": {"name": "legacy"},
+            "spec": {"containers": [{"name": "main", "image": "busybox",
+                     "resources": {"limits": {"gpupool.dev/a100": "1"}}}]}
+        }),
+    )
+    .await;
+    let scheduler = spawn(client.clone(), Options::default());
+
+    let pod = eventually("legacy to be bound", || async {
+        let pod = pods.get("legacy").await.ok()?;
+        pod.spec.as_ref()?.node_name.as_ref()?;
+        Some(pod)
+    })
+    .await;
+    let status = pod.status.unwrap().extended_resource_claim_status.unwrap();
+    assert_eq!(
+        status.request_mappings[0].request_name,
+        "container-0-request-0"
+    );
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
+    let claim = claims.get(&status.resource_claim_name).await.unwrap();
+    assert_eq!(
+        claim.metadata.annotations.unwrap()["resource.kubernetes.io/extended-resource-claim"],
+        "true"
+    );
+    let result = &claim
+        .status
+        .unwrap()
+        .allocation
+        .unwrap()
+        .devices
+        .unwrap()
+        .results
+        .unwrap()[0];
+    assert_eq!(result.request, "container-0-request-0");
+    assert_eq!(
+        result.consumed_capacity.as_ref().unwrap()["memory"].0,
+        "40Gi"
+    );
+    scheduler.stop().await.unwrap();
+}
