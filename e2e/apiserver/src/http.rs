@@ -16,6 +16,7 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use crate::discovery;
 use crate::openapi;
+use crate::protobuf;
 use crate::resources::ResourceDef;
 use crate::selectors::{FieldSelector, LabelSelector};
 use crate::status::ApiError;
@@ -161,7 +162,12 @@ impl RequestContext {
     }
 
     fn json_body(&self) -> Result<Value, ApiError> {
-        if self.content_type.contains("protobuf") || self.content_type.contains("cbor") {
+        if self.content_type.contains("protobuf") {
+            return protobuf::decode(&self.body).map_err(|e| {
+                ApiError::unsupported_body_encoding(&format!("{} ({e})", self.content_type))
+            });
+        }
+        if self.content_type.contains("cbor") {
             return Err(ApiError::unsupported_body_encoding(&self.content_type));
         }
         if self.content_type.contains("yaml") {

@@ -8,6 +8,7 @@ pub mod events;
 mod http;
 pub mod openapi;
 pub mod patch;
+pub mod protobuf;
 pub mod resources;
 pub mod rules;
 pub mod schema;

@@ -387,3 +387,45 @@ async fn kubectl_gets_custom_resources_with_printer_columns() {
         .await;
     assert_eq!(short, "312");
 }
+
+#[tokio::test]
+async fn kubectl_create_sends_protobuf_that_is_understood() {
+    if !kubectl_available() {
+        return;
+    }
+    let server = ApiServer::start().await.unwrap();
+    let kubectl = Kubectl::new(&server);
+    kubectl.ok(&["create", "namespace", "team-a"]).await;
+    kubectl
+        .ok(&[
+            "-n",
+            "team-a",
+            "create",
+            "configmap",
+            "cfg",
+            "--from-literal=weight=312",
+        ])
+        .await;
+    let weight = kubectl
+        .ok(&[
+            "-n",
+            "team-a",
+            "get",
+            "configmap",
+            "cfg",
+            "-o",
+            "jsonpath={.data.weight}",
+        ])
+        .await;
+    assert_eq!(weight, "312");
+    let stderr = kubectl
+        .fails(&["-n", "nowhere", "create", "configmap", "cfg"])
+        .await;
+    assert!(
+        stderr.contains("namespaces \"nowhere\" not found"),
+        "{stderr}"
+    );
+    kubectl.ok(&["delete", "namespace", "team-a"]).await;
+    let gone = kubectl.run(&["get", "configmaps", "-A"]).await;
+    assert!(String::from_utf8_lossy(&gone.stderr).contains("No resources found"));
+}
