@@ -211,10 +211,20 @@ pub(crate) mod tests {
         }
     }
 
-    /// A claim as the scheduler leaves it, results as (request, pool, device, shareID, memory, cores).
+    /// One allocation result: (request, pool, device, shareID, memory, cores).
+    pub type ResultSpec<'a> = (
+        &'a str,
+        &'a str,
+        &'a str,
+        Option<&'a str>,
+        Option<&'a str>,
+        Option<&'a str>,
+    );
+
+    /// A claim as the scheduler leaves it.
     pub fn allocated_claim(
         uid: &str,
-        results: &[(&str, &str, &str, Option<&str>, Option<&str>, Option<&str>)],
+        results: &[ResultSpec<'_>],
         config: serde_json::Value,
     ) -> ResourceClaim {
         let results: Vec<_> = results
