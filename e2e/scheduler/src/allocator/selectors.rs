@@ -235,6 +235,20 @@ mod tests {
     }
 
     #[test]
+    fn a_false_guard_absorbs_the_error_on_either_side_like_cel_go() {
+        let mut cel = CelEvaluator::new();
+        let foreign = cel.device_value("nic.example.com", &Device::default());
+        let guard_last =
+            r#"device.attributes["gpupool.dev"].model == "x" && device.driver == "gpupool.dev""#;
+        assert_eq!(cel.matches(guard_last, &foreign), Ok(false));
+        let unguarded = r#"device.attributes["gpupool.dev"].model == "x""#;
+        assert!(matches!(
+            cel.matches(unguarded, &foreign),
+            Err(SelectorError::Runtime(_))
+        ));
+    }
+
+    #[test]
     fn a_non_bool_result_is_an_error() {
         assert!(matches!(
             eval("device.driver"),
