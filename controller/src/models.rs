@@ -322,34 +322,19 @@ pub struct ModelsPlan {
     pub classes: Vec<DeviceClass>,
 }
 
-impl ModelsPlan {
-    /// Models whose class name is held by a DeviceClass we do not manage get no class and a Conflict.
-    pub fn refuse_foreign_classes(&mut self, foreign: &BTreeSet<String>) {
-        for outcome in &mut self.outcomes {
-            let Some(class) = outcome.class_name.clone().filter(|c| foreign.contains(c)) else {
-                continue;
-            };
-            let message = format!("DeviceClass {class} exists and is not managed by {MANAGER}");
-            outcome.class_name = None;
-            let devices = no_devices_verdict(outcome);
-            outcome.verdicts = vec![
-                Verdict::new(READY, false, "DeviceClassNotManaged", message.clone()),
-                Verdict::new(INVALID, false, "Valid", ""),
-                Verdict::new(CONFLICT, true, "DeviceClassNotManaged", message),
-                devices,
-            ];
-        }
-        self.classes.retain(|c| {
-            !c.metadata
-                .name
-                .as_ref()
-                .is_some_and(|n| foreign.contains(n))
-        });
-    }
-}
-
 /// Judge every GpuModel, count its devices and build the DeviceClasses to keep.
 pub fn plan(models: &[GpuModel], devices: &[PublishedDevice], options: ClassOptions) -> ModelsPlan {
+    plan_with_taken(models, devices, options, &BTreeSet::new())
+}
+
+/// Like [`plan`], where `taken` are names of existing DeviceClasses the controller does not manage:
+/// a model whose class name is among them gets no class and a Conflict, and is left out of its tier.
+pub fn plan_with_taken(
+    models: &[GpuModel],
+    devices: &[PublishedDevice],
+    options: ClassOptions,
+    taken: &BTreeSet<String>,
+) -> ModelsPlan {
     let mut ordered: Vec<&GpuModel> = models.iter().collect();
     ordered.sort_by(|a, b| {
         let created = |m: &GpuModel| m.metadata.creation_timestamp.as_ref().map(|t| t.0);
@@ -403,7 +388,12 @@ pub fn plan(models: &[GpuModel], devices: &[PublishedDevice], options: ClassOpti
             .device_class_name
             .clone()
             .unwrap_or_else(|| default_class_name(&matcher.model()));
-        let conflict = if let Some(holder) = class_holders.get(&class_name) {
+        let conflict = if taken.contains(&class_name) {
+            Some((
+                "DeviceClassNotManaged",
+                format!("DeviceClass {class_name} exists and is not managed by {MANAGER}"),
+            ))
+        } else if let Some(holder) = class_holders.get(&class_name) {
             Some((
                 "DeviceClassNameConflict",
                 format!("DeviceClass {class_name} is already managed for GpuModel {holder}"),
@@ -989,8 +979,14 @@ mod tests {
 
     #[test]
     fn class_name_held_by_someone_else_is_a_conflict() {
-        let mut plan = plan(&[gpumodel("a100", "A100-SXM4-40GB", 312, 1)], &pool(), ON);
-        plan.refuse_foreign_classes(&BTreeSet::from(["a100-sxm4-40gb.gpupool.dev".to_string()]));
+        let mut a100 = gpumodel("a100", "A100-SXM4-40GB", 312, 1);
+        a100.spec.tier = Some("fast".to_string());
+        let plan = plan_with_taken(
+            &[a100],
+            &pool(),
+            ON,
+            &BTreeSet::from(["a100-sxm4-40gb.gpupool.dev".to_string()]),
+        );
         let status = status_of(&plan, "a100");
         let conflict = status
             .conditions
@@ -1004,6 +1000,7 @@ mod tests {
         assert_eq!(status.device_class_name, None);
         assert_eq!(status.devices, 3);
         assert!(class_named(&plan, "a100-sxm4-40gb.gpupool.dev").is_none());
+        assert!(class_named(&plan, "tier-fast.gpupool.dev").is_none());
     }
 
     #[test]

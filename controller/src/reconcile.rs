@@ -182,21 +182,15 @@ impl Reconciler {
         let options = ClassOptions {
             extended_resources: self.extended_resources.load(Ordering::SeqCst),
         };
-        let mut model_plan = models::plan(&gpumodels, &devices, options);
-        let class_actions = plan::diff_classes(&model_plan.classes, &classes);
-
-        // A model whose class name is taken by an object we do not manage cannot be served.
-        let foreign: BTreeSet<String> = class_actions
+        // Names held by DeviceClasses we do not manage: never overwritten, and a Conflict for the
+        // GpuModel that wants one.
+        let taken: BTreeSet<String> = classes
             .iter()
-            .filter_map(|a| match a {
-                ClassAction::Foreign(name) => Some(name.clone()),
-                _ => None,
-            })
+            .filter(|c| !plan::is_managed(&c.metadata))
+            .filter_map(|c| c.metadata.name.clone())
             .collect();
-        for name in &foreign {
-            debug!(class = %name, "a DeviceClass of this name exists and is not ours; left alone");
-        }
-        model_plan.refuse_foreign_classes(&foreign);
+        let model_plan = models::plan_with_taken(&gpumodels, &devices, options, &taken);
+        let class_actions = plan::diff_classes(&model_plan.classes, &classes);
 
         let servable = ServableModel::from_outcomes(&model_plan.outcomes);
         let namespace_infos: Vec<NamespaceInfo> = namespaces
