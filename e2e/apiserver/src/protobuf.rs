@@ -121,15 +121,14 @@ fn object_meta(bytes: &[u8]) -> Result<Value, ProtobufError> {
     ];
     for (number, wire) in fields(bytes)? {
         match (number, wire) {
+            // Go writes unset optional strings as "", which JSON omits.
             (n, Wire::Bytes(b)) if STRINGS.iter().any(|(f, _)| *f == n) => {
-                // Go writes unset optional strings as "", which JSON omits.
-                if !b.is_empty() {
-                    let name = STRINGS
-                        .iter()
-                        .find(|(f, _)| *f == n)
-                        .map(|(_, name)| *name)
-                        .unwrap_or_default();
-                    meta.insert(name.into(), text(b));
+                if let Some((_, name)) = STRINGS
+                    .iter()
+                    .find(|(f, _)| *f == n)
+                    .filter(|_| !b.is_empty())
+                {
+                    meta.insert((*name).into(), text(b));
                 }
             }
             (11, Wire::Bytes(b)) => {
