@@ -626,8 +626,14 @@ impl<'a> Search<'a> {
                 let mut usable = 0;
                 let mut rejections = Vec::new();
                 for candidate in 0..self.candidates.len() {
-                    match self.try_candidate(request, variant, candidate)? {
-                        Ok(_) => usable += 1,
+                    // Selectors first here: a busy device of another model is reported as
+                    // not matching, not as busy.
+                    let outcome = match self.selectable(request, variant, candidate)? {
+                        Err(rejection) => Err(rejection),
+                        Ok(()) => self.try_candidate(request, variant, candidate)?.map(|_| ()),
+                    };
+                    match outcome {
+                        Ok(()) => usable += 1,
                         Err(rejection) => rejections.push(rejection),
                     }
                 }

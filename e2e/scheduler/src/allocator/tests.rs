@@ -665,3 +665,30 @@ fn devices_of_an_incomplete_pool_are_not_allocated() {
         Err("claim default/c, request gpu: resource pool gpupool.dev/node-a is currently being updated".to_string())
     );
 }
+
+#[test]
+fn a_busy_device_of_another_class_is_reported_as_not_matching() {
+    let slices = vec![node_slice(
+        "node-a",
+        vec![exclusive(gpu(0, "A100-SXM4-40GB", "40Gi"))],
+    )];
+    let first = on(
+        "node-a",
+        &claim("a", vec![exact("gpu", A100, &[])]),
+        &slices,
+        &[],
+    )
+    .unwrap();
+    let taken = allocated(claim("a", vec![exact("gpu", A100, &[])]), first);
+    assert_eq!(
+        on(
+            "node-a",
+            &claim("v", vec![exact("gpu", V100, &[])]),
+            &slices,
+            &[taken]
+        ),
+        Err(format!(
+            "claim default/v, request gpu: no device matches class {V100}"
+        ))
+    );
+}
