@@ -571,3 +571,13 @@ async fn recorder_events_show_as_core_events() {
     assert_eq!(events[0].reason.as_deref(), Some("FailedScheduling"));
     assert_eq!(events[0].series.as_ref().map(|s| s.count), Some(Some(2)));
 }
+
+#[tokio::test]
+async fn dropping_the_server_stops_it() {
+    let server = ApiServer::start().await.unwrap();
+    let addr = server.url().trim_start_matches("http://").to_string();
+    assert!(tokio::net::TcpStream::connect(&addr).await.is_ok());
+    drop(server);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(tokio::net::TcpStream::connect(&addr).await.is_err());
+}
