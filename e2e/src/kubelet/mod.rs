@@ -180,10 +180,26 @@ struct PodRecord {
     last_error: Option<String>,
 }
 
+/// A socket file re-created at the same path (a restarted plugin) has a new inode or mtime.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct SocketId {
+    inode: u64,
+    mtime: (i64, i64),
+}
+
+impl SocketId {
+    fn of(meta: &std::fs::Metadata) -> Self {
+        SocketId {
+            inode: meta.ino(),
+            mtime: (meta.mtime(), meta.mtime_nsec()),
+        }
+    }
+}
+
 #[derive(Default)]
 struct State {
-    /// Registry socket path -> (inode, mtime) of the socket last seen there.
-    seen_sockets: HashMap<PathBuf, (u64, i64)>,
+    /// Registry socket path -> identity of the socket last registered from there.
+    seen_sockets: HashMap<PathBuf, SocketId>,
     plugins: BTreeMap<String, Plugin>,
     rejections: Vec<Rejection>,
     health: BTreeMap<String, Vec<DeviceHealthReport>>,
@@ -397,7 +413,7 @@ impl Inner {
 
     async fn scan_registry(self: &Arc<Self>) {
         let dir = &self.config.registry_dir;
-        let mut present: HashMap<PathBuf, (u64, i64)> = HashMap::new();
+        let mut present: HashMap<PathBuf, SocketId> = HashMap::new();
         if let Ok(entries) = std::fs::read_dir(dir) {
             for entry in entries.flatten() {
                 let path = entry.path();
@@ -407,7 +423,7 @@ impl Inner {
                     .is_some_and(|n| n.ends_with("-reg.sock"));
                 let Ok(meta) = entry.metadata() else { continue };
                 if is_reg && meta.file_type().is_socket() {
-                    present.insert(path, (meta.ino(), meta.mtime_nsec() ^ meta.mtime()));
+                    present.insert(path, SocketId::of(&meta));
                 }
             }
         }

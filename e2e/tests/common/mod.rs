@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use gpupool_e2e::harness::{wait_for, TestCluster, TestNode};
-use gpupool_e2e::kubelet::PreparedClaim;
+use gpupool_e2e::kubelet::{ClaimRef, PreparedClaim, PreparedDevice};
 use k8s_openapi::api::core::v1::{Event, Pod};
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::api::{DeleteParams, ListParams};
@@ -146,16 +146,61 @@ pub fn memory_mib(device: &k8s_openapi::api::resource::v1::Device) -> u64 {
     (bytes as u64) / (1024 * 1024)
 }
 
-/// What the kubelet prepared for a claim, once it has.
+/// What the kubelet prepared for a claim, once it has. With a real kubelet (nothing to ask) it is read
+/// back from the claim's CDI spec: devices in spec order, ids from their names, no request names.
 pub async fn prepared(node: &TestNode, claim_uid: &str) -> PreparedClaim {
-    let kubelet = node.kubelet();
-    wait_for(
-        &format!("claim {claim_uid} prepared on {}", node.name),
-        TIMEOUT,
-        || async { kubelet.prepared_claims().get(claim_uid).cloned() },
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"))
+    let what = format!("claim {claim_uid} prepared on {}", node.name);
+    let result = match &node.kubelet {
+        Some(kubelet) => {
+            wait_for(&what, TIMEOUT, || async {
+                kubelet.prepared_claims().get(claim_uid).cloned()
+            })
+            .await
+        }
+        None => {
+            wait_for(&what, TIMEOUT, || async {
+                node.cdi_spec(claim_uid)
+                    .map(|spec| prepared_from_cdi(&node.name, claim_uid, &spec))
+            })
+            .await
+        }
+    };
+    result.unwrap_or_else(|e| panic!("{e}\n--- driver log ---\n{}", node.driver_log()))
+}
+
+fn prepared_from_cdi(node: &str, claim_uid: &str, spec: &Value) -> PreparedClaim {
+    let devices = spec["devices"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|d| d["name"].as_str())
+        .map(|name| {
+            // <claimUID>-gpu-<index>[-<shareID>]
+            let rest = name.strip_prefix(&format!("{claim_uid}-")).unwrap_or(name);
+            let mut parts = rest.splitn(3, '-');
+            let device = format!(
+                "{}-{}",
+                parts.next().unwrap_or_default(),
+                parts.next().unwrap_or_default()
+            );
+            PreparedDevice {
+                request_names: Vec::new(),
+                pool_name: node.to_string(),
+                device_name: device,
+                cdi_device_ids: vec![gpupool_api::names::cdi_device_id(name)],
+                share_id: parts.next().map(str::to_string),
+            }
+        })
+        .collect();
+    PreparedClaim {
+        claim: ClaimRef {
+            namespace: String::new(),
+            name: String::new(),
+            uid: claim_uid.to_string(),
+        },
+        devices,
+        pod_uids: Default::default(),
+    }
 }
 
 /// The CDI spec of a claim; panics naming the path when it is missing.
