@@ -25,6 +25,8 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
+    // Installed before the URL is printed, so whoever reads the URL may signal at once.
+    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let server = ApiServer::start_on(args.port).await?;
     if let Some(path) = &args.kubeconfig_out {
         server.write_kubeconfig(path)?;
@@ -32,7 +34,6 @@ async fn main() -> anyhow::Result<()> {
     }
     println!("{}", server.url());
     tracing::info!(url = %server.url(), "serving");
-    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
         _ = sigterm.recv() => {}
