@@ -392,25 +392,30 @@ impl Scheduler {
 
         // The claim for extended resources: the one made earlier, or a new one in memory
         // that is only created once a node is found.
-        let mut extended = None;
-        if let Some(existing) = world
-            .claims
-            .iter()
-            .find(|c| owned_by(c, &pod_uid) && is_extended_resource_claim(c))
-        {
-            pod_claims.push(existing.clone());
-        } else {
-            match extended_resource_claim(pod, &world.classes) {
-                Ok(Some((mut claim, mappings))) => {
-                    claim.metadata.name = Some(format!("{pod_name}-extended-resources"));
-                    pod_claims.push(claim);
-                    extended = Some(mappings);
+        let mut extended_mappings = None;
+        let mut extended_name = None;
+        match extended_resource_claim(pod, &world.classes) {
+            Ok(Some((mut claim, mappings))) => {
+                extended_mappings = Some(mappings);
+                match world
+                    .claims
+                    .iter()
+                    .find(|c| owned_by(c, &pod_uid) && is_extended_resource_claim(c))
+                {
+                    Some(existing) => {
+                        extended_name = existing.metadata.name.clone();
+                        pod_claims.push(existing.clone());
+                    }
+                    None => {
+                        claim.metadata.name = Some(format!("{pod_name}-extended-resources"));
+                        pod_claims.push(claim);
+                    }
                 }
-                Ok(None) => {}
-                Err(err) => {
-                    self.post_pod_event(pod, &err.to_string()).await;
-                    return Ok(());
-                }
+            }
+            Ok(None) => {}
+            Err(err) => {
+                self.post_pod_event(pod, &err.to_string()).await;
+                return Ok(());
             }
         }
 
@@ -486,7 +491,6 @@ impl Scheduler {
             uid: pod_uid.clone(),
         };
         let mut allocations = placement.allocations.into_iter();
-        let mut extended_name = None;
         for claim in &pod_claims {
             let mut updated = claim.clone();
             if claim.metadata.uid.is_none() {
@@ -556,27 +560,39 @@ impl Scheduler {
                 *slot = written;
             }
         }
-        if let (Some(mappings), Some(name)) = (extended, extended_name) {
+        if let (Some(mappings), Some(name)) = (extended_mappings, extended_name) {
             let status = PodExtendedResourceClaimStatus {
                 request_mappings: mappings,
                 resource_claim_name: name,
             };
-            let patch = serde_json::json!({"status": {"extendedResourceClaimStatus": status}});
-            pods_api
-                .patch_status(&pod_name, &PatchParams::default(), &Patch::Merge(&patch))
-                .await
-                .context("recording the pod's extended-resource claim")?;
+            let recorded = pod
+                .status
+                .as_ref()
+                .and_then(|s| s.extended_resource_claim_status.as_ref());
+            if recorded != Some(&status) {
+                let patch = serde_json::json!({"status": {"extendedResourceClaimStatus": status}});
+                pods_api
+                    .patch_status(&pod_name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                    .context("recording the pod's extended-resource claim")?;
+            }
         }
         self.bind(&pods_api, pod, &placement.node).await?;
-        self.posted.remove(&pod_uid);
-        let message = format!(
-            "Successfully assigned {ns}/{pod_name} to {}",
-            placement.node
-        );
+        self.finish(pod, &placement.node).await;
+        Ok(())
+    }
+
+    /// After binding: forget the pod's failure messages and say where it went.
+    async fn finish(&mut self, pod: &Pod, node: &str) {
+        let ns = namespace_of(&pod.metadata);
+        let pod_name = name_of(&pod.metadata);
+        if let Some(uid) = &pod.metadata.uid {
+            self.posted.remove(uid);
+        }
+        let message = format!("Successfully assigned {ns}/{pod_name} to {node}");
         self.create_event(&pod_reference(pod), "Normal", "Scheduled", &message)
             .await;
-        info!(pod = %format!("{ns}/{pod_name}"), node = %placement.node, "bound pod");
-        Ok(())
+        info!(pod = %format!("{ns}/{pod_name}"), node = %node, "bound pod");
     }
 
     /// POST pods/<name>/binding as kube-scheduler does; an API server without the binding
