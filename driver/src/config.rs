@@ -70,6 +70,23 @@ pub struct RunArgs {
     /// Host folder holding HAMi-core's libvgpu.so.
     #[arg(long, env = "VGPU_LIB_DIR", default_value = "/usr/local/vgpu")]
     pub vgpu_lib_dir: PathBuf,
+    /// Where real GPUs' driver libraries come from: `nvidia-cdi` returns the node's NVIDIA CDI device
+    /// (`nvidia.com/gpu=<uuid or index>`) beside gpupool's own; `none` leaves them to the image.
+    #[arg(
+        long,
+        env = "DRIVER_LIBRARIES",
+        value_enum,
+        default_value = "nvidia-cdi"
+    )]
+    pub driver_libraries: DriverLibrariesArg,
+    /// Folders searched for the NVIDIA CDI spec, in order.
+    #[arg(
+        long,
+        env = "NVIDIA_CDI_DIRS",
+        value_delimiter = ',',
+        default_value = "/etc/cdi,/var/run/cdi"
+    )]
+    pub nvidia_cdi_dirs: Vec<PathBuf>,
     #[arg(long, env = "LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
     /// Address of the HTTP health endpoint (GET /healthz), e.g. 127.0.0.1:51515; off when absent.
@@ -77,7 +94,22 @@ pub struct RunArgs {
     pub healthz_addr: Option<SocketAddr>,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DriverLibrariesArg {
+    NvidiaCdi,
+    None,
+}
+
 impl RunArgs {
+    pub fn driver_libraries(&self) -> crate::prepare::DriverLibraries {
+        match self.driver_libraries {
+            DriverLibrariesArg::NvidiaCdi => crate::prepare::DriverLibraries::NvidiaCdi {
+                spec_dirs: self.nvidia_cdi_dirs.clone(),
+            },
+            DriverLibrariesArg::None => crate::prepare::DriverLibraries::None,
+        }
+    }
+
     pub fn registration_socket(&self) -> PathBuf {
         self.registry_dir.join(format!("{DRIVER_NAME}-reg.sock"))
     }

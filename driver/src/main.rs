@@ -211,6 +211,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             state_dir: args.state_dir.clone(),
             vgpu_lib_dir: args.vgpu_lib_dir.clone(),
             fake_gpus: args.fake_gpus.is_some(),
+            driver_libraries: args.driver_libraries(),
         },
         inventory.clone(),
         client.clone(),

@@ -15,6 +15,7 @@ pub mod claim;
 pub mod fault;
 pub mod fsutil;
 pub mod limits;
+pub mod nvidia_cdi;
 pub mod status;
 
 use std::collections::{BTreeMap, HashMap};
@@ -35,6 +36,7 @@ use self::api::{ApiError, ClaimApi, KubeClaimApi};
 use self::cdi::{HostLayout, SpecDevice};
 use self::checkpoint::{Change, CheckpointData, ClaimEntry, ClaimState};
 use self::fault::fault_point;
+pub use self::nvidia_cdi::DriverLibraries;
 
 /// A claim as the kubelet names it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -65,6 +67,8 @@ pub struct PrepareOptions {
     /// Folder holding HAMi-core's `libvgpu.so`.
     pub vgpu_lib_dir: PathBuf,
     pub fake_gpus: bool,
+    /// Where real GPUs' driver libraries come from (ignored with fake GPUs, which have none).
+    pub driver_libraries: DriverLibraries,
 }
 
 #[derive(Debug, Error)]
@@ -388,18 +392,24 @@ impl ClaimPreparer {
             }
         }
 
-        let devices: Vec<PreparedDevice> = allocation
-            .devices
-            .iter()
-            .zip(&rendered.cdi_ids)
-            .map(|(d, id)| PreparedDevice {
+        let mut devices = Vec::with_capacity(per_device.len());
+        for ((d, gpu, _), id) in per_device.iter().zip(&rendered.cdi_ids) {
+            let mut cdi_device_ids = vec![id.clone()];
+            if let (false, DriverLibraries::NvidiaCdi { spec_dirs }) =
+                (self.opts.fake_gpus, &self.opts.driver_libraries)
+            {
+                let nvidia = nvidia_cdi::find_device_id(spec_dirs, &gpu.uuid, gpu.index)
+                    .map_err(|e| format!("claim {claim_name}: {}: {e}", d.device))?;
+                cdi_device_ids.push(nvidia);
+            }
+            devices.push(PreparedDevice {
                 request_names: vec![d.request.clone()],
                 pool_name: d.pool.clone(),
                 device_name: d.device.clone(),
-                cdi_device_ids: vec![id.clone()],
+                cdi_device_ids,
                 share_id: d.share_id.clone(),
-            })
-            .collect();
+            });
+        }
 
         let uid = claim.uid.clone();
         self.update_checkpoint(Change::Put(

@@ -201,6 +201,7 @@ fn opts_under(top: &Path) -> PrepareOptions {
         state_dir: top.join("var/lib/gpupool"),
         vgpu_lib_dir: top.join("usr/local/vgpu"),
         fake_gpus: true,
+        driver_libraries: DriverLibraries::None,
     }
 }
 
