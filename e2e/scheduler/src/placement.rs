@@ -3,6 +3,7 @@
 
 use std::fmt;
 
+use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::resource::v1::{AllocationResult, DeviceClass, ResourceClaim, ResourceSlice};
 
 use crate::allocator::{allocate, node_selector_matches, TargetNode};
@@ -70,6 +71,32 @@ pub fn claim_key(claim: &ResourceClaim) -> String {
         claim.metadata.namespace.as_deref().unwrap_or_default(),
         claim.metadata.name.as_deref().unwrap_or_default()
     )
+}
+
+/// Nodes the pod may go to before devices are considered: schedulable, matching the pod's
+/// `nodeSelector` and required node affinity.
+pub fn candidate_nodes(pod: &Pod, nodes: &[Node]) -> Vec<TargetNode> {
+    let spec = pod.spec.as_ref();
+    let labels = spec.and_then(|s| s.node_selector.as_ref());
+    let affinity = spec
+        .and_then(|s| s.affinity.as_ref())
+        .and_then(|a| a.node_affinity.as_ref())
+        .and_then(|a| {
+            a.required_during_scheduling_ignored_during_execution
+                .as_ref()
+        });
+    nodes
+        .iter()
+        .filter(|n| n.spec.as_ref().and_then(|s| s.unschedulable) != Some(true))
+        .map(TargetNode::from)
+        .filter(|n| {
+            labels
+                .into_iter()
+                .flatten()
+                .all(|(k, v)| n.labels.get(k) == Some(v))
+        })
+        .filter(|n| affinity.is_none_or(|a| node_selector_matches(a, n)))
+        .collect()
 }
 
 /// Try `nodes` in name order. `pending` claims get allocated; `bound` claims are already
@@ -281,6 +308,64 @@ mod tests {
             summary(&p.allocations[1]),
             vec!["gpu node-a/gpu-1 memory=30Gi cores=0"]
         );
+    }
+
+    #[test]
+    fn nodes_are_filtered_by_schedulability_selector_and_affinity() {
+        use k8s_openapi::api::core::v1::{
+            Affinity, NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm,
+            NodeSpec, PodSpec,
+        };
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+        let node = |name: &str, zone: &str, unschedulable: bool| Node {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                labels: Some([("zone".to_string(), zone.to_string())].into()),
+                ..Default::default()
+            },
+            spec: Some(NodeSpec {
+                unschedulable: unschedulable.then_some(true),
+                ..Default::default()
+            }),
+            status: None,
+        };
+        let all = vec![
+            node("node-a", "z1", false),
+            node("node-b", "z1", true),
+            node("node-c", "z2", false),
+            node("node-d", "z3", false),
+        ];
+        let names = |pod: &Pod| {
+            candidate_nodes(pod, &all)
+                .into_iter()
+                .map(|n| n.name)
+                .collect::<Vec<_>>()
+        };
+        let mut pod = Pod {
+            spec: Some(PodSpec::default()),
+            ..Default::default()
+        };
+        assert_eq!(names(&pod), vec!["node-a", "node-c", "node-d"]);
+        pod.spec.as_mut().unwrap().affinity = Some(Affinity {
+            node_affinity: Some(NodeAffinity {
+                required_during_scheduling_ignored_during_execution: Some(NodeSelector {
+                    node_selector_terms: vec![NodeSelectorTerm {
+                        match_expressions: Some(vec![NodeSelectorRequirement {
+                            key: "zone".into(),
+                            operator: "NotIn".into(),
+                            values: Some(vec!["z3".into()]),
+                        }]),
+                        match_fields: None,
+                    }],
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        assert_eq!(names(&pod), vec!["node-a", "node-c"]);
+        pod.spec.as_mut().unwrap().node_selector =
+            Some([("zone".to_string(), "z2".to_string())].into());
+        assert_eq!(names(&pod), vec!["node-c"]);
     }
 
     #[test]

@@ -22,12 +22,11 @@ use kube::Client;
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
-use crate::allocator::TargetNode;
 use crate::claims::{
     claim_from_template, extended_resource_claim, is_extended_resource_claim, owned_by,
     owner_pod_uid, pod_claim_sources, ClaimSource,
 };
-use crate::placement::{claim_key, place};
+use crate::placement::{candidate_nodes, claim_key, place};
 
 /// Component name on events and in binding, like the real scheduler's.
 const COMPONENT: &str = "default-scheduler";
@@ -448,19 +447,7 @@ impl Scheduler {
             })
             .cloned()
             .collect();
-        let selector = pod.spec.as_ref().and_then(|s| s.node_selector.clone());
-        let nodes: Vec<TargetNode> = world
-            .nodes
-            .iter()
-            .filter(|n| n.spec.as_ref().and_then(|s| s.unschedulable) != Some(true))
-            .map(TargetNode::from)
-            .filter(|n| {
-                selector
-                    .iter()
-                    .flatten()
-                    .all(|(k, v)| n.labels.get(k) == Some(v))
-            })
-            .collect();
+        let nodes = candidate_nodes(pod, &world.nodes);
         let placement = match place(
             &pending,
             &bound,
