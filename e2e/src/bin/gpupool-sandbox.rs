@@ -211,6 +211,8 @@ fn main() -> ExitCode {
             _ = shutdown_signal() => if serve { Ok(()) } else { Err("interrupted".to_string()) },
         }
     });
+    // Nothing left to wait for: the cluster was dropped inside block_on.
+    runtime.shutdown_timeout(Duration::from_millis(200));
     match outcome {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
