@@ -21,7 +21,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the node agent: publish this node's GPUs and serve the kubelet.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Print this node's inventory and the ResourceSlices it would publish, as YAML (no API server).
     Inspect(InspectArgs),
 }

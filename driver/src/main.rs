@@ -37,7 +37,7 @@ fn main() -> ExitCode {
         Command::Run(args) => {
             init_tracing(args.log_format);
             match tokio::runtime::Runtime::new() {
-                Ok(rt) => rt.block_on(run(args)),
+                Ok(rt) => rt.block_on(run(*args)),
                 Err(e) => Err(anyhow::Error::new(e).context("starting the async runtime")),
             }
         }
