@@ -423,16 +423,21 @@ mod scenarios {
         let node = cluster.node_at(0);
         let uuid = device_uuid(cluster, &node.name, "gpu-5", A100S).await;
         let ns = cluster.create_namespace("e2e-describe").await.unwrap();
-        apply(
-            cluster,
-            &ns,
-            &claim_yaml(
+        // As a user would: the real kubectl applies a file.
+        let manifest = cluster.workdir().join(format!("{ns}-slice.yaml"));
+        let yaml = format!(
+            "{}---\n{}",
+            claim_yaml(
                 "slice",
                 &[Request::new("gpu").on(&uuid).memory("8Gi").cores("50")],
             ),
-        )
-        .await;
-        apply(cluster, &ns, &pod_yaml("p", &["slice"])).await;
+            pod_yaml("p", &["slice"])
+        );
+        std::fs::write(&manifest, yaml).unwrap();
+        cluster
+            .apply_file(&manifest, Some(&ns))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
         wait_pod_running(cluster, &ns, "p").await;
         let claim = claim(cluster, &ns, "slice").await;
         let prepared = prepared(node, &uid(&claim)).await;
