@@ -45,7 +45,7 @@ impl Unallocatable {
 }
 
 /// Upper bound on search steps, so a pathological claim fails instead of hanging the loop.
-const SEARCH_STEP_LIMIT: u64 = 200_000;
+const SEARCH_STEP_LIMIT: u64 = 100_000;
 
 /// Allocate `claim` on `node`. `allocated` holds every claim whose allocation already uses
 /// devices (the claim itself, if present there, is ignored).
@@ -306,7 +306,8 @@ struct Search<'a> {
 }
 
 impl<'a> Search<'a> {
-    fn solve(&mut self, request: usize) -> Result<bool, Unallocatable> {
+    /// Counts one search step; too many end the search with an error.
+    fn step(&mut self) -> Result<(), Unallocatable> {
         self.steps += 1;
         if self.steps > SEARCH_STEP_LIMIT {
             return Err(Unallocatable::new(format!(
@@ -314,6 +315,11 @@ impl<'a> Search<'a> {
                 self.claim_ref
             )));
         }
+        Ok(())
+    }
+
+    fn solve(&mut self, request: usize) -> Result<bool, Unallocatable> {
+        self.step()?;
         if request == self.requests.len() {
             return Ok(true);
         }
@@ -341,6 +347,7 @@ impl<'a> Search<'a> {
             return self.solve(request + 1);
         }
         for candidate in start..self.candidates.len() {
+            self.step()?;
             if let Ok(consumption) = self.try_candidate(request, variant, candidate)? {
                 self.picks.push(Pick {
                     request,
