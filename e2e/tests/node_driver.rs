@@ -120,6 +120,10 @@ scenario!(
     bad_gpu_configs_fail_naming_the_field_and_good_ones_apply,
     gpu_config_real_cluster
 );
+scenario!(
+    a_claim_shared_by_two_pods_is_unprepared_after_the_last_one,
+    shared_claim_real_cluster
+);
 
 mod scenarios {
     use super::*;
@@ -878,5 +882,53 @@ mod scenarios {
         for name in ["typo", "above", "enum", "lowered"] {
             delete_pod(cluster, &ns, name).await;
         }
+    }
+
+    pub async fn a_claim_shared_by_two_pods_is_unprepared_after_the_last_one(
+        cluster: &TestCluster,
+    ) {
+        let node = cluster.node_at(0);
+        let uuid = device_uuid(cluster, &node.name, "gpu-1", A100S).await;
+        let ns = cluster.create_namespace("e2e-shared-claim").await.unwrap();
+        apply(
+            cluster,
+            &ns,
+            &claim_yaml("shared", &[Request::new("gpu").on(&uuid).memory("2Gi")]),
+        )
+        .await;
+        apply(cluster, &ns, &pod_yaml("first", &["shared"])).await;
+        apply(cluster, &ns, &pod_yaml("second", &["shared"])).await;
+        wait_pod_running(cluster, &ns, "first").await;
+        wait_pod_running(cluster, &ns, "second").await;
+        let claim = claim(cluster, &ns, "shared").await;
+        let uid = uid(&claim);
+        let reserved = claim
+            .status
+            .as_ref()
+            .and_then(|s| s.reserved_for.clone())
+            .unwrap_or_default();
+        assert_eq!(reserved.len(), 2, "reserved for both pods: {reserved:?}");
+        prepared(node, &uid).await;
+
+        delete_pod(cluster, &ns, "first").await;
+        gpupool_e2e::harness::wait_for("the first pod to be gone", TIMEOUT, || async {
+            let pods: Api<Pod> = Api::namespaced(cluster.client(), &ns);
+            pods.get_opt("first").await.ok()?.is_none().then_some(())
+        })
+        .await
+        .unwrap();
+        // Give the kubelet a few passes: it must keep the claim for the pod still using it.
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        assert!(
+            node.cdi_spec_path(&uid).is_file(),
+            "still used by the second pod"
+        );
+
+        delete_pod(cluster, &ns, "second").await;
+        gpupool_e2e::harness::wait_for("the claim to be unprepared", TIMEOUT, || async {
+            (!node.cdi_spec_path(&uid).exists()).then_some(())
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", node.driver_log()));
     }
 }
