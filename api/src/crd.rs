@@ -136,6 +136,24 @@ pub struct ComputeProfileStatus {
     pub conditions: Vec<Condition>,
 }
 
+impl GpuModelSpec {
+    /// Whether the controller accepts this spec (else it is marked Invalid): exactly one way to match
+    /// and a positive weight. The driver publishes weights only from valid GpuModels.
+    pub fn is_valid(&self) -> bool {
+        self.compute_weight > 0 && self.model.is_some() != self.product_name.is_some()
+    }
+}
+
+impl GpuModel {
+    /// When several GpuModels want one device or one class name, the oldest wins, then the first by
+    /// name; objects not yet stored come last. The controller and the driver both order by this, so
+    /// the published `computeWeight` comes from the GpuModel whose DeviceClass the controller keeps.
+    pub fn precedence(&self) -> (bool, Option<k8s_openapi::jiff::Timestamp>, Option<&String>) {
+        let created = self.metadata.creation_timestamp.as_ref().map(|t| t.0);
+        (created.is_none(), created, self.metadata.name.as_ref())
+    }
+}
+
 /// Conditions as a plain list of objects in the schema: the API server keeps them unpruned.
 fn conditions_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
     serde_json::from_value(serde_json::json!({

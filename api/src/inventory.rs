@@ -96,9 +96,18 @@ mod tests {
 
     #[test]
     fn model_names_are_short_single_tokens() {
-        assert_eq!(model_from_product_name("NVIDIA A100-SXM4-40GB"), "A100-SXM4-40GB");
-        assert_eq!(model_from_product_name("Tesla V100-SXM2-32GB"), "V100-SXM2-32GB");
-        assert_eq!(model_from_product_name("NVIDIA GeForce RTX 3090"), "RTX-3090");
+        assert_eq!(
+            model_from_product_name("NVIDIA A100-SXM4-40GB"),
+            "A100-SXM4-40GB"
+        );
+        assert_eq!(
+            model_from_product_name("Tesla V100-SXM2-32GB"),
+            "V100-SXM2-32GB"
+        );
+        assert_eq!(
+            model_from_product_name("NVIDIA GeForce RTX 3090"),
+            "RTX-3090"
+        );
         assert_eq!(model_from_product_name("NVIDIA H200"), "H200");
     }
 

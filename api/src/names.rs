@@ -70,7 +70,10 @@ mod tests {
     #[test]
     fn cdi_names_follow_the_layout() {
         let uid = "0b7c4a49-6f1e-4a52-9d0e-6d1f3f7a5b10";
-        assert_eq!(cdi_spec_file_name(uid), format!("gpupool.dev-claim_{uid}.json"));
+        assert_eq!(
+            cdi_spec_file_name(uid),
+            format!("gpupool.dev-claim_{uid}.json")
+        );
         assert_eq!(cdi_device_name(uid, "gpu-1", None), format!("{uid}-gpu-1"));
         assert_eq!(
             cdi_device_id(&cdi_device_name(uid, "gpu-1", Some("a1b2"))),

@@ -336,15 +336,7 @@ pub fn plan_with_taken(
     taken: &BTreeSet<String>,
 ) -> ModelsPlan {
     let mut ordered: Vec<&GpuModel> = models.iter().collect();
-    ordered.sort_by(|a, b| {
-        let created = |m: &GpuModel| m.metadata.creation_timestamp.as_ref().map(|t| t.0);
-        // Objects without a timestamp (not yet stored) are the newest.
-        (created(a).is_none(), created(a), a.metadata.name.as_ref()).cmp(&(
-            created(b).is_none(),
-            created(b),
-            b.metadata.name.as_ref(),
-        ))
-    });
+    ordered.sort_by(|a, b| a.precedence().cmp(&b.precedence()));
 
     let mut outcomes: Vec<ModelOutcome> = Vec::new();
     // Class name -> the GpuModel that holds it; matcher -> holder.

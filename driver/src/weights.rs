@@ -41,14 +41,11 @@ pub fn builtin_weight(model: &str) -> Option<i64> {
 }
 
 /// Weight of each model present in `inventory`: the GpuModel whose `spec.model` equals the GPU's model
-/// or whose `spec.productName` equals its product name (first by object name when several match;
-/// weights <= 0 are ignored as invalid), else the built-in table, else none.
+/// or whose `spec.productName` equals its product name (the one the controller keeps when several
+/// match, see [`GpuModel::precedence`]; invalid specs are ignored), else the built-in table, else none.
 pub fn resolve_weights(inventory: &Inventory, models: &[GpuModel]) -> BTreeMap<String, i64> {
-    let mut sorted: Vec<&GpuModel> = models
-        .iter()
-        .filter(|m| m.spec.compute_weight > 0)
-        .collect();
-    sorted.sort_by_key(|m| m.name_any());
+    let mut sorted: Vec<&GpuModel> = models.iter().filter(|m| m.spec.is_valid()).collect();
+    sorted.sort_by(|a, b| a.precedence().cmp(&b.precedence()));
     let mut out = BTreeMap::new();
     for gpu in &inventory.gpus {
         if out.contains_key(&gpu.model) {
@@ -235,6 +232,31 @@ mod tests {
             ],
         );
         assert_eq!(w.get("A100-SXM4-40GB"), Some(&5));
+    }
+
+    #[test]
+    fn the_oldest_gpu_model_wins_like_the_controllers_class_and_both_matchers_is_invalid() {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+        use k8s_openapi::jiff::Timestamp;
+        let inv = fake_inventory("a100-40gb:1", "n").unwrap();
+        let created = |mut m: GpuModel, second: i64| {
+            m.metadata.creation_timestamp = Some(Time(Timestamp::from_second(second).unwrap()));
+            m
+        };
+        let older = created(gpu_model("z-older", Some("A100-SXM4-40GB"), None, 9), 100);
+        let newer = created(gpu_model("a-newer", Some("A100-SXM4-40GB"), None, 5), 200);
+        let w = resolve_weights(&inv, &[newer, older]);
+        assert_eq!(w.get("A100-SXM4-40GB"), Some(&9));
+        let both = gpu_model(
+            "both",
+            Some("A100-SXM4-40GB"),
+            Some("NVIDIA A100-SXM4-40GB"),
+            7,
+        );
+        assert_eq!(
+            resolve_weights(&inv, &[both]).get("A100-SXM4-40GB"),
+            Some(&312)
+        );
     }
 
     #[test]
