@@ -163,13 +163,25 @@ const MERGE_KEYS: [&str; 7] = [
     "ip",
 ];
 
-fn merge_key_of(items: &[Value]) -> Option<&'static str> {
-    MERGE_KEYS.into_iter().find(|key| {
-        !items.is_empty()
-            && items
-                .iter()
-                .all(|item| item.as_object().is_some_and(|o| o.contains_key(*key)))
-    })
+/// The merge key of a list: the one `$setElementOrder` names, else the first of [`MERGE_KEYS`]
+/// that every element of the patch carries.
+fn merge_key_of(items: &[Value], order: Option<&Vec<Value>>) -> Option<String> {
+    if let Some(key) = order
+        .and_then(|o| o.first())
+        .and_then(Value::as_object)
+        .and_then(|o| o.keys().next())
+    {
+        return Some(key.clone());
+    }
+    MERGE_KEYS
+        .into_iter()
+        .find(|key| {
+            !items.is_empty()
+                && items
+                    .iter()
+                    .all(|item| item.as_object().is_some_and(|o| o.contains_key(*key)))
+        })
+        .map(String::from)
 }
 
 /// A strategic merge patch: a merge patch where lists of keyed objects merge element by element, with
@@ -197,16 +209,16 @@ pub fn strategic_merge_patch(target: &mut Value, patch: &Value) {
             target_map.remove(key);
             continue;
         }
+        let order = patch_map
+            .get(&format!("$setElementOrder/{key}"))
+            .and_then(Value::as_array);
         let slot = target_map.entry(key.clone()).or_insert(Value::Null);
         match (slot.as_array_mut(), value.as_array()) {
-            (Some(existing), Some(patch_items)) if merge_key_of(patch_items).is_some() => {
-                let merge_key = merge_key_of(patch_items).expect("checked");
-                merge_keyed_list(existing, patch_items, merge_key);
-                if let Some(order) = patch_map
-                    .get(&format!("$setElementOrder/{key}"))
-                    .and_then(Value::as_array)
-                {
-                    reorder(existing, order, merge_key);
+            (Some(existing), Some(patch_items)) if merge_key_of(patch_items, order).is_some() => {
+                let merge_key = merge_key_of(patch_items, order).expect("checked");
+                merge_keyed_list(existing, patch_items, &merge_key);
+                if let Some(order) = order {
+                    reorder(existing, order);
                 }
             }
             _ if value.is_object() => strategic_merge_patch(slot, value),
@@ -239,12 +251,17 @@ fn merge_keyed_list(existing: &mut Vec<Value>, patch_items: &[Value], merge_key:
     }
 }
 
-fn reorder(items: &mut Vec<Value>, order: &[Value], merge_key: &str) {
+/// Orders `items` as `$setElementOrder` lists them (each entry names one merge key and value);
+/// items it does not list keep their relative order after the listed ones.
+fn reorder(items: &mut Vec<Value>, order: &[Value]) {
     let mut remaining = std::mem::take(items);
     for wanted in order {
+        let Some((key, value)) = wanted.as_object().and_then(|o| o.iter().next()) else {
+            continue;
+        };
         if let Some(idx) = remaining
             .iter()
-            .position(|item| item.get(merge_key) == wanted.get(merge_key))
+            .position(|item| item.get(key) == Some(value))
         {
             items.push(remaining.remove(idx));
         }
@@ -307,6 +324,28 @@ mod tests {
         assert_eq!(err, PatchError::TestFailed("/a".into()));
         assert_eq!(doc, json!({"a": 1}));
         assert!(json_patch(&mut doc, &json!([{"op": "remove", "path": "/nope"}])).is_err());
+    }
+
+    #[test]
+    fn strategic_patch_orders_by_the_key_set_element_order_names() {
+        let mut doc = json!({"volumeMounts": [
+            {"name": "a", "mountPath": "/a"}, {"name": "b", "mountPath": "/b"}, {"name": "c", "mountPath": "/c"}]});
+        strategic_merge_patch(
+            &mut doc,
+            &json!({"$setElementOrder/volumeMounts": [{"mountPath": "/a"}, {"mountPath": "/c"}, {"mountPath": "/b"}],
+                "volumeMounts": [{"name": "c2", "mountPath": "/c"}]}),
+        );
+        let paths: Vec<&str> = doc["volumeMounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["mountPath"].as_str().unwrap())
+            .collect();
+        assert_eq!(paths, ["/a", "/c", "/b"]);
+        assert_eq!(
+            doc["volumeMounts"][1]["name"], "c2",
+            "merged by mountPath, not name"
+        );
     }
 
     #[test]

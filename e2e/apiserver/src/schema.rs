@@ -55,7 +55,8 @@ fn prune_lost(input: &mut Value, decoded: &Value, path: &str, lost: &mut Vec<Str
 /// Decodes a built-in kind; returns the paths of unknown fields, which are removed from `object`.
 pub fn decode_builtin(kind: &str, object: &mut Value) -> Result<Vec<String>, DecodeError> {
     use k8s_openapi::api::{
-        coordination::v1 as coordination, core::v1 as core, resource::v1 as resource,
+        admissionregistration::v1 as admission, apps::v1 as apps, coordination::v1 as coordination,
+        core::v1 as core, rbac::v1 as rbac, resource::v1 as resource,
     };
     use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1 as apiextensions;
     let decoded = match kind {
@@ -69,6 +70,19 @@ pub fn decode_builtin(kind: &str, object: &mut Value) -> Result<Vec<String>, Dec
         "ResourceClaimTemplate" => roundtrip::<resource::ResourceClaimTemplate>(object)?,
         "ResourceSlice" => roundtrip::<resource::ResourceSlice>(object)?,
         "Lease" => roundtrip::<coordination::Lease>(object)?,
+        "ServiceAccount" => roundtrip::<core::ServiceAccount>(object)?,
+        "Secret" => roundtrip::<core::Secret>(object)?,
+        "Service" => roundtrip::<core::Service>(object)?,
+        "Deployment" => roundtrip::<apps::Deployment>(object)?,
+        "DaemonSet" => roundtrip::<apps::DaemonSet>(object)?,
+        "ClusterRole" => roundtrip::<rbac::ClusterRole>(object)?,
+        "ClusterRoleBinding" => roundtrip::<rbac::ClusterRoleBinding>(object)?,
+        "Role" => roundtrip::<rbac::Role>(object)?,
+        "RoleBinding" => roundtrip::<rbac::RoleBinding>(object)?,
+        "ValidatingAdmissionPolicy" => roundtrip::<admission::ValidatingAdmissionPolicy>(object)?,
+        "ValidatingAdmissionPolicyBinding" => {
+            roundtrip::<admission::ValidatingAdmissionPolicyBinding>(object)?
+        }
         "CustomResourceDefinition" => roundtrip::<apiextensions::CustomResourceDefinition>(object)?,
         _ => return Ok(Vec::new()),
     };
