@@ -44,6 +44,10 @@ impl Unallocatable {
     }
 }
 
+/// Diagnosis when every request fits alone.
+const TOGETHER: &str =
+    "each request fits on its own but not all together (constraints or shared capacity)";
+
 /// Upper bound on search steps, so a pathological claim fails instead of hanging the loop.
 const SEARCH_STEP_LIMIT: u64 = 100_000;
 
@@ -95,11 +99,20 @@ pub fn allocate(
         picks: Vec::new(),
         steps: 0,
     };
-    if !search.solve(0)? {
-        let message = search.diagnose()?;
-        return Err(Unallocatable::new(message));
+    match search.solve(0) {
+        Ok(true) => Ok(search.result(claim)),
+        Ok(false) => Err(Unallocatable::new(search.diagnose()?)),
+        // Out of steps: a request that cannot be met even alone is the better answer.
+        Err(gave_up) if search.steps > SEARCH_STEP_LIMIT => {
+            let diagnosis = search.diagnose()?;
+            Err(if diagnosis.contains(TOGETHER) {
+                gave_up
+            } else {
+                Unallocatable::new(diagnosis)
+            })
+        }
+        Err(other) => Err(other),
     }
-    Ok(search.result(claim))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -672,10 +685,7 @@ impl<'a> Search<'a> {
                 ));
             }
         }
-        Ok(format!(
-            "claim {}: each request fits on its own but not all together (constraints or shared capacity)",
-            self.claim_ref
-        ))
+        Ok(format!("claim {}: {TOGETHER}", self.claim_ref))
     }
 
     fn result(&self, claim: &ResourceClaim) -> AllocationResult {

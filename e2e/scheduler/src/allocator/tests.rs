@@ -692,3 +692,28 @@ fn a_busy_device_of_another_class_is_reported_as_not_matching() {
         ))
     );
 }
+
+#[test]
+fn a_hopeless_combinatorial_search_stops_and_names_the_request_that_cannot_fit() {
+    // 15 of 30 whole cards for one request, then a request nothing can satisfy: the
+    // search would try every combination of the first.
+    let slices = vec![node_slice(
+        "node-a",
+        (0..30)
+            .map(|i| exclusive(gpu(i, "A100-SXM4-40GB", "40Gi")))
+            .collect(),
+    )];
+    let mut c = claim(
+        "greedy",
+        vec![exact("many", A100, &[]), exact("none", V100, &[])],
+    );
+    let request = &mut c.spec.devices.as_mut().unwrap().requests.as_mut().unwrap()[0];
+    request.exactly.as_mut().unwrap().count = Some(15);
+    let started = std::time::Instant::now();
+    let err = on("node-a", &c, &slices, &[]).unwrap_err();
+    assert_eq!(
+        err,
+        format!("claim default/greedy, request none: no device matches class {V100}")
+    );
+    assert!(started.elapsed() < std::time::Duration::from_secs(20));
+}
