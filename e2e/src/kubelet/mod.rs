@@ -117,6 +117,8 @@ pub struct PreparedClaim {
     pub claim: ClaimRef,
     pub devices: Vec<PreparedDevice>,
     pub pod_uids: BTreeSet<String>,
+    /// The drivers that prepared it (and will be asked to unprepare it).
+    pub drivers: BTreeSet<String>,
 }
 
 impl PreparedClaim {
@@ -839,6 +841,7 @@ impl Inner {
         for uid in gone {
             self.release_pod(&uid).await;
         }
+        self.unprepare_unused().await;
         Ok(())
     }
 
@@ -873,7 +876,7 @@ impl Inner {
         for (claim, drivers) in &ready {
             let already = self.state.lock().unwrap().prepared.contains_key(&claim.uid);
             if already {
-                self.attach(pod_uid, claim, Vec::new());
+                self.attach(pod_uid, claim, None, Vec::new());
                 continue;
             }
             for driver in drivers {
@@ -888,7 +891,9 @@ impl Inner {
                 Ok(outcome) => {
                     for claim in &claims {
                         match outcome.get(&claim.uid) {
-                            Some(Ok(devices)) => self.attach(pod_uid, claim, devices.clone()),
+                            Some(Ok(devices)) => {
+                                self.attach(pod_uid, claim, Some(&driver), devices.clone())
+                            }
                             Some(Err(error)) => errors.push(format!(
                                 "prepare dynamic resources: NodePrepareResources failed for ResourceClaim {}: {error}",
                                 claim.name
@@ -934,7 +939,13 @@ impl Inner {
         }
     }
 
-    fn attach(&self, pod_uid: &str, claim: &ClaimRef, devices: Vec<PreparedDevice>) {
+    fn attach(
+        &self,
+        pod_uid: &str,
+        claim: &ClaimRef,
+        driver: Option<&str>,
+        devices: Vec<PreparedDevice>,
+    ) {
         let mut state = self.state.lock().unwrap();
         let entry = state
             .prepared
@@ -943,38 +954,50 @@ impl Inner {
                 claim: claim.clone(),
                 devices: Vec::new(),
                 pod_uids: BTreeSet::new(),
+                drivers: BTreeSet::new(),
             });
         entry.devices.extend(devices);
         entry.pod_uids.insert(pod_uid.to_string());
+        entry.drivers.extend(driver.map(str::to_string));
         if let Some(record) = state.pods.get_mut(pod_uid) {
             record.claim_uids.insert(claim.uid.clone());
         }
     }
 
-    /// Forgets a pod; claims no other pod on the node uses are unprepared.
+    /// Forgets a pod; its claims that no other pod on the node uses are unprepared.
     async fn release_pod(&self, pod_uid: &str) {
-        let to_unprepare: Vec<ClaimRef> = {
+        {
             let mut state = self.state.lock().unwrap();
             let Some(record) = state.pods.remove(pod_uid) else {
                 return;
             };
-            let mut out = Vec::new();
             for claim_uid in record.claim_uids {
                 if let Some(prepared) = state.prepared.get_mut(&claim_uid) {
                     prepared.pod_uids.remove(pod_uid);
-                    if prepared.pod_uids.is_empty() {
-                        out.push(prepared.claim.clone());
-                    }
                 }
             }
-            out
+        }
+        self.unprepare_unused().await;
+    }
+
+    /// Unprepares every claim no pod uses any more; one that fails (a driver away) stays and is tried
+    /// again on the next pass, as the kubelet does.
+    async fn unprepare_unused(&self) {
+        let unused: Vec<PreparedClaim> = {
+            let state = self.state.lock().unwrap();
+            state
+                .prepared
+                .values()
+                .filter(|p| p.pod_uids.is_empty())
+                .cloned()
+                .collect()
         };
-        let drivers: Vec<String> = self.state.lock().unwrap().plugins.keys().cloned().collect();
-        for claim in to_unprepare {
+        for prepared in unused {
+            let claim = &prepared.claim;
             let mut failed = false;
-            for driver in &drivers {
+            for driver in &prepared.drivers {
                 match self
-                    .call_unprepare(driver, std::slice::from_ref(&claim))
+                    .call_unprepare(driver, std::slice::from_ref(claim))
                     .await
                 {
                     Ok(outcome) => {
@@ -990,6 +1013,7 @@ impl Inner {
                 }
             }
             if !failed {
+                // Pod sync is one sequential loop, so no pod took the claim up meanwhile.
                 self.state.lock().unwrap().prepared.remove(&claim.uid);
             }
         }

@@ -200,6 +200,7 @@ fn prepared_from_cdi(node: &str, claim_uid: &str, spec: &Value) -> PreparedClaim
         },
         devices,
         pod_uids: Default::default(),
+        drivers: Default::default(),
     }
 }
 
