@@ -1028,8 +1028,6 @@ fn to_yaml_stream(objects: &[Value]) -> String {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "the API emulator does not serve apps/v1, rbac.authorization.k8s.io/v1, \
-            admissionregistration.k8s.io/v1 and serviceaccounts yet"]
 async fn manifests_apply_to_the_api_emulator_with_strict_field_validation() {
     if kubectl_missing("manifests_apply_to_the_api_emulator_with_strict_field_validation") {
         return;
