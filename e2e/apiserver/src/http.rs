@@ -39,7 +39,8 @@ pub struct Shared {
     pub changes: tokio::sync::watch::Sender<u64>,
     pub requests: Mutex<Vec<RequestRecord>>,
     pub server_address: String,
-    pub bookmark_interval: Duration,
+    /// Milliseconds between BOOKMARK events on watches that allow them.
+    pub bookmark_interval_ms: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
@@ -49,8 +50,16 @@ impl Shared {
             changes: tokio::sync::watch::channel(0).0,
             requests: Mutex::new(Vec::new()),
             server_address,
-            bookmark_interval: Duration::from_secs(10),
+            bookmark_interval_ms: std::sync::atomic::AtomicU64::new(10_000),
         }
+    }
+
+    fn bookmark_interval(&self) -> Duration {
+        Duration::from_millis(
+            self.bookmark_interval_ms
+                .load(std::sync::atomic::Ordering::Relaxed)
+                .max(1),
+        )
     }
 
     fn store(&self) -> std::sync::MutexGuard<'_, Store> {
@@ -140,6 +149,13 @@ impl RequestContext {
 
     fn flag(&self, key: &str) -> bool {
         matches!(self.param(key), Some("true") | Some("1"))
+    }
+
+    /// kube-rs' `*_metadata` calls ask for `PartialObjectMetadata`.
+    fn wants_metadata(&self) -> bool {
+        self.accept
+            .split(',')
+            .any(|m| m.contains("as=PartialObjectMetadata"))
     }
 
     fn wants_table(&self) -> bool {
@@ -409,6 +425,14 @@ fn resource_request(
                     &table::table(def, &items, &rv, &include),
                 ));
             }
+            if ctx.wants_metadata() {
+                let items: Vec<Value> = items.iter().map(partial_metadata).collect();
+                return Ok(json_response(
+                    200,
+                    &json!({"kind": "PartialObjectMetadataList", "apiVersion": "meta.k8s.io/v1",
+                        "metadata": {"resourceVersion": rv}, "items": items}),
+                ));
+            }
             Ok(json_response(
                 200,
                 &json!({"kind": list_kind(def), "apiVersion": def.api_version(), "metadata": {"resourceVersion": rv}, "items": items}),
@@ -448,6 +472,9 @@ fn resource_request(
                     200,
                     &table::table(def, &[object], &rv, &include),
                 ));
+            }
+            if ctx.wants_metadata() {
+                return Ok(json_response(200, &partial_metadata(&object)));
             }
             Ok(json_response(200, &object))
         }
@@ -532,12 +559,22 @@ fn resource_request(
     }
 }
 
+/// The `meta.k8s.io/v1` PartialObjectMetadata of an object.
+fn partial_metadata(object: &Value) -> Value {
+    json!({
+        "kind": "PartialObjectMetadata",
+        "apiVersion": "meta.k8s.io/v1",
+        "metadata": object.get("metadata").cloned().unwrap_or(json!({})),
+    })
+}
+
 struct WatchFilter {
     def: ResourceDef,
     namespace: Option<String>,
     labels: LabelSelector,
     fields: FieldSelector,
     table: bool,
+    metadata_only: bool,
     include: String,
 }
 
@@ -551,6 +588,8 @@ impl WatchFilter {
                 .unwrap_or_default()
                 .to_string();
             object = table::table(&self.def, &[object], &rv, &self.include);
+        } else if self.metadata_only {
+            object = partial_metadata(&object);
         }
         let mut line =
             serde_json::to_vec(&json!({"type": event_type, "object": object})).unwrap_or_default();
@@ -625,6 +664,7 @@ fn start_watch(
         labels,
         fields,
         table: ctx.wants_table(),
+        metadata_only: ctx.wants_metadata(),
         include: ctx.param("includeObject").unwrap_or_default().to_string(),
     };
     let send_initial = ctx.param("sendInitialEvents") == Some("true");
@@ -680,7 +720,7 @@ fn start_watch(
         }
         let mut last = start_rv;
         let deadline = tokio::time::Instant::now() + Duration::from_secs(timeout);
-        let mut next_bookmark = tokio::time::Instant::now() + shared.bookmark_interval;
+        let mut next_bookmark = tokio::time::Instant::now() + shared.bookmark_interval();
         loop {
             let (lines, seen) = {
                 let store = shared.store();
@@ -712,7 +752,7 @@ fn start_watch(
             tokio::select! {
                 changed = changes.changed() => if changed.is_err() { return },
                 _ = tokio::time::sleep_until(next_bookmark), if bookmarks => {
-                    next_bookmark = tokio::time::Instant::now() + shared.bookmark_interval;
+                    next_bookmark = tokio::time::Instant::now() + shared.bookmark_interval();
                     if tx.send(filter.bookmark(last, false)).await.is_err() {
                         return;
                     }

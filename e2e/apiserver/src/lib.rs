@@ -193,6 +193,14 @@ impl ApiServer {
             .clone()
     }
 
+    /// How often watches that allow bookmarks get one (default 10 s).
+    pub fn set_bookmark_interval(&self, interval: std::time::Duration) {
+        self.shared.bookmark_interval_ms.store(
+            interval.as_millis() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+
     /// Forgets the watch history: watches resuming from an older resourceVersion then get 410 Gone.
     pub fn compact(&self) {
         self.shared

@@ -94,6 +94,15 @@ impl ApiError {
         )
     }
 
+    pub fn forbidden(def: &ResourceDef, name: &str, why: &str) -> Self {
+        Self::new(
+            403,
+            "Forbidden",
+            format!("{} {name:?} is forbidden: {why}", def.qualified_plural()),
+            Some(Self::details(def, name)),
+        )
+    }
+
     pub fn bad_request(message: impl Into<String>) -> Self {
         Self::new(400, "BadRequest", message.into(), None)
     }

@@ -17,6 +17,9 @@ use crate::status::ApiError;
 /// How many watch events are kept for watches that resume from a resourceVersion.
 const HISTORY_LIMIT: usize = 100_000;
 
+/// Namespaces the real server refuses to delete.
+const PROTECTED_NAMESPACES: [&str; 3] = ["default", "kube-system", "kube-public"];
+
 pub type StorageKey = (String, String);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -891,6 +894,13 @@ impl Store {
             if meta_str(&existing, "resourceVersion") != Some(rv.as_str()) {
                 return Err(ApiError::conflict(def, name, &format!("Precondition failed: ResourceVersion in precondition: {rv}, ResourceVersion in object meta: {}", meta_str(&existing, "resourceVersion").unwrap_or_default())));
             }
+        }
+        if def.group.is_empty() && def.kind == "Namespace" && PROTECTED_NAMESPACES.contains(&name) {
+            return Err(ApiError::forbidden(
+                def,
+                name,
+                "this namespace may not be deleted",
+            ));
         }
         if dry_run {
             return Ok(Self::present(def, &existing));

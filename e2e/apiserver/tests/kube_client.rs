@@ -581,3 +581,79 @@ async fn dropping_the_server_stops_it() {
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert!(tokio::net::TcpStream::connect(&addr).await.is_err());
 }
+
+#[tokio::test]
+async fn metadata_calls_get_partial_object_metadata() {
+    let server = ApiServer::start().await.unwrap();
+    let api: Api<ConfigMap> = Api::namespaced(client_for(&server).await, "default");
+    api.create(
+        &PostParams::default(),
+        &config_map("m", json!({"app": "web"})),
+    )
+    .await
+    .unwrap();
+    let listed = api.list_metadata(&ListParams::default()).await.unwrap();
+    assert_eq!(listed.items.len(), 1);
+    assert_eq!(listed.items[0].labels()["app"], "web");
+    let one = api.get_metadata("m").await.unwrap();
+    assert_eq!(one.types.as_ref().unwrap().kind, "PartialObjectMetadata");
+
+    let mut events = watcher(
+        Api::<kube::core::PartialObjectMeta<ConfigMap>>::namespaced(
+            client_for(&server).await,
+            "default",
+        ),
+        watcher::Config::default(),
+    )
+    .boxed();
+    let mut names = Vec::new();
+    while names.is_empty() {
+        if let Some(watcher::Event::InitApply(meta)) =
+            tokio::time::timeout(Duration::from_secs(10), events.try_next())
+                .await
+                .unwrap()
+                .unwrap()
+        {
+            names.push(meta.name_any());
+        }
+    }
+    assert_eq!(names, ["m"]);
+}
+
+#[tokio::test]
+async fn watches_that_allow_bookmarks_get_them_periodically() {
+    let server = ApiServer::start().await.unwrap();
+    server.set_bookmark_interval(Duration::from_millis(100));
+    let api: Api<ConfigMap> = Api::namespaced(client_for(&server).await, "default");
+    let rv = api
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .metadata
+        .resource_version
+        .unwrap();
+    let mut stream = api
+        .watch(&WatchParams::default(), &rv)
+        .await
+        .unwrap()
+        .boxed();
+    let event = tokio::time::timeout(Duration::from_secs(5), stream.next())
+        .await
+        .expect("a bookmark within 5s")
+        .unwrap()
+        .unwrap();
+    match event {
+        WatchEvent::Bookmark(bookmark) => assert_eq!(bookmark.metadata.resource_version, rv),
+        other => panic!("expected a bookmark, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn the_default_namespace_cannot_be_deleted() {
+    use k8s_openapi::api::core::v1::Namespace;
+    let server = ApiServer::start().await.unwrap();
+    let namespaces: Api<Namespace> = Api::all(client_for(&server).await);
+    let status = api_error(namespaces.delete("default", &DeleteParams::default()).await);
+    assert_eq!((status.code, status.reason.as_str()), (403, "Forbidden"));
+    assert!(namespaces.get("default").await.is_ok());
+}
