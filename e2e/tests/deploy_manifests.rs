@@ -815,10 +815,14 @@ fn helm_renderer_unit_tests_pass() {
 /// The chart rendered by deploy/tools/helm-render (`helm template --include-crds` for the subset of
 /// Helm the chart uses), with the release namespace gpupool and extra `--set`s.
 fn helm_template(sets: &[&str]) -> Vec<Value> {
+    helm_template_in("gpupool", sets)
+}
+
+fn helm_template_in(namespace: &str, sets: &[&str]) -> Vec<Value> {
     let mut cmd = go_in_renderer(&["run", "."]);
     cmd.arg("-chart")
         .arg(deploy_dir().join("helm/gpupool"))
-        .args(["-name", "gpupool", "-namespace", "gpupool", "-include-crds"]);
+        .args(["-name", "gpupool", "-namespace", namespace, "-include-crds"]);
     for set in sets {
         cmd.args(["-set", set]);
     }
@@ -1224,5 +1228,75 @@ fn workload_args_are_flags_the_binaries_accept() {
                 }
             }
         }
+    }
+}
+
+#[test]
+fn helm_values_move_flags_and_mounts_together() {
+    if go_missing("helm_values_move_flags_and_mounts_together") {
+        return;
+    }
+    let kubelet = "/var/snap/microk8s/common/var/lib/kubelet";
+    let objects = helm_template(&[
+        &format!("kubeletDir={kubelet}"),
+        "cdiRoot=/etc/cdi",
+        "hamiCore.libDir=/opt/hami",
+        "logFormat=text",
+        "driver.healthzPort=9100",
+        "controller.replicas=3",
+        "image.tag=0.2.0",
+    ]);
+    let ds = find(&objects, "DaemonSet", "gpupool-driver");
+    let driver = container(ds, "driver");
+    let mounts = host_mounts(ds, "driver");
+    for (name, path) in [
+        ("--registry-dir", format!("{kubelet}/plugins_registry")),
+        ("--plugin-dir", format!("{kubelet}/plugins/gpupool.dev")),
+        ("--state-dir", format!("{kubelet}/plugins/gpupool.dev")),
+        ("--cdi-root", "/etc/cdi".to_owned()),
+        ("--vgpu-lib-dir", "/opt/hami".to_owned()),
+    ] {
+        assert_eq!(flag(driver, name), Some(path.clone()), "{name}");
+        let (in_container, _) = mounts
+            .get(&path)
+            .unwrap_or_else(|| panic!("{path} is not mounted: {mounts:?}"));
+        assert_eq!(
+            in_container, &path,
+            "{name}: same path in the container as on the host"
+        );
+    }
+    assert_eq!(flag(driver, "--log-format").as_deref(), Some("text"));
+    assert_eq!(
+        flag(driver, "--healthz-addr").as_deref(),
+        Some("0.0.0.0:9100")
+    );
+    assert_eq!(driver["ports"][0]["containerPort"], 9100);
+    assert_eq!(driver["image"], "gpupool:0.2.0");
+
+    let deployment = find(&objects, "Deployment", "gpupool-controller");
+    assert_eq!(deployment["spec"]["replicas"], 3);
+    let controller = container(deployment, "controller");
+    assert_eq!(flag(controller, "--log-format").as_deref(), Some("text"));
+    assert_eq!(controller["image"], "gpupool:0.2.0");
+
+    // A release in another namespace confines that namespace's driver ServiceAccount.
+    let elsewhere = helm_template_in("gpu-system", &[]);
+    let policy = find(
+        &elsewhere,
+        "ValidatingAdmissionPolicy",
+        "gpupool-driver-resourceslices",
+    );
+    let condition = policy["spec"]["matchConditions"][0]["expression"].to_string();
+    assert!(
+        condition.contains("system:serviceaccount:gpu-system:gpupool-driver"),
+        "{condition}"
+    );
+    for binding in of_kind(&elsewhere, "ClusterRoleBinding") {
+        assert_eq!(
+            binding["subjects"][0]["namespace"],
+            "gpu-system",
+            "{}",
+            key(binding)
+        );
     }
 }
