@@ -98,6 +98,24 @@ async fn restart_scenario(backend: Backend) {
     )
     .await
     .unwrap_or_else(|e| panic!("{e}\n{}", node.driver_log()));
+    // A pod deleted while the driver is away: the kubelet keeps asking until the driver is back.
+    let after = claim(&cluster, &ns, "after").await;
+    let after_uid = after.metadata.uid.clone().unwrap();
+    cluster.stop_driver(&name).await.unwrap();
+    delete_pod(&cluster, &ns, "after").await;
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    assert!(
+        node.cdi_spec_path(&after_uid).is_file(),
+        "nobody could unprepare it yet"
+    );
+    cluster.restart_driver(&name).await.unwrap();
+    wait_for(
+        "the claim to be unprepared once the driver is back",
+        TIMEOUT,
+        || async { (!node.cdi_spec_path(&after_uid).exists()).then_some(()) },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", node.driver_log()));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
