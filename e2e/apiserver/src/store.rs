@@ -15,7 +15,7 @@ use crate::selectors::{FieldSelector, LabelSelector};
 use crate::status::ApiError;
 
 /// How many watch events are kept for watches that resume from a resourceVersion.
-const HISTORY_LIMIT: usize = 100_000;
+const HISTORY_LIMIT: usize = 10_000;
 
 /// Namespaces the real server refuses to delete.
 const PROTECTED_NAMESPACES: [&str; 3] = ["default", "kube-system", "kube-public"];

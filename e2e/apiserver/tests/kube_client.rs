@@ -657,3 +657,45 @@ async fn the_default_namespace_cannot_be_deleted() {
     assert_eq!((status.code, status.reason.as_str()), (403, "Forbidden"));
     assert!(namespaces.get("default").await.is_ok());
 }
+
+#[tokio::test]
+async fn watchers_resume_after_an_api_outage() {
+    use kube::runtime::WatchStreamExt;
+    let server = ApiServer::start().await.unwrap();
+    let api: Api<ConfigMap> = Api::namespaced(client_for(&server).await, "default");
+    let mut objects = watcher(api.clone(), watcher::Config::default())
+        .default_backoff()
+        .applied_objects()
+        .boxed();
+    api.create(
+        &PostParams::default(),
+        &config_map("before-outage", json!({})),
+    )
+    .await
+    .unwrap();
+    let first = tokio::time::timeout(Duration::from_secs(10), objects.try_next())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.name_any(), "before-outage");
+
+    server.stop_serving().await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    server.resume_serving().await.unwrap();
+    api.create(
+        &PostParams::default(),
+        &config_map("after-outage", json!({})),
+    )
+    .await
+    .unwrap();
+    let mut seen = Vec::new();
+    while !seen.contains(&"after-outage".to_string()) {
+        let next = tokio::time::timeout(Duration::from_secs(20), objects.try_next())
+            .await
+            .expect("the watcher reconnects within 20s");
+        if let Ok(Some(cm)) = next {
+            seen.push(cm.name_any());
+        }
+    }
+}
