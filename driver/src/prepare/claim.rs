@@ -39,6 +39,15 @@ pub enum ClaimError {
         pool: String,
         device: String,
     },
+    #[error(
+        "claim {claim}: device {device:?} has shareID {share_id:?}, which is not a UUID-like token \
+         (lowercase letters, digits and '-', at most 64)"
+    )]
+    BadShareId {
+        claim: String,
+        device: String,
+        share_id: String,
+    },
     #[error("claim {claim}: {error}")]
     Config {
         claim: String,
@@ -147,6 +156,21 @@ pub fn check_claim(
         return Err(ClaimError::OtherNode {
             claim: name,
             pool: pool.to_string(),
+        });
+    }
+    // The share id becomes part of a CDI device name: the API server only admits UUIDs, but check.
+    if let Some((device, share_id)) = ours.iter().find_map(|d| {
+        let share = d.share_id.as_deref()?;
+        (share.len() > 64
+            || !share
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-'))
+        .then(|| (d.device.clone(), share.to_string()))
+    }) {
+        return Err(ClaimError::BadShareId {
+            claim: name,
+            device,
+            share_id,
         });
     }
     if let Some(missing) = ours.iter().find(|d| inventory.gpu(&d.device).is_none()) {
@@ -351,6 +375,14 @@ pub(crate) mod tests {
         let claim = allocated_claim(UID, &[("gpu", "n", "gpu-7", None, None, None)], json!([]));
         let e = check_claim(&claim_ref(UID), &claim, "n", &inventory()).unwrap_err();
         assert!(e.to_string().contains("gpu-7"), "{e}");
+
+        let claim = allocated_claim(
+            UID,
+            &[("gpu", "n", "gpu-0", Some("../../x"), Some("1Gi"), None)],
+            json!([]),
+        );
+        let e = check_claim(&claim_ref(UID), &claim, "n", &inventory()).unwrap_err();
+        assert!(e.to_string().contains("shareID \"../../x\""), "{e}");
 
         let config = json!([
             {"source": "FromClass", "opaque": {"driver": "other.dev", "parameters": {"x": 1}}},

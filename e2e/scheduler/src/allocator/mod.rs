@@ -884,12 +884,8 @@ fn lookup_attribute<'d>(
     (domain == driver).then(|| attributes.get(id)).flatten()
 }
 
-/// A share id like the ones kube-scheduler writes: short, lowercase alphanumeric.
+/// A share id as kube-scheduler writes it: a fresh lowercase UUID (the API validates the field with
+/// `k8s:format=k8s-uuid`).
 fn new_share_id() -> String {
-    // The alphabet Kubernetes uses for generated suffixes: no vowels, no look-alikes.
-    const ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
-    uuid::Uuid::new_v4().as_bytes()[..5]
-        .iter()
-        .map(|b| ALPHABET[*b as usize % ALPHABET.len()] as char)
-        .collect()
+    uuid::Uuid::new_v4().to_string()
 }
