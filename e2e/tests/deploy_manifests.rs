@@ -792,7 +792,9 @@ fn go_in_renderer(args: &[&str]) -> Command {
         .env("GOPROXY", "off")
         .env("GOTOOLCHAIN", "local")
         .env("GOFLAGS", "-buildvcs=false")
-        .env("GOCACHE", repo_root().join("target/go-build"));
+        .env("GOCACHE", repo_root().join("target/go-build"))
+        // Go wants a GOPATH even with nothing to download; CI may run without $HOME.
+        .env("GOPATH", repo_root().join("target/go-path"));
     cmd
 }
 
