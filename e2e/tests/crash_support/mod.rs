@@ -1,0 +1,549 @@
+//! A node for the crash, outage and hostile-input scenarios: the API server emulator, a kubelet
+//! emulator that only does what the test tells it, and the real `gpupool-driver` started by hand, so
+//! every start can carry its own environment (an armed fault point, a boot id) and be killed at will.
+//!
+//! The harness's `TestCluster` runs the driver through `ManagedProcess`, which inherits the test
+//! process's environment; setting `GPUPOOL_FAULT_POINT` there would arm every driver of every test
+//! running in parallel in this binary, hence this local helper.
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs::File;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use gpupool_apiserver::ApiServer;
+use gpupool_e2e::harness::{client_for_kubeconfig, find_binary, NodeDirs, DRIVER_BIN};
+use gpupool_e2e::kubelet::{
+    ClaimRef, Kubelet, KubeletConfig, KubeletError, PrepareOutcome, PreparedDevice,
+    UnprepareOutcome,
+};
+use k8s_openapi::api::core::v1::{Event, Namespace};
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use kube::{Api, Client};
+use serde_json::{json, Value};
+
+pub const DRIVER: &str = gpupool_api::names::DRIVER_NAME;
+pub const FAULT_POINT_ENV: &str = "GPUPOOL_FAULT_POINT";
+pub const BOOT_ID_ENV: &str = "GPUPOOL_BOOT_ID";
+/// Files the driver keeps in its state folder besides per-claim data.
+pub const CHECKPOINT_FILE: &str = "checkpoint.json";
+const STATE_FILES: &[&str] = &["checkpoint.json", "checkpoint.lock", "ld.so.preload"];
+const CACHE_DIR: &str = "vgpu-cache";
+pub const TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How one start of the driver ended up.
+#[derive(Debug)]
+pub enum Started {
+    /// Registered with the kubelet emulator.
+    Registered,
+    /// Exited before registering.
+    Exited(ExitStatus),
+}
+
+pub struct CrashNode {
+    pub name: String,
+    pub apiserver: ApiServer,
+    pub client: Client,
+    pub kubelet: Kubelet,
+    pub dirs: NodeDirs,
+    pub root: PathBuf,
+    kubeconfig: PathBuf,
+    vgpu_dir: PathBuf,
+    log_path: PathBuf,
+    binary: PathBuf,
+    fake_gpus: String,
+    driver: Option<Child>,
+    pub boot_id: String,
+    _guard: tempfile::TempDir,
+}
+
+impl Drop for CrashNode {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let log = self.log();
+            let lines: Vec<&str> = log.lines().collect();
+            eprintln!(
+                "===== driver log of {} (last 200 lines) =====\n{}",
+                self.name,
+                lines[lines.len().saturating_sub(200)..].join("\n")
+            );
+        }
+        self.kill_driver();
+    }
+}
+
+impl CrashNode {
+    /// Starts the API server emulator and the kubelet emulator; the driver is started by the test.
+    pub async fn new(name: &str, fake_gpus: &str) -> CrashNode {
+        let guard = tempfile::Builder::new()
+            .prefix("gpupool-crash-")
+            .tempdir()
+            .expect("creating the work folder");
+        let root = guard.path().to_path_buf();
+        let apiserver = ApiServer::start().await.expect("starting the API emulator");
+        let kubeconfig = root.join("kubeconfig");
+        apiserver
+            .write_kubeconfig(&kubeconfig)
+            .expect("writing kubeconfig");
+        let client = client_for_kubeconfig(&kubeconfig)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let host = root.join("host");
+        let dirs = NodeDirs {
+            registry: host.join("plugins_registry"),
+            plugin: host.join("plugins").join(DRIVER),
+            cdi: host.join("cdi"),
+            state: host.join("state"),
+        };
+        let vgpu_dir = host.join("vgpu");
+        for dir in [&dirs.registry, &dirs.plugin, &vgpu_dir] {
+            std::fs::create_dir_all(dir).expect("creating the node's folders");
+        }
+        let mut config = KubeletConfig::new(name, &dirs.registry);
+        // The test is the kubelet's pod logic: it decides what to prepare and when to retry.
+        config.manage_pods = false;
+        config.poll_interval = Duration::from_millis(20);
+        let kubelet = Kubelet::start(client.clone(), config)
+            .await
+            .unwrap_or_else(|e| panic!("starting the kubelet emulator: {e}"));
+        CrashNode {
+            name: name.to_string(),
+            apiserver,
+            client,
+            kubelet,
+            dirs,
+            log_path: root.join("driver.log"),
+            root,
+            kubeconfig,
+            vgpu_dir,
+            binary: find_binary(DRIVER_BIN).unwrap_or_else(|e| panic!("{e}")),
+            fake_gpus: fake_gpus.to_string(),
+            driver: None,
+            boot_id: uuid::Uuid::new_v4().to_string(),
+            _guard: guard,
+        }
+    }
+
+    /// The folder everything of this node lives under (host folders, log, kubeconfig).
+    pub fn host_root(&self) -> PathBuf {
+        self.root.join("host")
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    fn spawn(&mut self, env: &[(&str, &str)]) -> Child {
+        let log = File::options()
+            .create(true)
+            .append(true)
+            .open(&self.log_path)
+            .expect("opening the driver log");
+        let log_err = log.try_clone().expect("cloning the log handle");
+        let mut command = Command::new(&self.binary);
+        command
+            .args([
+                "run",
+                "--node-name",
+                &self.name,
+                "--kubeconfig",
+                &self.kubeconfig.display().to_string(),
+                "--registry-dir",
+                &self.dirs.registry.display().to_string(),
+                "--plugin-dir",
+                &self.dirs.plugin.display().to_string(),
+                "--cdi-root",
+                &self.dirs.cdi.display().to_string(),
+                "--state-dir",
+                &self.dirs.state.display().to_string(),
+                "--fake-gpus",
+                &self.fake_gpus,
+                "--vgpu-lib-dir",
+                &self.vgpu_dir.display().to_string(),
+            ])
+            .env("NO_COLOR", "1")
+            .env(BOOT_ID_ENV, &self.boot_id)
+            .env_remove(FAULT_POINT_ENV)
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log_err);
+        for (key, value) in env {
+            command.env(key, value);
+        }
+        command.spawn().expect("starting gpupool-driver")
+    }
+
+    /// Kills a running driver and starts it again (armed at `fault` when given); waits until it has
+    /// registered with the kubelet emulator or exited.
+    pub async fn start_driver(&mut self, fault: Option<&str>) -> Started {
+        self.start_driver_with(fault.map(|f| (FAULT_POINT_ENV, f)).as_slice())
+            .await
+    }
+
+    pub async fn start_driver_with(&mut self, env: &[(&str, &str)]) -> Started {
+        self.kill_driver();
+        let before = self.kubelet.registration(DRIVER).map_or(0, |r| r.sequence);
+        let child = self.spawn(env);
+        self.driver = Some(child);
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            if let Some(status) = self.exited() {
+                return Started::Exited(status);
+            }
+            if self
+                .kubelet
+                .registration(DRIVER)
+                .is_some_and(|r| r.sequence > before)
+            {
+                return Started::Registered;
+            }
+            if Instant::now() >= deadline {
+                panic!(
+                    "the driver did not register within {TIMEOUT:?}\n{}",
+                    self.log()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Starts the driver unarmed and panics (with its log) unless it registers.
+    pub async fn start_driver_ok(&mut self) {
+        if let Started::Exited(status) = self.start_driver(None).await {
+            panic!("the driver exited at start ({status})\n{}", self.log());
+        }
+    }
+
+    /// The driver's exit status once it has exited.
+    pub fn exited(&mut self) -> Option<ExitStatus> {
+        let child = self.driver.as_mut()?;
+        match child.try_wait() {
+            Ok(Some(status)) => {
+                self.driver = None;
+                Some(status)
+            }
+            _ => None,
+        }
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        self.driver.is_some() && self.exited().is_none()
+    }
+
+    /// Waits up to `timeout` for the driver to exit on its own.
+    pub async fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.exited() {
+                return Some(status);
+            }
+            if self.driver.is_none() || Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// SIGKILL (a crash); nothing is cleaned up.
+    pub fn kill_driver(&mut self) {
+        if let Some(mut child) = self.driver.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGTERM and wait for the driver to exit (it removes its sockets).
+    pub async fn stop_driver(&mut self) -> Option<ExitStatus> {
+        let pid = self.driver.as_ref()?.id();
+        // SAFETY: plain kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(pid as libc::pid_t, libc::SIGTERM);
+        }
+        let status = self.wait_exit(Duration::from_secs(15)).await;
+        self.kill_driver();
+        status
+    }
+
+    pub async fn create_namespace(&self, name: &str) {
+        let namespace: Namespace = serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}
+        }))
+        .expect("namespace literal");
+        Api::<Namespace>::all(self.client.clone())
+            .create(&PostParams::default(), &namespace)
+            .await
+            .unwrap_or_else(|e| panic!("creating namespace {name}: {e}"));
+    }
+
+    /// Creates a claim and writes its allocation, as the scheduler would; `results` and `config` are
+    /// `status.allocation.devices.results` / `.config`.
+    pub async fn create_allocated_claim(
+        &self,
+        namespace: &str,
+        name: &str,
+        results: Vec<Value>,
+        config: Vec<Value>,
+    ) -> ClaimRef {
+        let requests: BTreeSet<String> = results
+            .iter()
+            .filter_map(|r| r["request"].as_str().map(str::to_string))
+            .collect();
+        let claim: ResourceClaim = serde_json::from_value(json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"devices": {"requests": requests.iter().map(|r| json!({
+                "name": r, "exactly": {"deviceClassName": "gpu.gpupool.dev"}
+            })).collect::<Vec<_>>()}},
+        }))
+        .expect("claim literal");
+        let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), namespace);
+        let created = api
+            .create(&PostParams::default(), &claim)
+            .await
+            .unwrap_or_else(|e| panic!("creating claim {namespace}/{name}: {e}"));
+        let patch =
+            json!({"status": {"allocation": {"devices": {"results": results, "config": config}}}});
+        api.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .unwrap_or_else(|e| panic!("allocating claim {namespace}/{name}: {e}"));
+        ClaimRef::of(&created)
+    }
+
+    /// NodePrepareResources through the kubelet emulator, retried while the driver is unreachable
+    /// (restarting, not registered yet), as the kubelet does.
+    pub async fn prepare_retrying(&self, claims: &[ClaimRef]) -> PrepareOutcome {
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            match self.kubelet.prepare(DRIVER, claims).await {
+                Ok(outcome) => return outcome,
+                Err(e) if Instant::now() < deadline && is_transient(&e) => {
+                    tokio::time::sleep(Duration::from_millis(20)).await
+                }
+                Err(e) => panic!("NodePrepareResources kept failing: {e}\n{}", self.log()),
+            }
+        }
+    }
+
+    pub async fn unprepare_retrying(&self, claims: &[ClaimRef]) -> UnprepareOutcome {
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            match self.kubelet.unprepare(DRIVER, claims).await {
+                Ok(outcome) => return outcome,
+                Err(e) if Instant::now() < deadline && is_transient(&e) => {
+                    tokio::time::sleep(Duration::from_millis(20)).await
+                }
+                Err(e) => panic!("NodeUnprepareResources kept failing: {e}\n{}", self.log()),
+            }
+        }
+    }
+
+    /// Warning Events about this Node.
+    pub async fn node_events(&self) -> Vec<Event> {
+        Api::<Event>::all(self.client.clone())
+            .list(&ListParams::default())
+            .await
+            .map(|l| l.items)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|e| {
+                e.involved_object.kind.as_deref() == Some("Node")
+                    && e.involved_object.name.as_deref() == Some(self.name.as_str())
+            })
+            .collect()
+    }
+
+    pub fn checkpoint(&self) -> Option<Value> {
+        let text = std::fs::read_to_string(self.dirs.state.join(CHECKPOINT_FILE)).ok()?;
+        serde_json::from_str(&text).ok()
+    }
+
+    /// Checks the node's folders against what the kubelet believes prepared (claim uid -> the CDI
+    /// ids it was answered): each such claim has exactly one valid spec naming those ids and a
+    /// `PrepareCompleted` entry with the same ids; nothing else is in the CDI and state folders.
+    pub fn check_files(&self, believed: &BTreeMap<String, Vec<String>>) -> Result<(), String> {
+        let mut problems = Vec::new();
+        let checkpoint = self
+            .checkpoint()
+            .ok_or_else(|| "no readable checkpoint.json in the state folder".to_string())?;
+        let entries = checkpoint["data"]["claims"]
+            .as_object()
+            .cloned()
+            .unwrap_or_default();
+
+        let mut expected_files: BTreeSet<String> = BTreeSet::new();
+        for (uid, ids) in believed {
+            let file = gpupool_api::names::cdi_spec_file_name(uid);
+            expected_files.insert(file.clone());
+            match read_spec(&self.dirs.cdi.join(&file)) {
+                Err(e) => problems.push(format!("claim {uid}: {e}")),
+                Ok(spec) => {
+                    let errors = gpupool_api::cdi::validate(&spec);
+                    if !errors.is_empty() {
+                        problems.push(format!("claim {uid}: invalid CDI spec: {errors:?}"));
+                    }
+                    let in_spec: BTreeSet<String> = spec
+                        .devices
+                        .iter()
+                        .map(|d| gpupool_api::names::cdi_device_id(&d.name))
+                        .collect();
+                    let answered: BTreeSet<String> = ids.iter().cloned().collect();
+                    if in_spec != answered {
+                        problems.push(format!(
+                            "claim {uid}: the spec has {in_spec:?}, the kubelet was answered {answered:?}"
+                        ));
+                    }
+                }
+            }
+            match entries.get(uid) {
+                None => problems.push(format!("claim {uid}: no checkpoint entry")),
+                Some(entry) => {
+                    if entry["state"] != "PrepareCompleted" {
+                        problems.push(format!(
+                            "claim {uid}: checkpoint state {}, expected PrepareCompleted",
+                            entry["state"]
+                        ));
+                    }
+                    let recorded: Vec<String> = entry["devices"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .flat_map(|d| d["cdiDeviceIds"].as_array().cloned().unwrap_or_default())
+                        .filter_map(|id| id.as_str().map(str::to_string))
+                        .collect();
+                    if &recorded != ids {
+                        problems.push(format!(
+                            "claim {uid}: the checkpoint recorded {recorded:?}, the kubelet was answered {ids:?}"
+                        ));
+                    }
+                }
+            }
+        }
+        for uid in entries.keys().filter(|u| !believed.contains_key(*u)) {
+            problems.push(format!(
+                "claim {uid}: checkpoint entry {} for a claim the kubelet believes unprepared",
+                entries[uid]["state"]
+            ));
+        }
+        for name in list_dir(&self.dirs.cdi) {
+            if !expected_files.contains(&name) {
+                problems.push(format!("CDI folder: unexpected file {name}"));
+            }
+        }
+        for name in list_dir(&self.dirs.state) {
+            if name == CACHE_DIR {
+                for claim_dir in list_dir(&self.dirs.state.join(CACHE_DIR)) {
+                    if !believed.contains_key(&claim_dir) {
+                        problems.push(format!("state folder: leftover {CACHE_DIR}/{claim_dir}"));
+                    }
+                }
+            } else if !STATE_FILES.contains(&name.as_str()) {
+                problems.push(format!("state folder: unexpected file {name}"));
+            }
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(problems.join("\n"))
+        }
+    }
+}
+
+fn read_spec(path: &Path) -> Result<gpupool_api::cdi::Spec, String> {
+    let bytes =
+        std::fs::read(path).map_err(|e| format!("no CDI spec at {}: {e}", path.display()))?;
+    serde_json::from_slice(&bytes).map_err(|e| format!("{}: not a CDI spec: {e}", path.display()))
+}
+
+/// File names in a folder, sorted (empty when it does not exist).
+pub fn list_dir(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+/// Every path under `root` (files and folders, relative), for before/after comparisons.
+pub fn walk(root: &Path) -> BTreeSet<PathBuf> {
+    let mut out = BTreeSet::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if let Ok(relative) = path.strip_prefix(root) {
+                out.insert(relative.to_path_buf());
+            }
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                stack.push(path);
+            }
+        }
+    }
+    out
+}
+
+/// The kubelet retries a call that did not reach the plugin or whose connection broke.
+fn is_transient(err: &KubeletError) -> bool {
+    matches!(
+        err,
+        KubeletError::NotRegistered(_) | KubeletError::Rpc { .. } | KubeletError::Grpc(_)
+    )
+}
+
+/// Whether the process ended by SIGKILL (a fault point fired).
+pub fn killed(status: &ExitStatus) -> bool {
+    status.signal() == Some(libc::SIGKILL)
+}
+
+/// All CDI device ids of a prepare answer.
+pub fn cdi_ids(devices: &[PreparedDevice]) -> Vec<String> {
+    devices
+        .iter()
+        .flat_map(|d| d.cdi_device_ids.iter().cloned())
+        .collect()
+}
+
+/// One allocation result of this driver on `pool`: the whole card when `memory` is `None`.
+pub fn result(
+    request: &str,
+    pool: &str,
+    device: &str,
+    memory: Option<&str>,
+    cores: Option<&str>,
+) -> Value {
+    let mut consumed = serde_json::Map::new();
+    if let Some(m) = memory {
+        consumed.insert("memory".into(), json!(m));
+    }
+    if let Some(c) = cores {
+        consumed.insert("cores".into(), json!(c));
+    }
+    let mut result = json!({
+        "request": request, "driver": DRIVER, "pool": pool, "device": device,
+        "shareID": uuid::Uuid::new_v4().to_string(),
+    });
+    if !consumed.is_empty() {
+        result["consumedCapacity"] = Value::Object(consumed);
+    }
+    result
+}
+
+/// A claim config entry carrying GpuConfig `parameters` for `requests`.
+pub fn opaque_config(requests: &[&str], parameters: Value) -> Value {
+    json!({
+        "source": "FromClaim",
+        "requests": requests,
+        "opaque": {"driver": DRIVER, "parameters": parameters},
+    })
+}
