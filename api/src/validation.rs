@@ -349,6 +349,41 @@ fn validate_device(device: &Device, field: &str, errors: &mut Errors) {
     }
 }
 
+/// Devices choose their node only under `perDeviceNodeSelection`, and then exactly one way.
+fn validate_device_node_selection(
+    device: &Device,
+    per_device: bool,
+    field: &str,
+    errors: &mut Errors,
+) {
+    let set: Vec<&str> = [
+        (
+            "nodeName",
+            device.node_name.as_deref().is_some_and(|n| !n.is_empty()),
+        ),
+        ("nodeSelector", device.node_selector.is_some()),
+        ("allNodes", device.all_nodes == Some(true)),
+    ]
+    .into_iter()
+    .filter_map(|(name, is_set)| is_set.then_some(name))
+    .collect();
+    if per_device {
+        if set.len() != 1 {
+            errors.push(
+                field,
+                "Invalid value: exactly one of `nodeName`, `nodeSelector`, `allNodes` is required when `perDeviceNodeSelection` is set",
+            );
+        }
+    } else {
+        for name in set {
+            errors.push(
+                format!("{field}.{name}"),
+                "Forbidden: may only be set when `perDeviceNodeSelection` is set",
+            );
+        }
+    }
+}
+
 /// All violations of the upstream limits in `slice`; empty when it would be accepted.
 pub fn validate_resource_slice(slice: &ResourceSlice) -> Vec<FieldError> {
     let mut errors = Errors::default();
@@ -438,10 +473,12 @@ pub fn validate_resource_slice(slice: &ResourceSlice) -> Vec<FieldError> {
     if devices.len() > max_devices {
         errors.too_many("spec.devices", devices.len(), max_devices);
     }
+    let per_device = spec.per_device_node_selection == Some(true);
     let mut seen = BTreeSet::new();
     for (i, device) in devices.iter().enumerate() {
         let field = format!("spec.devices[{i}]");
         validate_device(device, &field, &mut errors);
+        validate_device_node_selection(device, per_device, &field, &mut errors);
         if !device.name.is_empty() && !seen.insert(device.name.as_str()) {
             errors.push(
                 format!("{field}.name"),
@@ -724,6 +761,27 @@ mod tests {
             v["spec"]["allNodes"] = json!(true);
         });
         assert_eq!(fields, Vec::<String>::new());
+    }
+
+    #[test]
+    fn devices_pick_their_node_only_under_per_device_node_selection() {
+        let fields = fields_after(|v| v["spec"]["devices"][1]["nodeName"] = json!("node-a"));
+        assert_eq!(fields, vec!["spec.devices[1].nodeName"]);
+        let per_device = |v: &mut serde_json::Value| {
+            v["spec"].as_object_mut().unwrap().remove("nodeName");
+            v["spec"]["perDeviceNodeSelection"] = json!(true);
+            v["spec"]["devices"][0]["nodeName"] = json!("node-a");
+            v["spec"]["devices"][1]["allNodes"] = json!(true);
+        };
+        assert_eq!(fields_after(per_device), Vec::<String>::new());
+        let fields = fields_after(|v| {
+            per_device(v);
+            v["spec"]["devices"][1]
+                .as_object_mut()
+                .unwrap()
+                .remove("allNodes");
+        });
+        assert_eq!(fields, vec!["spec.devices[1]"]);
     }
 
     #[test]
