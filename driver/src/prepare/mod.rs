@@ -605,6 +605,10 @@ impl ClaimPreparer {
 fn ensure_shared_dir(dir: &Path) -> std::io::Result<()> {
     if !dir.is_dir() {
         fs::create_dir_all(dir)?;
+    }
+    // Also when the folder exists: a hostPath mount makes it 0755 before we see it, and then
+    // containers that do not run as root cannot take HAMi-core's locks.
+    if fs::metadata(dir)?.permissions().mode() & 0o7777 != 0o1777 {
         fs::set_permissions(dir, Permissions::from_mode(0o1777))?;
     }
     Ok(())

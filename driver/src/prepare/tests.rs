@@ -974,3 +974,15 @@ async fn real_gpu_fractional_claim_names_the_real_card() {
     );
     assert_eq!(status[0].data.as_ref().unwrap().0["uuid"], gpu.uuid);
 }
+
+#[test]
+fn a_shared_folder_made_0755_by_a_host_path_mount_becomes_sticky_and_writable_for_all() {
+    use std::os::unix::fs::PermissionsExt;
+    let top = tempfile::tempdir().unwrap();
+    let lock = top.path().join("vgpulock");
+    std::fs::create_dir(&lock).unwrap();
+    std::fs::set_permissions(&lock, std::fs::Permissions::from_mode(0o755)).unwrap();
+    ensure_shared_dir(&lock).unwrap();
+    let mode = std::fs::metadata(&lock).unwrap().permissions().mode() & 0o7777;
+    assert_eq!(mode, 0o1777, "{mode:o}");
+}
