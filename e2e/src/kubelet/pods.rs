@@ -70,6 +70,15 @@ pub fn pod_claim_names(pod: &Pod) -> Result<Vec<String>, String> {
             }
         }
     }
+    // A pod asking for a DRA extended resource (limits: {gpupool.dev/<model>: 1}) has no entry in
+    // spec.resourceClaims: the scheduler names the claim it made in the pod's status.
+    if let Some(extended) = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.extended_resource_claim_status.as_ref())
+    {
+        names.push(extended.resource_claim_name.clone());
+    }
     Ok(names)
 }
 
@@ -149,6 +158,22 @@ mod tests {
         assert_eq!(
             pod_claim_names(&pod).unwrap(),
             strings(&["shared-claim", "p-tmpl-abcde"])
+        );
+    }
+
+    #[test]
+    fn an_extended_resource_pod_is_prepared_with_the_claim_the_scheduler_named() {
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "p", "namespace": "default", "uid": "u1"},
+            "spec": {"containers": [{"name": "c", "resources": {"limits": {"gpupool.dev/a100-sxm4-40gb": "1"}}}]},
+            "status": {"extendedResourceClaimStatus": {"resourceClaimName": "p-extended-resources-x2x7k",
+                "requestMappings": [{"containerName": "c", "resourceName": "gpupool.dev/a100-sxm4-40gb",
+                                     "requestName": "container-0-request-0"}]}}
+        }))
+        .unwrap();
+        assert_eq!(
+            pod_claim_names(&pod).unwrap(),
+            strings(&["p-extended-resources-x2x7k"])
         );
     }
 
