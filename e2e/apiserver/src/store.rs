@@ -158,6 +158,31 @@ fn is_dns_label(name: &str) -> bool {
     name.len() <= 63 && is_dns_subdomain(name) && !name.contains('.')
 }
 
+/// Drops empty metadata maps and lists, which Go's `omitempty` never writes back.
+fn drop_empty_metadata(object: &mut Value) {
+    if let Some(meta) = object.get_mut("metadata").and_then(Value::as_object_mut) {
+        meta.retain(|key, value| {
+            let empty = match value {
+                Value::Object(m) => m.is_empty(),
+                Value::Array(a) => a.is_empty(),
+                Value::String(s) => s.is_empty(),
+                Value::Null => true,
+                _ => false,
+            };
+            !(empty
+                && matches!(
+                    key.as_str(),
+                    "labels"
+                        | "annotations"
+                        | "finalizers"
+                        | "ownerReferences"
+                        | "managedFields"
+                        | "generateName"
+                ))
+        });
+    }
+}
+
 /// The object without the fields whose change does not bump `metadata.generation`.
 fn spec_part(object: &Value) -> Value {
     let mut copy = object.clone();
@@ -467,6 +492,7 @@ impl Store {
             return Ok(outcome);
         }
         let warnings = self.decode(def, &mut body, options)?;
+        drop_empty_metadata(&mut body);
         let namespace = if def.namespaced {
             let url_ns = namespace.unwrap_or_default();
             let body_ns = meta_str(&body, "namespace").unwrap_or_default();
@@ -600,6 +626,7 @@ impl Store {
             .cloned()
             .ok_or_else(|| ApiError::not_found(def, name))?;
         let warnings = self.decode(def, &mut body, options)?;
+        drop_empty_metadata(&mut body);
         let body_name = meta_str(&body, "name").unwrap_or_default();
         if !body_name.is_empty() && body_name != name {
             return Err(ApiError::bad_request(format!(
@@ -1064,6 +1091,34 @@ mod tests {
             )
             .unwrap_err();
         assert_eq!((err.code, err.reason), (409, "AlreadyExists"));
+    }
+
+    #[test]
+    fn empty_metadata_collections_are_not_stored() {
+        let mut store = Store::new();
+        let def = cm_def(&store);
+        let obj = store
+            .create(
+                &def,
+                Some("default"),
+                json!({"metadata": {"name": "e", "labels": {}, "annotations": {}, "finalizers": [], "generateName": ""}}),
+                WriteOptions::default(),
+            )
+            .unwrap()
+            .object;
+        let mut keys: Vec<&String> = obj["metadata"].as_object().unwrap().keys().collect();
+        keys.sort();
+        assert_eq!(
+            keys,
+            [
+                "creationTimestamp",
+                "generation",
+                "name",
+                "namespace",
+                "resourceVersion",
+                "uid"
+            ]
+        );
     }
 
     #[test]
