@@ -103,6 +103,16 @@ impl ApiError {
         )
     }
 
+    /// A JSON patch that cannot be applied (a failed test, a missing path) is a 422 like upstream.
+    pub fn invalid_patch(def: &ResourceDef, name: &str, why: &str) -> Self {
+        Self::new(
+            422,
+            "Invalid",
+            format!("{} {name:?} is invalid: {why}", def.qualified_kind()),
+            Some(json!({"name": name, "group": def.group, "kind": def.kind})),
+        )
+    }
+
     pub fn bad_request(message: impl Into<String>) -> Self {
         Self::new(400, "BadRequest", message.into(), None)
     }

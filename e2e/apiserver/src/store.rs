@@ -816,7 +816,7 @@ impl Store {
             PatchType::Merge | PatchType::Apply => patch::merge_patch(&mut patched, &patch_doc),
             PatchType::Strategic => patch::strategic_merge_patch(&mut patched, &patch_doc),
             PatchType::Json => patch::json_patch(&mut patched, &patch_doc)
-                .map_err(|e| ApiError::new_unprocessable(def, name, e.to_string()))?,
+                .map_err(|e| ApiError::invalid_patch(def, name, &e.to_string()))?,
         }
         if patched.pointer("/metadata/resourceVersion").is_none() {
             // A patch that deletes resourceVersion means an unconditional write, as upstream.
@@ -1039,17 +1039,6 @@ impl Store {
     }
 }
 
-impl ApiError {
-    fn new_unprocessable(def: &ResourceDef, name: &str, message: String) -> Self {
-        ApiError {
-            code: 422,
-            reason: "Invalid",
-            message: format!("{} {name:?} is invalid: {message}", def.qualified_kind()),
-            details: Some(json!({"name": name, "group": def.group, "kind": def.kind})),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1119,6 +1108,27 @@ mod tests {
                 "uid"
             ]
         );
+    }
+
+    #[test]
+    fn failing_json_patch_is_invalid_and_changes_nothing() {
+        let mut store = Store::new();
+        let def = cm_def(&store);
+        let before = create_cm(&mut store, "j");
+        let patch = br#"[{"op": "test", "path": "/data/a", "value": "2"}, {"op": "remove", "path": "/data"}]"#;
+        let err = store
+            .patch(
+                &def,
+                Some("default"),
+                "j",
+                PatchType::Json,
+                patch,
+                None,
+                WriteOptions::default(),
+            )
+            .unwrap_err();
+        assert_eq!((err.code, err.reason), (422, "Invalid"));
+        assert_eq!(store.get(&def, Some("default"), "j").unwrap(), before);
     }
 
     #[test]
