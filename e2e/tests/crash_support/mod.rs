@@ -21,7 +21,7 @@ use gpupool_e2e::kubelet::{
     UnprepareOutcome,
 };
 use k8s_openapi::api::core::v1::{Event, Namespace};
-use k8s_openapi::api::resource::v1::ResourceClaim;
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::{json, Value};
@@ -126,6 +126,58 @@ impl CrashNode {
             boot_id: uuid::Uuid::new_v4().to_string(),
             _guard: guard,
         }
+    }
+
+    /// The `--fake-gpus` profile of the next start (a card added or removed while the driver is down).
+    pub fn set_fake_gpus(&mut self, profile: &str) {
+        self.fake_gpus = profile.to_string();
+    }
+
+    /// The devices `gpupool-driver inspect` says this node's inventory publishes, by name: what the
+    /// API should converge to.
+    pub fn inventory_devices(&self) -> BTreeMap<String, Value> {
+        let output = Command::new(&self.binary)
+            .args([
+                "inspect",
+                "--fake-gpus",
+                &self.fake_gpus,
+                "--node-name",
+                &self.name,
+            ])
+            .output()
+            .expect("running gpupool-driver inspect");
+        assert!(
+            output.status.success(),
+            "gpupool-driver inspect: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let report: Value = serde_yaml::from_slice(&output.stdout).expect("inspect prints YAML");
+        devices_by_name(
+            report["resourceSlices"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .cloned(),
+        )
+    }
+
+    /// The devices this node's driver has published, by name, with the pool generation they carry.
+    pub async fn published_devices(&self) -> Option<(i64, BTreeMap<String, Value>)> {
+        let slices = Api::<ResourceSlice>::all(self.client.clone())
+            .list(&ListParams::default())
+            .await
+            .ok()?
+            .items;
+        let ours: Vec<Value> = slices
+            .into_iter()
+            .filter(|s| s.spec.driver == DRIVER && s.spec.node_name.as_deref() == Some(&self.name))
+            .map(|s| serde_json::to_value(s).expect("a slice serialises"))
+            .collect();
+        let generation = ours
+            .iter()
+            .filter_map(|s| s["spec"]["pool"]["generation"].as_i64())
+            .max()?;
+        Some((generation, devices_by_name(ours.into_iter())))
     }
 
     /// The folder everything of this node lives under (host folders, log, kubeconfig).
@@ -456,6 +508,24 @@ fn read_spec(path: &Path) -> Result<gpupool_api::cdi::Spec, String> {
     let bytes =
         std::fs::read(path).map_err(|e| format!("no CDI spec at {}: {e}", path.display()))?;
     serde_json::from_slice(&bytes).map_err(|e| format!("{}: not a CDI spec: {e}", path.display()))
+}
+
+/// Devices of slices by name, reduced to what the inventory decides (name, attributes, capacity).
+fn devices_by_name(slices: impl Iterator<Item = Value>) -> BTreeMap<String, Value> {
+    slices
+        .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
+        .map(|d| {
+            let name = d["name"].as_str().unwrap_or_default().to_string();
+            let capacity: BTreeMap<String, Value> = d["capacity"]
+                .as_object()
+                .into_iter()
+                .flatten()
+                .map(|(k, v)| (k.clone(), v["value"].clone()))
+                .collect();
+            let reduced = json!({"attributes": d["attributes"], "capacity": capacity});
+            (name, reduced)
+        })
+        .collect()
 }
 
 /// File names in a folder, sorted (empty when it does not exist).
