@@ -115,12 +115,78 @@ fn describe(value: &Value) -> &'static str {
     }
 }
 
+fn bound(schema: &Value, key: &str) -> Option<f64> {
+    schema.get(key).and_then(Value::as_f64)
+}
+
 struct SchemaWalk {
     unknown: Vec<String>,
     invalid: Vec<(String, String)>,
 }
 
 impl SchemaWalk {
+    /// minimum/maximum, min/maxLength and min/maxItems, with upstream's wording.
+    fn check_bounds(&mut self, value: &Value, schema: &Value, path: &str) {
+        let mut fail = |message: String| self.invalid.push((path.to_string(), message));
+        if let Some(number) = value.as_f64() {
+            let exclusive_min =
+                schema.get("exclusiveMinimum").and_then(Value::as_bool) == Some(true);
+            let exclusive_max =
+                schema.get("exclusiveMaximum").and_then(Value::as_bool) == Some(true);
+            if let Some(min) = bound(schema, "minimum") {
+                if number < min || (exclusive_min && number == min) {
+                    let relation = if exclusive_min {
+                        "greater than"
+                    } else {
+                        "greater than or equal to"
+                    };
+                    fail(format!(
+                        "Invalid value: {value}: {path} in body should be {relation} {min}"
+                    ));
+                }
+            }
+            if let Some(max) = bound(schema, "maximum") {
+                if number > max || (exclusive_max && number == max) {
+                    let relation = if exclusive_max {
+                        "less than"
+                    } else {
+                        "less than or equal to"
+                    };
+                    fail(format!(
+                        "Invalid value: {value}: {path} in body should be {relation} {max}"
+                    ));
+                }
+            }
+        }
+        let length = match value {
+            Value::String(text) => Some((
+                text.chars().count() as f64,
+                "minLength",
+                "maxLength",
+                "chars long",
+            )),
+            Value::Array(items) => Some((items.len() as f64, "minItems", "maxItems", "items")),
+            _ => None,
+        };
+        if let Some((len, min_key, max_key, unit)) = length {
+            if let Some(min) = bound(schema, min_key).filter(|min| len < *min) {
+                fail(format!(
+                    "Invalid value: {value}: {path} in body should be at least {min} {unit}"
+                ));
+            }
+            if let Some(max) = bound(schema, max_key).filter(|max| len > *max) {
+                let shown = if value.is_string() {
+                    value.to_string()
+                } else {
+                    format!("{len}")
+                };
+                fail(format!(
+                    "Too long: {shown}: {path} in body should be at most {max} {unit}"
+                ));
+            }
+        }
+    }
+
     fn walk(&mut self, value: &mut Value, schema: &Value, path: &str, root: bool) {
         if value.is_null() && schema.get("nullable").and_then(Value::as_bool) == Some(true) {
             return;
@@ -148,6 +214,18 @@ impl SchemaWalk {
             if !allowed.contains(value) {
                 self.invalid
                     .push((path.to_string(), format!("Unsupported value: {value}")));
+            }
+        }
+        self.check_bounds(value, schema, path);
+        if let (Value::Object(map), Some(properties)) = (
+            &mut *value,
+            schema.get("properties").and_then(Value::as_object),
+        ) {
+            // The real server defaults missing properties from the structural schema.
+            for (key, property) in properties {
+                if let Some(default) = property.get("default") {
+                    map.entry(key.clone()).or_insert_with(|| default.clone());
+                }
             }
         }
         if schema
@@ -267,6 +345,38 @@ mod tests {
             decode_builtin("ConfigMap", &mut cm),
             Err(DecodeError::Undecodable(_))
         ));
+    }
+
+    #[test]
+    fn custom_schema_defaults_and_bounds() {
+        let schema = json!({"type": "object", "properties": {
+            "spec": {"type": "object", "properties": {
+                "weight": {"type": "integer", "minimum": 1, "maximum": 1000},
+                "preference": {"type": "string", "default": "Strongest", "enum": ["Strongest", "Cheapest"]},
+                "models": {"type": "array", "maxItems": 2, "items": {"type": "string", "maxLength": 5}}}}}});
+        let mut obj = json!({"spec": {"weight": 3}});
+        assert!(decode_custom(&schema, &mut obj).unwrap().is_empty());
+        assert_eq!(obj["spec"]["preference"], "Strongest");
+        let mut bad = json!({"spec": {"weight": 0, "preference": "Fastest", "models": ["a", "b", "toolong"]}});
+        let DecodeError::Invalid(errors) = decode_custom(&schema, &mut bad).unwrap_err() else {
+            panic!()
+        };
+        let mut fields: Vec<&str> = errors.iter().map(|(f, _)| f.as_str()).collect();
+        fields.sort();
+        assert_eq!(
+            fields,
+            [
+                "spec.models",
+                "spec.models[2]",
+                "spec.preference",
+                "spec.weight"
+            ]
+        );
+        let weight = errors.iter().find(|(f, _)| f == "spec.weight").unwrap();
+        assert!(
+            weight.1.contains("greater than or equal to 1"),
+            "{weight:?}"
+        );
     }
 
     #[test]
