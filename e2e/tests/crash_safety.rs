@@ -57,8 +57,12 @@ enum Op {
 }
 
 /// The kubelet's side: what it was answered, and the rule that a repeated prepare gets the same answer.
+#[derive(Default)]
 struct KubeletBook {
     believed: BTreeMap<String, Vec<String>>,
+    /// Per-claim successful answers over the run.
+    prepared: usize,
+    unprepared: usize,
 }
 
 impl KubeletBook {
@@ -88,6 +92,7 @@ impl KubeletBook {
                 );
             }
             self.believed.insert(claim.uid.clone(), ids);
+            self.prepared += 1;
         }
     }
 
@@ -100,6 +105,7 @@ impl KubeletBook {
             match outcome.get(&claim.uid) {
                 Some(Ok(())) => {
                     self.believed.remove(&claim.uid);
+                    self.unprepared += 1;
                 }
                 Some(Err(e)) => panic!("unprepare of claim {} failed: {e}", claim.name),
                 None => panic!("no answer for claim {}", claim.name),
@@ -129,9 +135,7 @@ async fn sigkill_at_random_fault_points_never_loses_a_claim() {
     }
     node.start_driver_ok().await;
 
-    let mut book = KubeletBook {
-        believed: BTreeMap::new(),
-    };
+    let mut book = KubeletBook::default();
     let mut kills: BTreeMap<&str, usize> = BTreeMap::new();
     let mut armed_not_reached: BTreeMap<&str, usize> = BTreeMap::new();
     let mut calls: BTreeMap<&str, usize> = BTreeMap::new();
@@ -225,7 +229,8 @@ async fn sigkill_at_random_fault_points_never_loses_a_claim() {
         }
     }
 
-    let prepared = book.believed.len();
+    let still_prepared = book.believed.len();
+    let (prepared, unprepared) = (book.prepared, book.unprepared);
     // Everything still prepared unprepares cleanly after all those crashes.
     let rest: Vec<ClaimRef> = claims
         .iter()
@@ -242,9 +247,10 @@ async fn sigkill_at_random_fault_points_never_loses_a_claim() {
     let total_kills: usize = kills.values().sum();
     println!(
         "crash loop done in {:.1?}: {iterations} iterations, calls {calls:?}, {total_kills} SIGKILLs at fault points {kills:?}, \
-         armed but not reached {armed_not_reached:?}; {prepared} claim(s) prepared and {} unprepared at the end of the loop",
+         armed but not reached {armed_not_reached:?}; {prepared} claim preparations and {unprepared} unpreparations answered OK; \
+         {still_prepared} of {} claims prepared at the end of the loop",
         started.elapsed(),
-        claims.len() - prepared
+        claims.len()
     );
     // With the default count every point must have fired; a short run (env) may miss some.
     if iterations >= 100 {
@@ -356,8 +362,11 @@ fn spec_json(node: &CrashNode, uid: &str) -> Value {
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
+/// Damages a checkpoint file's bytes.
+type Corruption = fn(Vec<u8>) -> Vec<u8>;
+
 /// Ways a checkpoint file gets damaged.
-fn corruptions() -> Vec<(&'static str, fn(Vec<u8>) -> Vec<u8>)> {
+fn corruptions() -> Vec<(&'static str, Corruption)> {
     vec![
         ("truncated", |bytes| bytes[..bytes.len() / 2].to_vec()),
         ("flipped byte", |mut bytes| {

@@ -177,7 +177,11 @@ impl CrashNode {
             .iter()
             .filter_map(|s| s["spec"]["pool"]["generation"].as_i64())
             .max()?;
-        Some((generation, devices_by_name(ours.into_iter())))
+        // Slices of an older generation are on their way out; the scheduler ignores them too.
+        let current = ours
+            .into_iter()
+            .filter(|s| s["spec"]["pool"]["generation"].as_i64() == Some(generation));
+        Some((generation, devices_by_name(current)))
     }
 
     /// The folder everything of this node lives under (host folders, log, kubeconfig).
