@@ -986,3 +986,49 @@ fn a_shared_folder_made_0755_by_a_host_path_mount_becomes_sticky_and_writable_fo
     let mode = std::fs::metadata(&lock).unwrap().permissions().mode() & 0o7777;
     assert_eq!(mode, 0o1777, "{mode:o}");
 }
+
+/// On a machine with an NVIDIA GPU: the answer carries the node's NVIDIA CDI device beside ours when a
+/// spec for the card exists (in /etc/cdi, /var/run/cdi or $GPUPOOL_TEST_NVIDIA_CDI_DIR), and the claim
+/// fails naming the fix when none does.
+/// `cargo test -p gpupool-driver --lib -- --ignored real_gpu --nocapture`
+#[tokio::test]
+#[ignore = "needs an NVIDIA GPU and its driver"]
+async fn real_gpu_driver_libraries_come_from_the_nvidia_cdi_spec() {
+    let inventory = crate::inventory::discover(None, NODE).expect("NVML discovery");
+    let gpu = inventory.gpus.first().expect("at least one GPU").clone();
+    let mut spec_dirs = vec![PathBuf::from("/etc/cdi"), PathBuf::from("/var/run/cdi")];
+    spec_dirs.extend(std::env::var_os("GPUPOOL_TEST_NVIDIA_CDI_DIR").map(PathBuf::from));
+    let expected = super::nvidia_cdi::find_device_id(&spec_dirs, &gpu.uuid, gpu.index);
+    println!("NVIDIA CDI device for card 0: {expected:?}");
+
+    let root = tempfile::tempdir().unwrap();
+    let mut opts = opts_under(root.path());
+    opts.fake_gpus = false;
+    opts.driver_libraries = DriverLibraries::NvidiaCdi { spec_dirs };
+    let api = Arc::new(FakeApi::default());
+    api.add(
+        "train",
+        allocated_claim(
+            UID_A,
+            &[("gpu", NODE, "gpu-0", None, Some("4Gi"), Some("25"))],
+            json!([]),
+        ),
+    );
+    let (_tx, rx) = watch::channel(BTreeMap::new());
+    let preparer = ClaimPreparer::with_api(opts, Arc::new(inventory), api, rx, current_boot_id())
+        .await
+        .unwrap();
+    let answer = preparer.prepare(vec![r("train", UID_A)]).await;
+    println!("answer: {:?}", answer[0].1);
+    match expected {
+        Ok(nvidia_id) => {
+            let devices = answer[0].1.clone().unwrap();
+            assert_eq!(devices[0].cdi_device_ids.len(), 2);
+            assert_eq!(devices[0].cdi_device_ids[1], nvidia_id);
+        }
+        Err(_) => {
+            let error = answer[0].1.clone().unwrap_err();
+            assert!(error.contains("nvidia-ctk cdi generate"), "{error}");
+        }
+    }
+}
