@@ -139,6 +139,7 @@ async fn sigkill_at_random_fault_points_never_loses_a_claim() {
     let mut kills: BTreeMap<&str, usize> = BTreeMap::new();
     let mut armed_not_reached: BTreeMap<&str, usize> = BTreeMap::new();
     let mut calls: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut pods_deleted = 0usize;
     let started = std::time::Instant::now();
 
     for iteration in 0..iterations {
@@ -211,8 +212,16 @@ async fn sigkill_at_random_fault_points_never_loses_a_claim() {
                     ),
                 }
                 node.start_driver_ok().await;
-                // The kubelet retries what it asked until it succeeds.
-                match op {
+                if let Err(problems) = node.check_reconciled() {
+                    panic!("{context}: start-up after the kill left:\n{problems}");
+                }
+                // The kubelet retries what it asked until it succeeds; a prepare whose pod was
+                // deleted meanwhile is unprepared instead.
+                let pod_gone = op == Op::Prepare && rng.random_bool(0.25);
+                if pod_gone {
+                    pods_deleted += 1;
+                }
+                match if pod_gone { Op::Unprepare } else { op } {
                     Op::Prepare => {
                         let outcome = node.prepare_retrying(&picked).await;
                         book.record_prepare(&outcome, &picked);
@@ -247,7 +256,7 @@ async fn sigkill_at_random_fault_points_never_loses_a_claim() {
     let total_kills: usize = kills.values().sum();
     println!(
         "crash loop done in {:.1?}: {iterations} iterations, calls {calls:?}, {total_kills} SIGKILLs at fault points {kills:?}, \
-         armed but not reached {armed_not_reached:?}; {prepared} claim preparations and {unprepared} unpreparations answered OK; \
+         armed but not reached {armed_not_reached:?}, {pods_deleted} killed prepares unprepared instead of retried; {prepared} claim preparations and {unprepared} unpreparations answered OK; \
          {still_prepared} of {} claims prepared at the end of the loop",
         started.elapsed(),
         claims.len()

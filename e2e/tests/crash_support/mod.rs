@@ -417,6 +417,48 @@ impl CrashNode {
         serde_json::from_str(&text).ok()
     }
 
+    /// What start-up reconciliation must leave, whatever the kubelet believes: only completed
+    /// checkpoint entries, exactly one spec per entry, no temp or foreign files in either folder.
+    pub fn check_reconciled(&self) -> Result<(), String> {
+        let mut problems = Vec::new();
+        let checkpoint = self
+            .checkpoint()
+            .ok_or_else(|| "no readable checkpoint.json in the state folder".to_string())?;
+        let entries = checkpoint["data"]["claims"]
+            .as_object()
+            .cloned()
+            .unwrap_or_default();
+        for (uid, entry) in &entries {
+            if entry["state"] != "PrepareCompleted" {
+                problems.push(format!(
+                    "claim {uid}: entry left in state {}",
+                    entry["state"]
+                ));
+            }
+        }
+        let expected: BTreeSet<String> = entries
+            .keys()
+            .map(|uid| gpupool_api::names::cdi_spec_file_name(uid))
+            .collect();
+        let present: BTreeSet<String> = list_dir(&self.dirs.cdi).into_iter().collect();
+        for name in present.difference(&expected) {
+            problems.push(format!("CDI folder: {name} without a completed entry"));
+        }
+        for name in expected.difference(&present) {
+            problems.push(format!("CDI folder: no {name} for a completed entry"));
+        }
+        for name in list_dir(&self.dirs.state) {
+            if name != CACHE_DIR && !STATE_FILES.contains(&name.as_str()) {
+                problems.push(format!("state folder: unexpected file {name}"));
+            }
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(problems.join("\n"))
+        }
+    }
+
     /// Checks the node's folders against what the kubelet believes prepared (claim uid -> the CDI
     /// ids it was answered): each such claim has exactly one valid spec naming those ids and a
     /// `PrepareCompleted` entry with the same ids; nothing else is in the CDI and state folders.
