@@ -57,6 +57,86 @@ fn pod_spec_without_mutable(spec: &Value, from: &Value) -> Value {
     masked
 }
 
+fn is_label_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && s.ends_with(|c: char| c.is_ascii_alphanumeric())
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+}
+
+fn is_dns_subdomain(s: &str) -> bool {
+    s.len() <= 253
+        && s.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && label
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        })
+}
+
+/// Label keys are qualified names and values at most 63 safe characters, like upstream.
+pub fn validate_labels(object: &Value) -> Causes {
+    let mut causes = Vec::new();
+    let Some(labels) = object
+        .pointer("/metadata/labels")
+        .and_then(Value::as_object)
+    else {
+        return causes;
+    };
+    for (key, value) in labels {
+        let (prefix, name) = match key.rsplit_once('/') {
+            Some((p, n)) => (Some(p), n),
+            None => (None, key.as_str()),
+        };
+        if prefix.is_some_and(|p| !is_dns_subdomain(p)) || !is_label_name(name) {
+            causes.push((
+                "metadata.labels".into(),
+                format!("Invalid value: {key:?}: name part must consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric character, with an optional DNS subdomain prefix and '/'"),
+            ));
+        }
+        match value.as_str() {
+            Some(text) if text.is_empty() || is_label_name(text) => {}
+            _ => causes.push((
+                "metadata.labels".into(),
+                format!("Invalid value: {value}: a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric character"),
+            )),
+        }
+    }
+    causes
+}
+
+/// No finalizer may be added to an object that is being deleted.
+pub fn validate_finalizers(old: &Value, new: &Value) -> Causes {
+    if old.pointer("/metadata/deletionTimestamp").is_none() {
+        return Vec::new();
+    }
+    let list = |o: &Value| -> BTreeSet<String> {
+        o.pointer("/metadata/finalizers")
+            .and_then(Value::as_array)
+            .map(|f| {
+                f.iter()
+                    .filter_map(Value::as_str)
+                    .map(String::from)
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let (before, after) = (list(old), list(new));
+    if after.is_subset(&before) {
+        Vec::new()
+    } else {
+        vec![(
+            "metadata.finalizers".into(),
+            "Forbidden: no new finalizers can be added if the object is being deleted".into(),
+        )]
+    }
+}
+
 /// Rules for replacing `old` with `new` through the main endpoint of a built-in kind.
 pub fn validate_update(group: &str, kind: &str, old: &Value, new: &Value) -> Causes {
     let mut causes = Vec::new();
@@ -290,6 +370,34 @@ mod tests {
             ["spec"],
             "binding is the way to set nodeName"
         );
+    }
+
+    #[test]
+    fn label_keys_and_values() {
+        let ok = json!({"metadata": {"labels": {"gpupool.dev/model": "A100-SXM4-40GB", "app": "", "a.b_c": "x"}}});
+        assert!(validate_labels(&ok).is_empty());
+        for bad in [
+            json!({"metadata": {"labels": {"app": "has space"}}}),
+            json!({"metadata": {"labels": {"Bad_Prefix/x": "v"}}}),
+            json!({"metadata": {"labels": {"-x": "v"}}}),
+            json!({"metadata": {"labels": {"x": "v".repeat(64)}}}),
+        ] {
+            assert_eq!(fields(validate_labels(&bad)), ["metadata.labels"], "{bad}");
+        }
+    }
+
+    #[test]
+    fn no_new_finalizers_while_deleting() {
+        let deleting =
+            json!({"metadata": {"deletionTimestamp": "2025-01-01T00:00:00Z", "finalizers": ["a"]}});
+        let added = json!({"metadata": {"finalizers": ["a", "b"]}});
+        let removed = json!({"metadata": {"finalizers": []}});
+        assert_eq!(
+            fields(validate_finalizers(&deleting, &added)),
+            ["metadata.finalizers"]
+        );
+        assert!(validate_finalizers(&deleting, &removed).is_empty());
+        assert!(validate_finalizers(&json!({"metadata": {}}), &added).is_empty());
     }
 
     #[test]

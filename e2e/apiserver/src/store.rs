@@ -435,6 +435,10 @@ impl Store {
                 )],
             ));
         }
+        let label_causes = rules::validate_labels(object);
+        if !label_causes.is_empty() {
+            return Err(ApiError::invalid(def, name, &label_causes));
+        }
         if def.group == "resource.k8s.io" && def.kind == "ResourceSlice" {
             let slice: k8s_openapi::api::resource::v1::ResourceSlice =
                 serde_json::from_value(object.clone()).map_err(|e| {
@@ -518,7 +522,9 @@ impl Store {
         if name.is_empty() {
             match meta_str(&body, "generateName").filter(|g| !g.is_empty()) {
                 Some(prefix) => loop {
-                    let candidate = format!("{}{}", prefix, random_suffix());
+                    // Like upstream, the prefix is cut so that the name fits 63 characters.
+                    let prefix: String = prefix.chars().take(58).collect();
+                    let candidate = format!("{prefix}{}", random_suffix());
                     let key = Self::object_key(def, namespace.as_deref(), &candidate);
                     if !self.bucket(def).is_some_and(|b| b.contains_key(&key)) {
                         name = candidate;
@@ -736,6 +742,7 @@ impl Store {
         if def.group == "resource.k8s.io" && def.kind == "ResourceClaim" {
             causes.extend(rules::validate_claim_status(Some(&existing), &updated));
         }
+        causes.extend(rules::validate_finalizers(&existing, &updated));
         if !causes.is_empty() {
             return Err(ApiError::invalid(def, name, &causes));
         }
