@@ -9,7 +9,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
-use std::os::unix::process::ExitStatusExt;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -29,8 +29,8 @@ use serde_json::{json, Value};
 pub const DRIVER: &str = gpupool_api::names::DRIVER_NAME;
 pub const FAULT_POINT_ENV: &str = "GPUPOOL_FAULT_POINT";
 pub const BOOT_ID_ENV: &str = "GPUPOOL_BOOT_ID";
-/// Files the driver keeps in its state folder besides per-claim data.
 pub const CHECKPOINT_FILE: &str = "checkpoint.json";
+/// Files the driver keeps in its state folder besides the per-claim cache folders.
 const STATE_FILES: &[&str] = &["checkpoint.json", "checkpoint.lock", "ld.so.preload"];
 const CACHE_DIR: &str = "vgpu-cache";
 pub const TIMEOUT: Duration = Duration::from_secs(30);
@@ -229,6 +229,15 @@ impl CrashNode {
             .stderr(log_err);
         for (key, value) in env {
             command.env(key, value);
+        }
+        // SAFETY: prctl is async-signal-safe. The driver dies with the thread that started it (a
+        // runtime worker, which outlives the test body), so a test killed from outside leaves no
+        // driver behind.
+        unsafe {
+            command.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
         }
         command.spawn().expect("starting gpupool-driver")
     }
