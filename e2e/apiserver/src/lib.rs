@@ -1,6 +1,14 @@
 //! An emulator of the Kubernetes API server on 127.0.0.1: REST + watch over plain HTTP with JSON,
 //! faithful enough for kube-rs clients and the real `kubectl`. Objects are kept as JSON values so no
-//! field is lost; the rules of the real server that gpupool depends on live in [`store`].
+//! field is lost; the rules of the real server that gpupool depends on live in [`store`] and [`rules`].
+//!
+//! Not emulated, on purpose or for now: authentication and authorization, admission (webhooks and
+//! ValidatingAdmissionPolicies are stored, not enforced), CEL `x-kubernetes-validations`, real
+//! server-side apply field ownership (apply is a merge of the applied object), pagination
+//! (`limit`/`continue` answer everything at once), graceful pod deletion (a pod is deleted at once,
+//! so watchers see DELETED, not a deletionTimestamp first), protobuf bodies other than Namespaces
+//! and ConfigMaps, and OpenAPI schemas (kubectl falls back to JSON merge patches for unknown kinds
+//! and `kubectl explain` has nothing to show).
 
 pub mod clock;
 pub mod discovery;
