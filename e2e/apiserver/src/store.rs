@@ -991,7 +991,7 @@ impl Store {
         Ok(deleted)
     }
 
-    /// POST pods/<name>/binding: sets spec.nodeName once, like the real binding subresource.
+    /// `POST pods/<name>/binding`: sets spec.nodeName once, like the real binding subresource.
     pub fn bind_pod(
         &mut self,
         namespace: &str,
