@@ -57,7 +57,8 @@ impl Errors {
     }
 }
 
-fn is_dns_label(s: &str) -> bool {
+/// An RFC 1123 DNS label, as Kubernetes checks namespace and device names.
+pub fn is_dns_label(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 63
         && s.bytes()
@@ -66,7 +67,8 @@ fn is_dns_label(s: &str) -> bool {
         && !s.ends_with('-')
 }
 
-fn is_dns_subdomain(s: &str) -> bool {
+/// An RFC 1123 DNS subdomain, as Kubernetes checks object and driver names.
+pub fn is_dns_subdomain(s: &str) -> bool {
     s.len() <= 253 && s.split('.').all(is_dns_label)
 }
 

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use gpupool_api::config::{self, ConfigEntry, ConfigSource};
 use gpupool_api::inventory::Inventory;
 use gpupool_api::names::DRIVER_NAME;
+use gpupool_api::validation::{is_dns_label, is_dns_subdomain};
 use k8s_openapi::api::resource::v1::{AllocatedDeviceStatus, ResourceClaim};
 use thiserror::Error;
 
@@ -62,19 +63,6 @@ pub fn is_uuid(s: &str) -> bool {
             8 | 13 | 18 | 23 => c == '-',
             _ => c.is_ascii_hexdigit(),
         })
-}
-
-fn is_dns_label(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 63
-        && s.bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !s.starts_with('-')
-        && !s.ends_with('-')
-}
-
-fn is_dns_subdomain(s: &str) -> bool {
-    !s.is_empty() && s.len() <= 253 && s.split('.').all(is_dns_label)
 }
 
 /// Everything in a kubelet claim reference that could reach a path or a URL, checked.
