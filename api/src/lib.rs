@@ -5,6 +5,7 @@
 pub mod cdi;
 pub mod config;
 pub mod crd;
+pub mod device;
 pub mod inventory;
 pub mod names;
 pub mod quantity;

@@ -5,15 +5,13 @@
 
 use std::collections::BTreeMap;
 
+use gpupool_api::device::gpu_capacity;
 use gpupool_api::inventory::{to_semver, Gpu, Inventory};
-use gpupool_api::names::{attr, capacity, device_name, DRIVER_NAME, MEMORY_STEP_BYTES};
-use gpupool_api::quantity::format_bytes;
+use gpupool_api::names::{attr, device_name, DRIVER_NAME};
 use gpupool_api::validation::{validate_resource_slice, FieldError};
 use k8s_openapi::api::resource::v1::{
-    CapacityRequestPolicy, CapacityRequestPolicyRange, Device, DeviceAttribute, DeviceCapacity,
-    ResourcePool, ResourceSlice, ResourceSliceSpec,
+    Device, DeviceAttribute, DeviceCapacity, ResourcePool, ResourceSlice, ResourceSliceSpec,
 };
-use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 /// Upstream limit of devices per slice when no device has taints, counters or list attributes.
@@ -119,56 +117,9 @@ pub fn device_attributes(gpu: &Gpu, weight: Option<i64>) -> BTreeMap<String, Dev
     a
 }
 
-/// Memory offered: the card's total rounded down to the 1Mi step, because the request policy's
-/// default (the whole card) must be a multiple of the step.
-pub fn published_memory_bytes(gpu: &Gpu) -> u64 {
-    gpu.memory_bytes / MEMORY_STEP_BYTES * MEMORY_STEP_BYTES
-}
-
-/// The capacities of one GPU: `memory` and `cores`, and nothing else.
+/// The capacities of one GPU: `memory` and `cores` (see [`gpupool_api::device::gpu_capacity`]).
 pub fn device_capacity(gpu: &Gpu, mode: SliceMode) -> BTreeMap<String, DeviceCapacity> {
-    let q = |s: String| Quantity(s);
-    let memory = format_bytes(published_memory_bytes(gpu));
-    let step = format_bytes(MEMORY_STEP_BYTES);
-    let (memory_policy, cores_policy) = match mode {
-        SliceMode::ExclusiveFallback => (None, None),
-        SliceMode::Shared => (
-            Some(CapacityRequestPolicy {
-                default: Some(q(memory.clone())),
-                valid_range: Some(CapacityRequestPolicyRange {
-                    min: q(step.clone()),
-                    max: None,
-                    step: Some(q(step)),
-                }),
-                valid_values: None,
-            }),
-            Some(CapacityRequestPolicy {
-                default: Some(q("0".into())),
-                valid_range: Some(CapacityRequestPolicyRange {
-                    min: q("0".into()),
-                    max: Some(q("100".into())),
-                    step: Some(q("1".into())),
-                }),
-                valid_values: None,
-            }),
-        ),
-    };
-    BTreeMap::from([
-        (
-            capacity::MEMORY.to_string(),
-            DeviceCapacity {
-                value: q(memory),
-                request_policy: memory_policy,
-            },
-        ),
-        (
-            capacity::CORES.to_string(),
-            DeviceCapacity {
-                value: q("100".into()),
-                request_policy: cores_policy,
-            },
-        ),
-    ])
+    gpu_capacity(gpu.memory_bytes, mode == SliceMode::Shared)
 }
 
 pub fn device(gpu: &Gpu, weight: Option<i64>, mode: SliceMode) -> Device {

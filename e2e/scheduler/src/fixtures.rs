@@ -5,9 +5,8 @@ use std::collections::BTreeMap;
 
 use gpupool_api::names::DRIVER_NAME;
 use k8s_openapi::api::resource::v1::{
-    AllocationResult, CELDeviceSelector, CapacityRequestPolicy, CapacityRequestPolicyRange,
-    CapacityRequirements, Device, DeviceAttribute, DeviceCapacity, DeviceClaim,
-    DeviceClaimConfiguration, DeviceClass, DeviceClassConfiguration, DeviceClassSpec,
+    AllocationResult, CELDeviceSelector, CapacityRequirements, Device, DeviceAttribute,
+    DeviceClaim, DeviceClaimConfiguration, DeviceClass, DeviceClassConfiguration, DeviceClassSpec,
     DeviceRequest, DeviceSelector, DeviceSubRequest, ExactDeviceRequest, OpaqueDeviceConfiguration,
     ResourceClaim, ResourceClaimSpec, ResourceClaimStatus, ResourcePool, ResourceSlice,
     ResourceSliceSpec,
@@ -53,37 +52,10 @@ pub fn gpu(index: u32, model: &str, memory: &str) -> Device {
         "resource.kubernetes.io/pcieRoot".to_string(),
         string_attr(&format!("pci0000:{:02x}", index / 2)),
     );
-    let mut capacity = BTreeMap::new();
-    capacity.insert(
-        "memory".to_string(),
-        DeviceCapacity {
-            value: q(memory),
-            request_policy: Some(CapacityRequestPolicy {
-                default: Some(q(memory)),
-                valid_range: Some(CapacityRequestPolicyRange {
-                    min: q("1Mi"),
-                    step: Some(q("1Mi")),
-                    max: None,
-                }),
-                valid_values: None,
-            }),
-        },
-    );
-    capacity.insert(
-        "cores".to_string(),
-        DeviceCapacity {
-            value: q("100"),
-            request_policy: Some(CapacityRequestPolicy {
-                default: Some(q("0")),
-                valid_range: Some(CapacityRequestPolicyRange {
-                    min: q("0"),
-                    step: Some(q("1")),
-                    max: Some(q("100")),
-                }),
-                valid_values: None,
-            }),
-        },
-    );
+    let bytes = gpupool_api::quantity::parse(memory)
+        .expect("fixture memory is a quantity")
+        .ceil_units();
+    let capacity = gpupool_api::device::gpu_capacity(bytes as u64, true);
     Device {
         name: format!("gpu-{index}"),
         attributes: Some(attributes),

@@ -250,44 +250,14 @@ fn display(amount: Milli, like: &Quantity) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::api::resource::v1::CapacityRequestPolicyRange;
 
     fn q(s: &str) -> Quantity {
         Quantity(s.to_string())
     }
 
     fn gpu(memory: &str) -> Device {
-        let mut capacity = BTreeMap::new();
-        capacity.insert(
-            "memory".to_string(),
-            DeviceCapacity {
-                value: q(memory),
-                request_policy: Some(CapacityRequestPolicy {
-                    default: Some(q(memory)),
-                    valid_range: Some(CapacityRequestPolicyRange {
-                        min: q("1Mi"),
-                        step: Some(q("1Mi")),
-                        max: None,
-                    }),
-                    valid_values: None,
-                }),
-            },
-        );
-        capacity.insert(
-            "cores".to_string(),
-            DeviceCapacity {
-                value: q("100"),
-                request_policy: Some(CapacityRequestPolicy {
-                    default: Some(q("0")),
-                    valid_range: Some(CapacityRequestPolicyRange {
-                        min: q("0"),
-                        step: Some(q("1")),
-                        max: Some(q("100")),
-                    }),
-                    valid_values: None,
-                }),
-            },
-        );
+        let bytes = gpupool_api::quantity::parse(memory).unwrap().ceil_units();
+        let mut capacity = gpupool_api::device::gpu_capacity(bytes as u64, true);
         capacity.insert(
             "slots".to_string(),
             DeviceCapacity {
