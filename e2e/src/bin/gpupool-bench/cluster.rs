@@ -1,0 +1,366 @@
+//! The bench's cluster: the API server emulator in process, the real driver binary per node, and a
+//! kubelet emulator that only calls what the bench tells it (no pod logic).
+//!
+//! Not `harness::TestCluster`: that one also runs the scheduler stand-in and polls registration every
+//! 50 ms; the bench needs millisecond start-up timing and a client whose requests it can tell apart
+//! from the driver's (its user agent).
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use gpupool_apiserver::ApiServer;
+use gpupool_e2e::harness::{ManagedProcess, NodeDirs};
+use gpupool_e2e::kubelet::{ClaimRef, Kubelet, KubeletConfig};
+use k8s_openapi::api::core::v1::{Namespace, Node};
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Api, Client, Config};
+use serde_json::{json, Value};
+use tonic::codegen::http;
+
+use crate::report::ClaimKind;
+use crate::requests::BENCH_USER_AGENT;
+
+pub const DRIVER: &str = gpupool_api::names::DRIVER_NAME;
+pub const NAMESPACE: &str = "bench";
+const READY_TIMEOUT: Duration = Duration::from_secs(60);
+
+pub struct Bench {
+    pub apiserver: ApiServer,
+    pub client: Client,
+    kubeconfig: PathBuf,
+    driver_bin: PathBuf,
+    workdir: tempfile::TempDir,
+}
+
+/// A driver process and the kubelet emulator it registers with (none for publish-only nodes).
+pub struct BenchNode {
+    pub name: String,
+    pub kubelet: Option<Kubelet>,
+    pub driver: ManagedProcess,
+}
+
+impl BenchNode {
+    pub fn pid(&self) -> anyhow::Result<u32> {
+        self.driver
+            .pid()
+            .with_context(|| format!("the driver of node {} is not running", self.name))
+    }
+
+    pub fn kubelet(&self) -> &Kubelet {
+        self.kubelet
+            .as_ref()
+            .expect("latency nodes are started with a kubelet emulator")
+    }
+
+    fn check_running(&mut self) -> anyhow::Result<()> {
+        if !self.driver.is_running() {
+            bail!(
+                "the driver of node {} exited; its log:\n{}",
+                self.name,
+                self.driver.log()
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Claim status results (`status.allocation.devices.results`) of one claim on `device` of `pool`,
+/// as the scheduler writes them for a shared (allowMultipleAllocations) device: every claim gets a
+/// share id and consumes every capacity, the whole card's memory and no cores for a whole card.
+pub fn allocation_result(kind: ClaimKind, pool: &str, device: &str) -> Value {
+    let (memory, cores) = match kind {
+        ClaimKind::Whole => ("40Gi", "0"),
+        ClaimKind::Fractional => ("4Gi", "25"),
+    };
+    json!({
+        "request": "gpu", "driver": DRIVER, "pool": pool, "device": device,
+        "shareID": uuid::Uuid::new_v4().to_string(),
+        "consumedCapacity": {"memory": memory, "cores": cores},
+    })
+}
+
+impl Bench {
+    pub async fn start(driver_bin: PathBuf) -> anyhow::Result<Bench> {
+        let workdir = tempfile::Builder::new()
+            .prefix("gpupool-bench-")
+            .tempdir()
+            .context("creating the work folder")?;
+        let apiserver = ApiServer::start()
+            .await
+            .context("starting the API server emulator")?;
+        let kubeconfig = workdir.path().join("kubeconfig");
+        apiserver
+            .write_kubeconfig(&kubeconfig)
+            .context("writing the kubeconfig")?;
+        let client = bench_client(&kubeconfig).await?;
+        let bench = Bench {
+            apiserver,
+            client,
+            kubeconfig,
+            driver_bin,
+            workdir,
+        };
+        let namespace: Namespace = serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}
+        }))?;
+        Api::<Namespace>::all(bench.client.clone())
+            .create(&PostParams::default(), &namespace)
+            .await
+            .context("creating the bench namespace")?;
+        Ok(bench)
+    }
+
+    pub fn workdir(&self) -> &Path {
+        self.workdir.path()
+    }
+
+    fn node_dirs(&self, name: &str) -> anyhow::Result<(NodeDirs, PathBuf)> {
+        let base = self.workdir().join(name);
+        let dirs = NodeDirs {
+            registry: base.join("plugins_registry"),
+            plugin: base.join("plugins").join(DRIVER),
+            cdi: base.join("cdi"),
+            state: base.join("state"),
+        };
+        let vgpu = base.join("vgpu");
+        for dir in [&dirs.registry, &dirs.plugin, &dirs.cdi, &dirs.state, &vgpu] {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
+        Ok((dirs, vgpu))
+    }
+
+    fn spawn_driver(
+        &self,
+        name: &str,
+        fake_gpus: &str,
+        dirs: &NodeDirs,
+        vgpu: &Path,
+    ) -> anyhow::Result<ManagedProcess> {
+        let args: Vec<String> = vec![
+            "run".into(),
+            "--node-name".into(),
+            name.into(),
+            "--kubeconfig".into(),
+            self.kubeconfig.display().to_string(),
+            "--registry-dir".into(),
+            dirs.registry.display().to_string(),
+            "--plugin-dir".into(),
+            dirs.plugin.display().to_string(),
+            "--cdi-root".into(),
+            dirs.cdi.display().to_string(),
+            "--state-dir".into(),
+            dirs.state.display().to_string(),
+            "--fake-gpus".into(),
+            fake_gpus.into(),
+            "--vgpu-lib-dir".into(),
+            vgpu.display().to_string(),
+        ];
+        ManagedProcess::spawn(
+            &format!("gpupool-driver on {name}"),
+            &self.driver_bin,
+            args,
+            self.workdir().join(format!("driver-{name}.log")),
+        )
+        .map_err(Into::into)
+    }
+
+    /// Starts a node with a kubelet emulator that scans its registry folder every `scan`; returns
+    /// once the driver registered and published `devices` devices, with the times it took.
+    pub async fn start_node(
+        &self,
+        name: &str,
+        fake_gpus: &str,
+        devices: usize,
+        scan: Duration,
+    ) -> anyhow::Result<(BenchNode, Duration, Duration)> {
+        let (dirs, vgpu) = self.node_dirs(name)?;
+        let mut config = KubeletConfig::new(name, &dirs.registry);
+        config.manage_pods = false;
+        config.poll_interval = scan;
+        let kubelet = Kubelet::start(self.client.clone(), config)
+            .await
+            .with_context(|| format!("starting the kubelet emulator of {name}"))?;
+        let spawned = Instant::now();
+        let driver = self.spawn_driver(name, fake_gpus, &dirs, &vgpu)?;
+        let mut node = BenchNode {
+            name: name.to_string(),
+            kubelet: Some(kubelet),
+            driver,
+        };
+        let nodes = BTreeSet::from([name.to_string()]);
+        let (mut registered, mut published) = (None, None);
+        while registered.is_none() || published.is_none() {
+            if registered.is_none() && node.kubelet().registration(DRIVER).is_some() {
+                registered = Some(spawned.elapsed());
+            }
+            if published.is_none() && self.published_devices(&nodes).await?.0 >= devices {
+                published = Some(spawned.elapsed());
+            }
+            if spawned.elapsed() > READY_TIMEOUT {
+                bail!(
+                    "node {name}: not registered and published after {READY_TIMEOUT:?}; driver log:\n{}",
+                    node.driver.log()
+                );
+            }
+            node.check_running()?;
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        Ok((
+            node,
+            registered.expect("loop ends once set"),
+            published.expect("loop ends once set"),
+        ))
+    }
+
+    /// Starts drivers without kubelets (slice publishing only); their Node objects exist first.
+    pub async fn spawn_publishers(
+        &self,
+        names: &[String],
+        fake_gpus: &str,
+    ) -> anyhow::Result<Vec<BenchNode>> {
+        let mut prepared = Vec::new();
+        for name in names {
+            self.create_node_object(name).await?;
+            prepared.push((name, self.node_dirs(name)?));
+        }
+        let mut nodes = Vec::new();
+        for (name, (dirs, vgpu)) in prepared {
+            let driver = self.spawn_driver(name, fake_gpus, &dirs, &vgpu)?;
+            nodes.push(BenchNode {
+                name: name.clone(),
+                kubelet: None,
+                driver,
+            });
+        }
+        Ok(nodes)
+    }
+
+    async fn create_node_object(&self, name: &str) -> anyhow::Result<()> {
+        let node: Node = serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
+        }))?;
+        Api::<Node>::all(self.client.clone())
+            .create(&PostParams::default(), &node)
+            .await
+            .with_context(|| format!("creating node {name}"))?;
+        Ok(())
+    }
+
+    /// Devices and slices gpupool published for `nodes`.
+    pub async fn published_devices(
+        &self,
+        nodes: &BTreeSet<String>,
+    ) -> anyhow::Result<(usize, usize)> {
+        let list = Api::<ResourceSlice>::all(self.client.clone())
+            .list(&ListParams::default())
+            .await
+            .context("listing ResourceSlices")?;
+        let ours: Vec<&ResourceSlice> = list
+            .items
+            .iter()
+            .filter(|s| {
+                s.spec.driver == DRIVER
+                    && s.spec.node_name.as_ref().is_some_and(|n| nodes.contains(n))
+            })
+            .collect();
+        let devices = ours
+            .iter()
+            .map(|s| s.spec.devices.as_ref().map_or(0, Vec::len))
+            .sum();
+        Ok((devices, ours.len()))
+    }
+
+    /// Creates a claim and writes its allocation, as the scheduler would.
+    pub async fn create_allocated_claim(
+        &self,
+        name: &str,
+        kind: ClaimKind,
+        pool: &str,
+        device: &str,
+    ) -> anyhow::Result<ClaimRef> {
+        let claim: ResourceClaim = serde_json::from_value(json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": NAMESPACE},
+            "spec": {"devices": {"requests": [
+                {"name": "gpu", "exactly": {"deviceClassName": "gpu.gpupool.dev"}}
+            ]}},
+        }))?;
+        let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), NAMESPACE);
+        let created = api
+            .create(&PostParams::default(), &claim)
+            .await
+            .with_context(|| format!("creating claim {NAMESPACE}/{name}"))?;
+        let result = allocation_result(kind, pool, device);
+        let patch = json!({"status": {"allocation": {"devices": {"results": [result]}}}});
+        api.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .with_context(|| format!("allocating claim {NAMESPACE}/{name}"))?;
+        Ok(ClaimRef::of(&created))
+    }
+
+    /// `count` allocated claims spread over `gpus` cards of `pool`, named `<prefix>-<i>`.
+    pub async fn create_claims(
+        &self,
+        prefix: &str,
+        count: usize,
+        kind: ClaimKind,
+        pool: &str,
+        gpus: usize,
+    ) -> anyhow::Result<Vec<ClaimRef>> {
+        let mut claims = Vec::with_capacity(count);
+        for i in 0..count {
+            let device = gpupool_api::names::device_name((i % gpus) as u32);
+            claims.push(
+                self.create_allocated_claim(&format!("{prefix}-{i}"), kind, pool, &device)
+                    .await?,
+            );
+        }
+        Ok(claims)
+    }
+}
+
+/// A kube client for the emulator whose requests carry the bench's user agent.
+async fn bench_client(kubeconfig: &Path) -> anyhow::Result<Client> {
+    let parsed = Kubeconfig::read_from(kubeconfig)
+        .with_context(|| format!("reading {}", kubeconfig.display()))?;
+    let mut config = Config::from_custom_kubeconfig(parsed, &KubeConfigOptions::default())
+        .await
+        .with_context(|| format!("loading {}", kubeconfig.display()))?;
+    let agent = format!("{BENCH_USER_AGENT}/{}", env!("CARGO_PKG_VERSION"));
+    config.headers.push((
+        http::header::USER_AGENT,
+        http::HeaderValue::from_str(&agent).context("user agent header")?,
+    ));
+    Client::try_from(config).context("building the kube client")
+}
+
+/// Prepares `claims` (one per call) and fails on any per-claim error.
+pub async fn prepare_one(kubelet: &Kubelet, claim: &ClaimRef) -> anyhow::Result<()> {
+    let outcome = kubelet
+        .prepare(DRIVER, std::slice::from_ref(claim))
+        .await
+        .with_context(|| format!("NodePrepareResources of claim {}", claim.name))?;
+    match outcome.get(&claim.uid) {
+        Some(Ok(devices)) if !devices.is_empty() => Ok(()),
+        Some(Ok(_)) => bail!("claim {} prepared with no devices", claim.name),
+        Some(Err(error)) => bail!("prepare of claim {} failed: {error}", claim.name),
+        None => bail!("no prepare answer for claim {}", claim.name),
+    }
+}
+
+pub async fn unprepare_one(kubelet: &Kubelet, claim: &ClaimRef) -> anyhow::Result<()> {
+    let outcome = kubelet
+        .unprepare(DRIVER, std::slice::from_ref(claim))
+        .await
+        .with_context(|| format!("NodeUnprepareResources of claim {}", claim.name))?;
+    match outcome.get(&claim.uid) {
+        Some(Ok(())) => Ok(()),
+        Some(Err(error)) => bail!("unprepare of claim {} failed: {error}", claim.name),
+        None => bail!("no unprepare answer for claim {}", claim.name),
+    }
+}

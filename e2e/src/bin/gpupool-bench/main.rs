@@ -1,0 +1,356 @@
+//! `gpupool-bench`: the real driver with fake GPUs against the API server emulator, driven through
+//! its real sockets the way the kubelet does (issue 8). Prints a table, or JSON with `--json`.
+//! Real numbers come from a release build (`cargo build --release -p gpupool-e2e -p gpupool-driver`,
+//! then `target/release/gpupool-bench`); `--short` runs a tiny version of everything in seconds.
+
+mod cluster;
+mod procfs;
+mod report;
+mod requests;
+mod stats;
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Parser;
+use gpupool_e2e::harness::{find_binary, DRIVER_BIN};
+use gpupool_e2e::kubelet::{ClaimRef, Kubelet};
+
+use cluster::{prepare_one, unprepare_one, Bench};
+use report::{ClaimKind, LatencyCell, Memory, Publishing, Report, Soak, Startup};
+
+const PROFILE: &str = "a100-40gb";
+const GPUS: usize = 8;
+/// The registry scan of the kubelet emulator for start-up timing; the real kubelet is told by inotify.
+const FAST_SCAN: Duration = Duration::from_millis(1);
+const SLOW_SCAN: Duration = Duration::from_millis(100);
+
+#[derive(Parser, Debug)]
+#[command(
+    about = "Prepare/unprepare latency, memory, start-up and slice publishing of gpupool-driver"
+)]
+struct Args {
+    /// Print the report as JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// A tiny version of everything (a few iterations), for CI.
+    #[arg(long)]
+    short: bool,
+    /// The driver binary; by default the one next to this binary (same build profile).
+    #[arg(long, env = "GPUPOOL_DRIVER_BIN")]
+    driver: Option<PathBuf>,
+    /// Prepare+unprepare cycles per claim kind and concurrency.
+    #[arg(long)]
+    cycles: Option<usize>,
+    /// Cycles of the soak.
+    #[arg(long)]
+    soak_cycles: Option<usize>,
+    /// Claims prepared at once for the memory measurement.
+    #[arg(long, default_value_t = 256)]
+    prepared_claims: usize,
+    /// Driver starts timed.
+    #[arg(long)]
+    starts: Option<usize>,
+    /// Node counts (8 GPUs each) for slice publishing, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    publish_nodes: Option<Vec<usize>>,
+}
+
+struct Plan {
+    cycles: usize,
+    soak_cycles: usize,
+    prepared_claims: usize,
+    starts: usize,
+    publish_nodes: Vec<usize>,
+    concurrency: Vec<usize>,
+}
+
+impl Plan {
+    fn from_args(args: &Args) -> Plan {
+        let (cycles, soak, starts, nodes, prepared) = if args.short {
+            (8, 40, 2, vec![1, 2], args.prepared_claims.min(16))
+        } else {
+            (1000, 10_000, 5, vec![1, 8, 64], args.prepared_claims)
+        };
+        Plan {
+            cycles: args.cycles.unwrap_or(cycles),
+            soak_cycles: args.soak_cycles.unwrap_or(soak),
+            prepared_claims: prepared,
+            starts: args.starts.unwrap_or(starts),
+            publish_nodes: args.publish_nodes.clone().unwrap_or(nodes),
+            concurrency: vec![1, 4, 16],
+        }
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    // Two workers: the emulator and the kubelet side share the machine with the driver.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let report = runtime.block_on(run(&args))?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report::render_table(&report));
+    }
+    Ok(())
+}
+
+fn progress(message: &str) {
+    eprintln!("[gpupool-bench] {message}");
+}
+
+async fn run(args: &Args) -> anyhow::Result<Report> {
+    let plan = Plan::from_args(args);
+    let driver_bin = match &args.driver {
+        Some(path) => path.clone(),
+        None => find_binary(DRIVER_BIN)?,
+    };
+    let bench = Bench::start(driver_bin.clone()).await?;
+    let gpus = format!("{PROFILE}:{GPUS}");
+
+    progress("start-up");
+    let mut startup = Vec::new();
+    for i in 0..plan.starts {
+        let (node, registered, published) = bench
+            .start_node(&format!("startup-{i}"), &gpus, GPUS, FAST_SCAN)
+            .await?;
+        startup.push(Startup {
+            to_registered_ms: registered.as_secs_f64() * 1e3,
+            to_slices_ms: published.as_secs_f64() * 1e3,
+        });
+        drop(node);
+    }
+
+    let (node, _, _) = bench.start_node("bench-0", &gpus, GPUS, SLOW_SCAN).await?;
+    let pid = node.pid()?;
+    let kubelet = node.kubelet();
+    // Let start-up work (the first publication, the GpuModel watch) finish before measuring idle.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let idle_rss = procfs::rss_kib(pid)?;
+
+    progress(&format!(
+        "memory with {} prepared claims",
+        plan.prepared_claims
+    ));
+    let held = bench
+        .create_claims(
+            "held",
+            plan.prepared_claims,
+            ClaimKind::Fractional,
+            &node.name,
+            GPUS,
+        )
+        .await?;
+    run_concurrently(&held, 16, |c| prepare_one(kubelet, c)).await?;
+    let prepared_rss = procfs::rss_kib(pid)?;
+    run_concurrently(&held, 16, |c| unprepare_one(kubelet, c)).await?;
+    let memory = Memory {
+        gpus: GPUS,
+        idle_rss_kib: idle_rss,
+        prepared_claims: held.len(),
+        prepared_rss_kib: prepared_rss,
+    };
+
+    let mut latency = Vec::new();
+    for kind in [ClaimKind::Whole, ClaimKind::Fractional] {
+        for &concurrency in &plan.concurrency {
+            progress(&format!(
+                "latency: {} claims, {concurrency} caller(s), {} cycles",
+                kind.label(),
+                plan.cycles
+            ));
+            let prefix = format!("{}-c{concurrency}", kind.label());
+            let claims = bench
+                .create_claims(&prefix, plan.cycles, kind, &node.name, GPUS)
+                .await?;
+            latency.push(latency_cell(kubelet, kind, concurrency, &claims).await?);
+        }
+    }
+
+    progress(&format!("soak: {} cycles", plan.soak_cycles));
+    let soak = soak(&bench, kubelet, &node.name, pid, plan.soak_cycles).await?;
+    drop(node);
+
+    let mut publishing = Vec::new();
+    for (step, &nodes) in plan.publish_nodes.iter().enumerate() {
+        progress(&format!("slice publishing: {nodes} node(s) x {GPUS} GPUs"));
+        publishing.push(publish(&bench, step, nodes, &gpus).await?);
+    }
+
+    Ok(Report {
+        machine: procfs::machine(),
+        driver_binary: driver_bin.display().to_string(),
+        short: args.short,
+        gpus,
+        latency,
+        memory,
+        soak,
+        startup,
+        publishing,
+    })
+}
+
+/// Runs `call` on every claim with `concurrency` callers, each taking every `concurrency`-th claim,
+/// so no claim is in two calls at once.
+async fn run_concurrently<'a, F, Fut>(
+    claims: &'a [ClaimRef],
+    concurrency: usize,
+    call: F,
+) -> anyhow::Result<()>
+where
+    F: Fn(&'a ClaimRef) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<()>>,
+{
+    let call = &call;
+    let callers = (0..concurrency).map(|w| async move {
+        for claim in claims.iter().skip(w).step_by(concurrency) {
+            call(claim).await?;
+        }
+        anyhow::Ok(())
+    });
+    futures::future::try_join_all(callers).await?;
+    Ok(())
+}
+
+/// Each caller prepares then unprepares its claims one after the other; every call is timed.
+async fn latency_cell(
+    kubelet: &Kubelet,
+    kind: ClaimKind,
+    concurrency: usize,
+    claims: &[ClaimRef],
+) -> anyhow::Result<LatencyCell> {
+    let started = Instant::now();
+    let callers = (0..concurrency).map(|w| async move {
+        let mut prepare = Vec::new();
+        let mut unprepare = Vec::new();
+        for claim in claims.iter().skip(w).step_by(concurrency) {
+            let t = Instant::now();
+            prepare_one(kubelet, claim).await?;
+            prepare.push(t.elapsed());
+            let t = Instant::now();
+            unprepare_one(kubelet, claim).await?;
+            unprepare.push(t.elapsed());
+        }
+        anyhow::Ok((prepare, unprepare))
+    });
+    let results = futures::future::try_join_all(callers).await?;
+    let seconds = started.elapsed().as_secs_f64();
+    let (prepare, unprepare): (Vec<_>, Vec<_>) = results.into_iter().unzip();
+    let prepare: Vec<Duration> = prepare.into_iter().flatten().collect();
+    let unprepare: Vec<Duration> = unprepare.into_iter().flatten().collect();
+    Ok(LatencyCell {
+        kind,
+        concurrency,
+        cycles: claims.len(),
+        prepare: stats::summarize(&prepare),
+        unprepare: stats::summarize(&unprepare),
+        seconds,
+        cycles_per_second: claims.len() as f64 / seconds.max(f64::EPSILON),
+    })
+}
+
+/// Claims reused round-robin: the soak is about what a long-lived driver keeps, not about the API.
+async fn soak(
+    bench: &Bench,
+    kubelet: &Kubelet,
+    pool: &str,
+    pid: u32,
+    cycles: usize,
+) -> anyhow::Result<Soak> {
+    const CALLERS: usize = 4;
+    const POOL: usize = 64;
+    let claims = bench
+        .create_claims("soak", POOL, ClaimKind::Fractional, pool, GPUS)
+        .await?;
+    let cycle_all = |rounds: usize| {
+        let claims = &claims;
+        async move {
+            let callers = (0..CALLERS).map(|w| async move {
+                let mine: Vec<&ClaimRef> = claims.iter().skip(w).step_by(CALLERS).collect();
+                for i in 0..rounds.div_ceil(CALLERS) {
+                    let claim = mine[i % mine.len()];
+                    prepare_one(kubelet, claim).await?;
+                    unprepare_one(kubelet, claim).await?;
+                }
+                anyhow::Ok(())
+            });
+            futures::future::try_join_all(callers).await.map(|_| ())
+        }
+    };
+    // Warm up: connection pools, allocator arenas and maps reach their working size first.
+    cycle_all(POOL * 2).await?;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (rss_before, fds_before) = (procfs::rss_kib(pid)?, procfs::open_fds(pid)?);
+    let started = Instant::now();
+    cycle_all(cycles).await?;
+    let seconds = started.elapsed().as_secs_f64();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    Ok(Soak {
+        cycles: cycles.div_ceil(CALLERS) * CALLERS,
+        concurrency: CALLERS,
+        seconds,
+        rss_before_kib: rss_before,
+        rss_after_kib: procfs::rss_kib(pid)?,
+        fds_before,
+        fds_after: procfs::open_fds(pid)?,
+    })
+}
+
+/// `nodes` drivers with 8 GPUs each started at once; time until every device is in the API and the
+/// drivers' requests meanwhile.
+async fn publish(
+    bench: &Bench,
+    step: usize,
+    nodes: usize,
+    gpus: &str,
+) -> anyhow::Result<Publishing> {
+    const SETTLE: Duration = Duration::from_millis(1000);
+    const TIMEOUT: Duration = Duration::from_secs(120);
+    let names: Vec<String> = (0..nodes).map(|i| format!("pub{step}-{i}")).collect();
+    let wanted: BTreeSet<String> = names.iter().cloned().collect();
+    let devices = nodes * GPUS;
+    let first_request = bench.apiserver.requests().len();
+    let started = Instant::now();
+    let drivers = bench.spawn_publishers(&names, gpus).await?;
+    let slices = loop {
+        let (published, slices) = bench.published_devices(&wanted).await?;
+        if published >= devices {
+            break slices;
+        }
+        if started.elapsed() > TIMEOUT {
+            anyhow::bail!(
+                "{published} of {devices} devices published after {TIMEOUT:?}; first driver log:\n{}",
+                drivers[0].driver.log()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let seconds = started.elapsed().as_secs_f64();
+    let until_published = requests::driver_requests(&bench.apiserver.requests()[first_request..]);
+    tokio::time::sleep(SETTLE).await;
+    let after_settle = requests::driver_requests(&bench.apiserver.requests()[first_request..]);
+    drop(drivers);
+    Ok(Publishing {
+        nodes,
+        devices,
+        slices,
+        seconds,
+        slice_writes: requests::slice_writes(&until_published),
+        requests: until_published,
+        requests_after_settle: after_settle,
+    })
+}

@@ -1,0 +1,131 @@
+//! What /proc says about the driver process and the machine.
+
+use std::path::Path;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProcError {
+    #[error("reading {path}: {source}")]
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: no {field} line")]
+    Missing { path: String, field: &'static str },
+}
+
+/// The `VmRSS:` value of a /proc/<pid>/status text, in KiB.
+pub fn parse_vm_rss_kib(status: &str) -> Option<u64> {
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+}
+
+/// Resident memory of `pid` in KiB.
+pub fn rss_kib(pid: u32) -> Result<u64, ProcError> {
+    let path = format!("/proc/{pid}/status");
+    let text = std::fs::read_to_string(&path).map_err(|source| ProcError::Read {
+        path: path.clone(),
+        source,
+    })?;
+    parse_vm_rss_kib(&text).ok_or(ProcError::Missing {
+        path,
+        field: "VmRSS",
+    })
+}
+
+/// Number of open file descriptors of `pid`.
+pub fn open_fds(pid: u32) -> Result<usize, ProcError> {
+    let path = format!("/proc/{pid}/fd");
+    std::fs::read_dir(&path)
+        .map(|entries| entries.count())
+        .map_err(|source| ProcError::Read { path, source })
+}
+
+/// The first `model name` of a /proc/cpuinfo text.
+pub fn parse_cpu_model(cpuinfo: &str) -> Option<String> {
+    cpuinfo
+        .lines()
+        .find(|line| line.starts_with("model name"))
+        .and_then(|line| line.split_once(':'))
+        .map(|(_, model)| model.trim().to_string())
+}
+
+/// `MemTotal` of a /proc/meminfo text, in KiB.
+pub fn parse_mem_total_kib(meminfo: &str) -> Option<u64> {
+    meminfo
+        .lines()
+        .find_map(|line| line.strip_prefix("MemTotal:"))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+}
+
+/// The machine the numbers come from.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Machine {
+    pub cpus: usize,
+    pub cpu_model: String,
+    pub memory_mib: u64,
+    pub kernel: String,
+    /// Whether the bench itself is a debug build (numbers from a debug build are not the published ones).
+    pub debug_build: bool,
+}
+
+fn read_or_empty(path: impl AsRef<Path>) -> String {
+    std::fs::read_to_string(path).unwrap_or_default()
+}
+
+pub fn machine() -> Machine {
+    Machine {
+        cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        cpu_model: parse_cpu_model(&read_or_empty("/proc/cpuinfo"))
+            .unwrap_or_else(|| "unknown".into()),
+        memory_mib: parse_mem_total_kib(&read_or_empty("/proc/meminfo")).unwrap_or(0) / 1024,
+        kernel: read_or_empty("/proc/sys/kernel/osrelease")
+            .trim()
+            .to_string(),
+        debug_build: cfg!(debug_assertions),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vm_rss_from_a_status_file() {
+        let status =
+            "Name:\tgpupool-driver\nVmPeak:\t  20000 kB\nVmRSS:\t    9876 kB\nRssAnon:\t 4000 kB\n";
+        assert_eq!(parse_vm_rss_kib(status), Some(9876));
+        assert_eq!(parse_vm_rss_kib("Name:\tzombie\n"), None);
+    }
+
+    #[test]
+    fn own_process_has_memory_and_descriptors() {
+        let pid = std::process::id();
+        assert!(rss_kib(pid).unwrap() > 0);
+        // stdin, stdout, stderr at least, plus the one read_dir opens.
+        assert!(open_fds(pid).unwrap() >= 3);
+    }
+
+    #[test]
+    fn a_missing_process_is_an_error_naming_the_path() {
+        let err = rss_kib(u32::MAX).unwrap_err().to_string();
+        assert!(err.contains(&format!("/proc/{}/status", u32::MAX)), "{err}");
+    }
+
+    #[test]
+    fn cpu_model_and_memory_from_proc_texts() {
+        let cpuinfo = "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) CPU @ 2.20GHz\n";
+        assert_eq!(
+            parse_cpu_model(cpuinfo).as_deref(),
+            Some("Intel(R) Xeon(R) CPU @ 2.20GHz")
+        );
+        assert_eq!(
+            parse_mem_total_kib("MemTotal:       8148200 kB\nMemFree: 1 kB\n"),
+            Some(8148200)
+        );
+    }
+}

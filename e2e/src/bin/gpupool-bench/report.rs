@@ -1,0 +1,323 @@
+//! What one bench run measured, and its rendering as a plain-text table (pure).
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+
+use serde::Serialize;
+
+use crate::procfs::Machine;
+use crate::stats::{median, Summary};
+
+/// A whole card (no capacity request: the card's memory, no compute share) or a fraction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ClaimKind {
+    Whole,
+    Fractional,
+}
+
+impl ClaimKind {
+    pub fn label(self) -> &'static str {
+        match self {
+            ClaimKind::Whole => "whole",
+            ClaimKind::Fractional => "fractional",
+        }
+    }
+}
+
+/// Prepare/unprepare latencies and throughput of one claim kind at one concurrency.
+#[derive(Clone, Debug, Serialize)]
+pub struct LatencyCell {
+    pub kind: ClaimKind,
+    pub concurrency: usize,
+    pub cycles: usize,
+    pub prepare: Summary,
+    pub unprepare: Summary,
+    pub seconds: f64,
+    /// prepare + unprepare cycles per second over the whole cell.
+    pub cycles_per_second: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Memory {
+    pub gpus: usize,
+    pub idle_rss_kib: u64,
+    pub prepared_claims: usize,
+    pub prepared_rss_kib: u64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Soak {
+    pub cycles: usize,
+    pub concurrency: usize,
+    pub seconds: f64,
+    pub rss_before_kib: u64,
+    pub rss_after_kib: u64,
+    pub fds_before: usize,
+    pub fds_after: usize,
+}
+
+/// One start of the driver: process spawned -> registered with the kubelet emulator, and ->
+/// its slices visible in the API.
+#[derive(Clone, Debug, Serialize)]
+pub struct Startup {
+    pub to_registered_ms: f64,
+    pub to_slices_ms: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Publishing {
+    pub nodes: usize,
+    pub devices: usize,
+    pub slices: usize,
+    /// All drivers spawned -> every device visible in the API.
+    pub seconds: f64,
+    /// Driver requests to ResourceSlices that write (POST/PUT/PATCH/DELETE) until published.
+    pub slice_writes: usize,
+    /// Every driver request until published, by kind.
+    pub requests: BTreeMap<String, usize>,
+    /// Every driver request until a settle time after publishing, by kind.
+    pub requests_after_settle: BTreeMap<String, usize>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    pub machine: Machine,
+    pub driver_binary: String,
+    pub short: bool,
+    pub gpus: String,
+    pub latency: Vec<LatencyCell>,
+    pub memory: Memory,
+    pub soak: Soak,
+    pub startup: Vec<Startup>,
+    pub publishing: Vec<Publishing>,
+}
+
+fn mib(kib: u64) -> f64 {
+    kib as f64 / 1024.0
+}
+
+fn total(counts: &BTreeMap<String, usize>) -> usize {
+    counts.values().sum()
+}
+
+/// The report as the table the bench prints.
+pub fn render_table(report: &Report) -> String {
+    let mut out = String::new();
+    let m = &report.machine;
+    let _ = writeln!(
+        out,
+        "machine: {} CPU(s), {}, {} MiB RAM, kernel {}; bench {} build; driver {}",
+        m.cpus,
+        m.cpu_model,
+        m.memory_mib,
+        m.kernel,
+        if m.debug_build { "debug" } else { "release" },
+        report.driver_binary
+    );
+    let _ = writeln!(
+        out,
+        "fake GPUs: {}{}\n",
+        report.gpus,
+        if report.short { " (--short)" } else { "" }
+    );
+
+    let _ = writeln!(
+        out,
+        "{:<10} {:>4} {:>6} | {:>34} | {:>34} | {:>9}",
+        "claims",
+        "conc",
+        "cycles",
+        "prepare p50/p95/p99/max (µs)",
+        "unprepare p50/p95/p99/max (µs)",
+        "cycles/s"
+    );
+    for cell in &report.latency {
+        let quad = |s: &Summary| {
+            format!(
+                "{:.0}/{:.0}/{:.0}/{:.0}",
+                s.p50_us, s.p95_us, s.p99_us, s.max_us
+            )
+        };
+        let _ = writeln!(
+            out,
+            "{:<10} {:>4} {:>6} | {:>34} | {:>34} | {:>9.1}",
+            cell.kind.label(),
+            cell.concurrency,
+            cell.cycles,
+            quad(&cell.prepare),
+            quad(&cell.unprepare),
+            cell.cycles_per_second
+        );
+    }
+
+    let mem = &report.memory;
+    let _ = writeln!(
+        out,
+        "\nRSS: idle with {} GPUs {:.1} MiB; with {} claims prepared {:.1} MiB",
+        mem.gpus,
+        mib(mem.idle_rss_kib),
+        mem.prepared_claims,
+        mib(mem.prepared_rss_kib)
+    );
+    let soak = &report.soak;
+    let _ = writeln!(
+        out,
+        "soak: {} cycles ({} callers) in {:.1} s; RSS {:.1} -> {:.1} MiB ({:+.2} MiB); fds {} -> {} ({:+})",
+        soak.cycles,
+        soak.concurrency,
+        soak.seconds,
+        mib(soak.rss_before_kib),
+        mib(soak.rss_after_kib),
+        mib(soak.rss_after_kib) - mib(soak.rss_before_kib),
+        soak.fds_before,
+        soak.fds_after,
+        soak.fds_after as i64 - soak.fds_before as i64
+    );
+
+    let _ = writeln!(
+        out,
+        "\nstart-up (spawn -> registered / -> slices published):"
+    );
+    for (i, s) in report.startup.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "  run {}: {:.1} ms / {:.1} ms",
+            i + 1,
+            s.to_registered_ms,
+            s.to_slices_ms
+        );
+    }
+    if report.startup.len() > 1 {
+        let registered: Vec<f64> = report.startup.iter().map(|s| s.to_registered_ms).collect();
+        let published: Vec<f64> = report.startup.iter().map(|s| s.to_slices_ms).collect();
+        let _ = writeln!(
+            out,
+            "  median: {:.1} ms / {:.1} ms",
+            median(&registered),
+            median(&published)
+        );
+    }
+
+    let _ = writeln!(
+        out,
+        "\n{:>5} {:>7} {:>6} {:>9} {:>12} {:>14} {:>14}",
+        "nodes", "devices", "slices", "seconds", "slice writes", "driver reqs", "reqs +settle"
+    );
+    for p in &report.publishing {
+        let _ = writeln!(
+            out,
+            "{:>5} {:>7} {:>6} {:>9.3} {:>12} {:>14} {:>14}",
+            p.nodes,
+            p.devices,
+            p.slices,
+            p.seconds,
+            p.slice_writes,
+            total(&p.requests),
+            total(&p.requests_after_settle)
+        );
+    }
+    if let Some(largest) = report.publishing.last() {
+        let _ = writeln!(
+            out,
+            "driver requests by kind ({} nodes, until settled):",
+            largest.nodes
+        );
+        for (kind, n) in &largest.requests_after_settle {
+            let _ = writeln!(out, "  {n:>6}  {kind}");
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Report {
+        let summary = Summary {
+            count: 10,
+            p50_us: 200.0,
+            p95_us: 400.0,
+            p99_us: 900.0,
+            max_us: 1500.0,
+            mean_us: 250.0,
+        };
+        Report {
+            machine: Machine {
+                cpus: 2,
+                cpu_model: "Test CPU".into(),
+                memory_mib: 4096,
+                kernel: "6.1".into(),
+                debug_build: false,
+            },
+            driver_binary: "target/release/gpupool-driver".into(),
+            short: false,
+            gpus: "a100-40gb:8".into(),
+            latency: vec![LatencyCell {
+                kind: ClaimKind::Fractional,
+                concurrency: 4,
+                cycles: 10,
+                prepare: summary,
+                unprepare: summary,
+                seconds: 0.5,
+                cycles_per_second: 20.0,
+            }],
+            memory: Memory {
+                gpus: 8,
+                idle_rss_kib: 8 * 1024,
+                prepared_claims: 256,
+                prepared_rss_kib: 10 * 1024,
+            },
+            soak: Soak {
+                cycles: 100,
+                concurrency: 4,
+                seconds: 1.0,
+                rss_before_kib: 10 * 1024,
+                rss_after_kib: 10 * 1024 + 512,
+                fds_before: 20,
+                fds_after: 20,
+            },
+            startup: vec![Startup {
+                to_registered_ms: 40.0,
+                to_slices_ms: 60.0,
+            }],
+            publishing: vec![Publishing {
+                nodes: 8,
+                devices: 64,
+                slices: 8,
+                seconds: 0.25,
+                slice_writes: 8,
+                requests: BTreeMap::from([("POST resourceslices".to_string(), 8)]),
+                requests_after_settle: BTreeMap::from([
+                    ("POST resourceslices".to_string(), 8),
+                    ("GET nodes".to_string(), 8),
+                ]),
+            }],
+        }
+    }
+
+    #[test]
+    fn table_shows_every_measurement() {
+        let table = render_table(&sample());
+        assert!(table.contains("2 CPU(s), Test CPU"), "{table}");
+        assert!(table.contains("fractional"), "{table}");
+        assert!(table.contains("200/400/900/1500"), "{table}");
+        assert!(table.contains("20.0"), "{table}");
+        assert!(table.contains("idle with 8 GPUs 8.0 MiB"), "{table}");
+        assert!(table.contains("256 claims prepared 10.0 MiB"), "{table}");
+        assert!(table.contains("(+0.50 MiB)"), "{table}");
+        assert!(table.contains("fds 20 -> 20 (+0)"), "{table}");
+        assert!(table.contains("40.0 ms / 60.0 ms"), "{table}");
+        assert!(table.contains("       8  GET nodes"), "{table}");
+    }
+
+    #[test]
+    fn json_names_the_fields_a_reader_looks_for() {
+        let json = serde_json::to_value(sample()).unwrap();
+        assert_eq!(json["latency"][0]["kind"], "fractional");
+        assert_eq!(json["latency"][0]["prepare"]["p99_us"], 900.0);
+        assert_eq!(json["memory"]["prepared_rss_kib"], 10240);
+        assert_eq!(json["publishing"][0]["slice_writes"], 8);
+    }
+}
