@@ -1,0 +1,557 @@
+//! The heterogeneous pool end to end (issue 5 "Done when"): the real controller turns the GpuModels
+//! of deploy/examples into DeviceClasses and the half-a100 ComputeProfile into a template, the real
+//! drivers publish each card's weight, and the scheduler stand-in places claims by model.
+//!
+//! One cluster (A100, V100 and RTX 3090 nodes, as the seeds have them) and one test whose steps run
+//! in order: each later step builds on the GpuModels of the first, and the last one changes and
+//! deletes them.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use common::*;
+use gpupool_api::names::{attr, capacity};
+use gpupool_api::quantity;
+use gpupool_e2e::harness::objects::pod_yaml;
+use gpupool_e2e::harness::{wait_for, Backend, ClusterSpec, NodeSpec, TestCluster};
+use gpupool_e2e::sandbox::cdi_limits;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::{
+    DeviceClass, DeviceSubRequest, ResourceClaim, ResourceClaimTemplate,
+};
+use kube::api::{DeleteParams, ListParams};
+use kube::Api;
+
+const A100_CLASS: &str = "a100-sxm4-40gb.gpupool.dev";
+const V100_CLASS: &str = "v100-sxm2-32gb.gpupool.dev";
+const RTX_CLASS: &str = "rtx-3090.gpupool.dev";
+
+/// A model of the pool: its GpuModel, class, node and how many cards the node has.
+struct Model {
+    gpu_model: &'static str,
+    model: &'static str,
+    class: &'static str,
+    node: &'static str,
+    /// The node's `--fake-gpus`.
+    fake_gpus: &'static str,
+    cards: usize,
+}
+
+const MODELS: [Model; 3] = [
+    Model {
+        gpu_model: "a100-sxm4-40gb",
+        model: "A100-SXM4-40GB",
+        class: A100_CLASS,
+        node: "node-a100",
+        fake_gpus: "a100-40gb:2",
+        cards: 2,
+    },
+    Model {
+        gpu_model: "v100-sxm2-32gb",
+        model: "V100-SXM2-32GB",
+        class: V100_CLASS,
+        node: "node-v100",
+        fake_gpus: "v100-32gb:2",
+        cards: 2,
+    },
+    Model {
+        gpu_model: "rtx-3090",
+        model: "RTX-3090",
+        class: RTX_CLASS,
+        node: "node-rtx",
+        fake_gpus: "rtx3090:1",
+        cards: 1,
+    },
+];
+
+fn example(file: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../deploy/examples")
+        .join(file)
+}
+
+/// A claim for one whole card through a model's class (no capacity request: the whole memory).
+fn class_claim_yaml(name: &str, class: &str) -> String {
+    format!(
+        "apiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata:\n  name: {name}\nspec:\n  devices:\n    requests:\n    \
+         - name: gpu\n      exactly:\n        deviceClassName: {class}\n        allocationMode: ExactCount\n        count: 1\n"
+    )
+}
+
+#[test]
+fn gpu_models_classes_profiles_and_weights_over_the_real_controller() {
+    gpupool_e2e::harness::shared_runtime().block_on(async {
+        let started = Instant::now();
+        let mut spec = ClusterSpec::new().with_controller();
+        spec.nodes = MODELS
+            .iter()
+            .map(|m| NodeSpec::new(m.node, m.fake_gpus))
+            .collect();
+        // Fake cards of three models on three nodes: only the emulator can give us that.
+        spec.backend = Some(Backend::Emulator);
+        let cluster = TestCluster::start(spec)
+            .await
+            .unwrap_or_else(|e| panic!("starting the cluster: {e}"));
+
+        gpu_models_become_classes_and_kubectl_counts_the_pool(&cluster).await;
+        claims_through_a_model_class_land_only_on_that_model(&cluster).await;
+        half_a100_falls_back_to_a_v100_with_61_percent(&cluster).await;
+        weight_changes_reach_the_slices_and_deleting_a_model_removes_its_class(&cluster).await;
+        eprintln!("heterogeneous pool scenario took {:?}", started.elapsed());
+    });
+}
+
+/// Step 1: gpumodels.yaml -> three DeviceClasses; `kubectl get gpumodels` counts the fake pool.
+async fn gpu_models_become_classes_and_kubectl_counts_the_pool(cluster: &TestCluster) {
+    // What the drivers published, per model: cards, nodes, memory.
+    let mut published: BTreeMap<String, (usize, BTreeSet<String>, u64)> = BTreeMap::new();
+    for m in &MODELS {
+        for device in devices_of(cluster, m.node, m.cards).await.values() {
+            let model = attribute(device, attr::MODEL)
+                .and_then(|a| a.string.clone())
+                .unwrap_or_else(|| panic!("{}/{} has no model attribute", m.node, device.name));
+            let memory = device
+                .capacity
+                .as_ref()
+                .and_then(|c| c.get(capacity::MEMORY))
+                .map(|c| {
+                    quantity::parse(&c.value.0)
+                        .expect("memory quantity")
+                        .ceil_units() as u64
+                })
+                .unwrap_or_else(|| panic!("{}/{} has no memory capacity", m.node, device.name));
+            let entry = published.entry(model).or_default();
+            entry.0 += 1;
+            entry.1.insert(m.node.to_string());
+            entry.2 += memory;
+        }
+    }
+
+    cluster
+        .apply_file(&example("gpumodels.yaml"), None)
+        .await
+        .unwrap_or_else(|e| panic!("applying gpumodels.yaml: {e}"));
+    let classes: Api<DeviceClass> = Api::all(cluster.client());
+    for m in &MODELS {
+        wait_for(&format!("DeviceClass {}", m.class), TIMEOUT, || async {
+            classes.get_opt(m.class).await.ok().flatten()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontroller log:\n{:?}", cluster.controller_log()));
+    }
+
+    // The columns a user reads; the controller fills the counts once it has seen the slices.
+    let expected: BTreeMap<&str, [String; 4]> = MODELS
+        .iter()
+        .map(|m| {
+            let (cards, nodes, memory) = published
+                .get(m.model)
+                .unwrap_or_else(|| panic!("no published {} in {published:?}", m.model));
+            (
+                m.gpu_model,
+                [
+                    m.model.to_string(),
+                    cards.to_string(),
+                    nodes.len().to_string(),
+                    quantity::format_bytes(*memory),
+                ],
+            )
+        })
+        .collect();
+    assert_eq!(expected["a100-sxm4-40gb"][1..], ["2", "1", "80Gi"]);
+    assert_eq!(expected["v100-sxm2-32gb"][1..], ["2", "1", "64Gi"]);
+    assert_eq!(expected["rtx-3090"][1..], ["1", "1", "24Gi"]);
+    let last = Mutex::new(String::new());
+    let shown = wait_for("`kubectl get gpumodels` to count the pool", TIMEOUT, || {
+        let last = &last;
+        let expected = &expected;
+        async move {
+            let table = cluster.kubectl(&["get", "gpumodels"]).await.ok()?;
+            *last.lock().unwrap() = table.clone();
+            let rows = table_rows(&table);
+            let matches = expected.iter().all(|(name, want)| {
+                rows.get(*name).is_some_and(|row| {
+                    ["MODEL", "DEVICES", "NODES", "MEMORY"]
+                        .iter()
+                        .zip(want)
+                        .all(|(column, value)| row.get(*column) == Some(value))
+                })
+            });
+            matches.then_some(rows)
+        }
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}; last output:\n{}", last.lock().unwrap()));
+    assert_eq!(shown["a100-sxm4-40gb"]["WEIGHT"], "312");
+    assert_eq!(shown["v100-sxm2-32gb"]["WEIGHT"], "256");
+    assert_eq!(shown["rtx-3090"]["WEIGHT"], "71");
+    for (name, row) in &shown {
+        assert_eq!(row["READY"], "True", "{name}: {row:?}");
+    }
+}
+
+/// `kubectl get` table: rows by NAME, cells by column header (cells hold no spaces here).
+fn table_rows(table: &str) -> BTreeMap<String, BTreeMap<String, String>> {
+    let mut lines = table.lines();
+    let headers: Vec<&str> = lines
+        .next()
+        .map(|h| h.split_whitespace().collect())
+        .unwrap_or_default();
+    lines
+        .map(|line| {
+            let row: BTreeMap<String, String> = headers
+                .iter()
+                .zip(line.split_whitespace())
+                .map(|(h, v)| (h.to_string(), v.to_string()))
+                .collect();
+            (row.get("NAME").cloned().unwrap_or_default(), row)
+        })
+        .collect()
+}
+
+/// The model attribute of a published device.
+async fn model_of(cluster: &TestCluster, node: &str, device: &str) -> String {
+    let slices = cluster
+        .slices_of(node)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let d = slices
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .find(|d| d.name == device)
+        .unwrap_or_else(|| panic!("node {node} publishes no {device}"));
+    attribute(d, attr::MODEL)
+        .and_then(|a| a.string.clone())
+        .unwrap_or_default()
+}
+
+/// Pods until gone and claims until gone (their allocations released).
+async fn delete_all(cluster: &TestCluster, namespace: &str) {
+    let pods: Api<Pod> = Api::namespaced(cluster.client(), namespace);
+    let claims: Api<ResourceClaim> = Api::namespaced(cluster.client(), namespace);
+    let lp = ListParams::default();
+    pods.delete_collection(&DeleteParams::default(), &lp)
+        .await
+        .unwrap_or_else(|e| panic!("deleting pods of {namespace}: {e}"));
+    claims
+        .delete_collection(&DeleteParams::default(), &lp)
+        .await
+        .unwrap_or_else(|e| panic!("deleting claims of {namespace}: {e}"));
+    wait_for(
+        &format!("pods and claims of {namespace} to go"),
+        TIMEOUT,
+        || async {
+            let pods_left = pods.list(&lp).await.ok()?.items.len();
+            let claims_left = claims.list(&lp).await.ok()?.items.len();
+            (pods_left == 0 && claims_left == 0).then_some(())
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// A whole-card claim and a pod using it, per card of the model; returns (pool, device) per claim.
+async fn fill_model(cluster: &TestCluster, namespace: &str, m: &Model) -> Vec<(String, String)> {
+    for i in 0..m.cards {
+        let name = format!("{}-{i}", m.gpu_model);
+        apply(cluster, namespace, &class_claim_yaml(&name, m.class)).await;
+        apply(cluster, namespace, &pod_yaml(&name, &[&name])).await;
+    }
+    let mut placed = Vec::new();
+    for i in 0..m.cards {
+        let name = format!("{}-{i}", m.gpu_model);
+        wait_pod_running(cluster, namespace, &name).await;
+        let results = results(&claim(cluster, namespace, &name).await);
+        assert_eq!(results.len(), 1, "{namespace}/{name}: {results:?}");
+        let (request, pool, device, _) = results.into_iter().next().unwrap();
+        assert_eq!(request, "gpu");
+        placed.push((pool, device));
+    }
+    placed
+}
+
+/// Step 2: every card of each model filled through its class, each claim on that model only; one
+/// more A100 claim waits rather than taking another model's card.
+async fn claims_through_a_model_class_land_only_on_that_model(cluster: &TestCluster) {
+    let namespace = cluster
+        .create_namespace("by-model")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    for m in &MODELS {
+        let placed = fill_model(cluster, &namespace, m).await;
+        let distinct: BTreeSet<&(String, String)> = placed.iter().collect();
+        assert_eq!(
+            distinct.len(),
+            m.cards,
+            "whole cards of {}: {placed:?}",
+            m.model
+        );
+        for (pool, device) in &placed {
+            assert_eq!(pool, m.node, "a claim through {} left its model", m.class);
+            assert_eq!(
+                model_of(cluster, pool, device).await,
+                m.model,
+                "{pool}/{device}"
+            );
+        }
+    }
+
+    // Every A100 is taken; free V100s and an RTX do not make a third A100 claim allocatable.
+    apply(
+        cluster,
+        &namespace,
+        &class_claim_yaml("one-a100-too-many", A100_CLASS),
+    )
+    .await;
+    apply(
+        cluster,
+        &namespace,
+        &pod_yaml("one-a100-too-many", &["one-a100-too-many"]),
+    )
+    .await;
+    wait_for(
+        "a FailedScheduling event for the A100 pod that cannot fit",
+        TIMEOUT,
+        || async {
+            events_about(cluster, &namespace, "Pod", "one-a100-too-many")
+                .await
+                .into_iter()
+                .find(|e| e.reason.as_deref() == Some("FailedScheduling"))
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let waiting = claim(cluster, &namespace, "one-a100-too-many").await;
+    assert!(
+        results(&waiting).is_empty(),
+        "an A100 claim was allocated with every A100 taken: {:?}",
+        results(&waiting)
+    );
+    delete_all(cluster, &namespace).await;
+}
+
+/// The `firstAvailable` subrequests of the one request of a template.
+fn subrequests(template: &ResourceClaimTemplate) -> Vec<DeviceSubRequest> {
+    let requests = template
+        .spec
+        .spec
+        .devices
+        .as_ref()
+        .and_then(|d| d.requests.clone())
+        .unwrap_or_default();
+    assert_eq!(requests.len(), 1, "one request: {requests:?}");
+    assert_eq!(requests[0].name, "gpu");
+    requests[0].first_available.clone().unwrap_or_default()
+}
+
+/// (class, cores, memory) of each subrequest, in order.
+fn subrequest_summary(subs: &[DeviceSubRequest]) -> Vec<(String, String, String)> {
+    subs.iter()
+        .map(|s| {
+            let requests = s
+                .capacity
+                .as_ref()
+                .and_then(|c| c.requests.clone())
+                .unwrap_or_default();
+            let get = |k: &str| requests.get(k).map(|q| q.0.clone()).unwrap_or_default();
+            (
+                s.device_class_name.clone(),
+                get(capacity::CORES),
+                get(capacity::MEMORY),
+            )
+        })
+        .collect()
+}
+
+async fn template_summary(cluster: &TestCluster) -> Option<Vec<(String, String, String)>> {
+    Api::<ResourceClaimTemplate>::namespaced(cluster.client(), "team-a")
+        .get_opt("half-a100")
+        .await
+        .ok()
+        .flatten()
+        .map(|t| subrequest_summary(&subrequests(&t)))
+}
+
+/// Step 3: the half-a100 template in team-a asks A100 50 / V100 61; with the A100s full its pod gets
+/// 61% of a V100.
+async fn half_a100_falls_back_to_a_v100_with_61_percent(cluster: &TestCluster) {
+    cluster
+        .apply_file(&example("compute-profile-half-a100.yaml"), None)
+        .await
+        .unwrap_or_else(|e| panic!("applying compute-profile-half-a100.yaml: {e}"));
+    let want = vec![
+        (A100_CLASS.to_string(), "50".to_string(), "8Gi".to_string()),
+        (V100_CLASS.to_string(), "61".to_string(), "8Gi".to_string()),
+    ];
+    let last = Mutex::new(None);
+    wait_for(
+        "template team-a/half-a100 with A100 50 then V100 61",
+        TIMEOUT,
+        || {
+            let last = &last;
+            let want = &want;
+            async move {
+                let summary = template_summary(cluster).await;
+                *last.lock().unwrap() = summary.clone();
+                (summary.as_ref() == Some(want)).then_some(())
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}; last seen {:?}", last.lock().unwrap()));
+
+    let fill = cluster
+        .create_namespace("a100-full")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    fill_model(cluster, &fill, &MODELS[0]).await;
+
+    let pod = "trainer";
+    apply(
+        cluster,
+        "team-a",
+        &format!(
+            "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {pod}\nspec:\n  restartPolicy: Never\n  resourceClaims:\n  \
+             - name: gpu\n    resourceClaimTemplateName: half-a100\n  containers:\n  - name: main\n    image: busybox:1.36\n    \
+             command: [\"sleep\", \"3600\"]\n    resources:\n      claims:\n      - name: gpu\n"
+        ),
+    )
+    .await;
+    let running = wait_pod_running(cluster, "team-a", pod).await;
+    let claim_name = running
+        .status
+        .as_ref()
+        .and_then(|s| s.resource_claim_statuses.as_ref())
+        .and_then(|c| c.iter().find(|c| c.name == "gpu"))
+        .and_then(|c| c.resource_claim_name.clone())
+        .unwrap_or_else(|| panic!("pod {pod} has no generated claim: {:?}", running.status));
+    let generated = claim(cluster, "team-a", &claim_name).await;
+    let results = results(&generated);
+    assert_eq!(results.len(), 1, "{results:?}");
+    let (request, pool, device, _) = &results[0];
+    assert_eq!(pool, "node-v100", "the A100s are full: {results:?}");
+    assert!(
+        request.starts_with("gpu/v100"),
+        "the V100 subrequest was chosen: {request}"
+    );
+    assert_eq!(model_of(cluster, pool, device).await, "V100-SXM2-32GB");
+
+    let node = cluster.node("node-v100").unwrap();
+    let uid = generated.metadata.uid.clone().expect("claim uid");
+    prepared(node, &uid).await;
+    let limits = cdi_limits(&cdi_spec(node, &uid));
+    assert!(
+        limits.contains(&"CUDA_DEVICE_SM_LIMIT_0=61".to_string()),
+        "{limits:?}"
+    );
+    assert!(
+        limits.contains(&"CUDA_DEVICE_MEMORY_LIMIT_0=8192m".to_string()),
+        "{limits:?}"
+    );
+}
+
+/// The computeWeight every device of a node publishes.
+async fn weights_on(cluster: &TestCluster, node: &str) -> Vec<Option<i64>> {
+    cluster
+        .slices_of(node)
+        .await
+        .unwrap_or_default()
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .map(|d| attribute(d, attr::COMPUTE_WEIGHT).and_then(|a| a.int))
+        .collect()
+}
+
+/// Step 4: a new V100 weight is in node-v100's slices within seconds (and in the template's
+/// cores); deleting the V100 GpuModel takes its class and subrequest, the others stay.
+async fn weight_changes_reach_the_slices_and_deleting_a_model_removes_its_class(
+    cluster: &TestCluster,
+) {
+    assert_eq!(
+        weights_on(cluster, "node-v100").await,
+        [Some(256), Some(256)]
+    );
+    let changed = Instant::now();
+    cluster
+        .kubectl(&[
+            "patch",
+            "gpumodel",
+            "v100-sxm2-32gb",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"computeWeight":300}}"#,
+        ])
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let within = Duration::from_secs(10);
+    let published = wait_for("node-v100's slices to carry weight 300", within, || async {
+        (weights_on(cluster, "node-v100").await == [Some(300), Some(300)]).then_some(())
+    })
+    .await;
+    if let Err(e) = published {
+        panic!(
+            "{e}; now {:?}\n--- driver log ---\n{}",
+            weights_on(cluster, "node-v100").await,
+            cluster.node("node-v100").unwrap().driver_log()
+        );
+    }
+    eprintln!("weight change published after {:?}", changed.elapsed());
+    assert_eq!(
+        weights_on(cluster, "node-a100").await,
+        [Some(312), Some(312)]
+    );
+    // ceil(156 * 100 / 300) = 52
+    wait_for("the template's V100 subrequest at 52", TIMEOUT, || async {
+        let summary = template_summary(cluster).await?;
+        (summary.get(1).map(|s| s.1.as_str()) == Some("52")).then_some(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+
+    cluster
+        .kubectl(&["delete", "gpumodel", "v100-sxm2-32gb"])
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let classes: Api<DeviceClass> = Api::all(cluster.client());
+    wait_for("DeviceClass of the V100 to go", TIMEOUT, || async {
+        classes
+            .get_opt(V100_CLASS)
+            .await
+            .ok()
+            .and_then(|c| c.is_none().then_some(()))
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let last = Mutex::new(None);
+    wait_for("the template to keep only the A100", TIMEOUT, || {
+        let last = &last;
+        async move {
+            let summary = template_summary(cluster).await;
+            *last.lock().unwrap() = summary.clone();
+            let classes: Vec<String> = summary?.into_iter().map(|s| s.0).collect();
+            (classes == [A100_CLASS]).then_some(())
+        }
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}; last seen {:?}", last.lock().unwrap()));
+    for class in [A100_CLASS, RTX_CLASS] {
+        assert!(
+            classes.get_opt(class).await.unwrap().is_some(),
+            "{class} went with the V100's GpuModel"
+        );
+    }
+    let table = cluster
+        .kubectl(&["get", "gpumodels"])
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let rows = table_rows(&table);
+    assert_eq!(
+        rows.keys().map(String::as_str).collect::<Vec<_>>(),
+        ["a100-sxm4-40gb", "rtx-3090"],
+        "{table}"
+    );
+}
