@@ -140,7 +140,7 @@ async fn run(args: &Args) -> anyhow::Result<Report> {
     let kubelet = node.kubelet();
     // Let start-up work (the first publication, the GpuModel watch) finish before measuring idle.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let idle_rss = procfs::rss_kib(pid)?;
+    let idle_rss = procfs::rss(pid)?;
 
     progress(&format!(
         "memory with {} prepared claims",
@@ -156,13 +156,15 @@ async fn run(args: &Args) -> anyhow::Result<Report> {
         )
         .await?;
     run_concurrently(&held, 16, |c| prepare_one(kubelet, c)).await?;
-    let prepared_rss = procfs::rss_kib(pid)?;
+    let prepared_rss = procfs::rss(pid)?;
     run_concurrently(&held, 16, |c| unprepare_one(kubelet, c)).await?;
     let memory = Memory {
         gpus: GPUS,
-        idle_rss_kib: idle_rss,
+        idle_rss_kib: idle_rss.total_kib,
+        idle_rss_anon_kib: idle_rss.anon_kib,
         prepared_claims: held.len(),
-        prepared_rss_kib: prepared_rss,
+        prepared_rss_kib: prepared_rss.total_kib,
+        prepared_rss_anon_kib: prepared_rss.anon_kib,
     };
 
     let mut latency = Vec::new();

@@ -14,26 +14,44 @@ pub enum ProcError {
     Missing { path: String, field: &'static str },
 }
 
-/// The `VmRSS:` value of a /proc/<pid>/status text, in KiB.
-pub fn parse_vm_rss_kib(status: &str) -> Option<u64> {
+/// A `<field>:  <n> kB` value of a /proc/<pid>/status text.
+pub fn parse_status_kib(status: &str, field: &str) -> Option<u64> {
     status
         .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))
         .and_then(|rest| rest.split_whitespace().next())
         .and_then(|n| n.parse().ok())
 }
 
-/// Resident memory of `pid` in KiB.
-pub fn rss_kib(pid: u32) -> Result<u64, ProcError> {
+/// Resident memory in KiB: all of it (`VmRSS`) and its anonymous part (`RssAnon`: heap and stacks;
+/// the rest is mostly the binary's own pages).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Rss {
+    pub total_kib: u64,
+    pub anon_kib: u64,
+}
+
+pub fn rss(pid: u32) -> Result<Rss, ProcError> {
     let path = format!("/proc/{pid}/status");
     let text = std::fs::read_to_string(&path).map_err(|source| ProcError::Read {
         path: path.clone(),
         source,
     })?;
-    parse_vm_rss_kib(&text).ok_or(ProcError::Missing {
-        path,
-        field: "VmRSS",
+    let field = |name: &'static str| {
+        parse_status_kib(&text, name).ok_or(ProcError::Missing {
+            path: path.clone(),
+            field: name,
+        })
+    };
+    Ok(Rss {
+        total_kib: field("VmRSS")?,
+        anon_kib: field("RssAnon")?,
     })
+}
+
+/// Resident memory of `pid` in KiB.
+pub fn rss_kib(pid: u32) -> Result<u64, ProcError> {
+    rss(pid).map(|r| r.total_kib)
 }
 
 /// Number of open file descriptors of `pid`.
@@ -95,17 +113,20 @@ mod tests {
     use super::*;
 
     #[test]
-    fn vm_rss_from_a_status_file() {
+    fn rss_fields_from_a_status_file() {
         let status =
             "Name:\tgpupool-driver\nVmPeak:\t  20000 kB\nVmRSS:\t    9876 kB\nRssAnon:\t 4000 kB\n";
-        assert_eq!(parse_vm_rss_kib(status), Some(9876));
-        assert_eq!(parse_vm_rss_kib("Name:\tzombie\n"), None);
+        assert_eq!(parse_status_kib(status, "VmRSS"), Some(9876));
+        assert_eq!(parse_status_kib(status, "RssAnon"), Some(4000));
+        assert_eq!(parse_status_kib(status, "VmPeak"), Some(20000));
+        assert_eq!(parse_status_kib("Name:\tzombie\n", "VmRSS"), None);
     }
 
     #[test]
     fn own_process_has_memory_and_descriptors() {
         let pid = std::process::id();
-        assert!(rss_kib(pid).unwrap() > 0);
+        let rss = rss(pid).unwrap();
+        assert!(rss.anon_kib > 0 && rss.total_kib >= rss.anon_kib, "{rss:?}");
         // stdin, stdout, stderr at least, plus the one read_dir opens.
         assert!(open_fds(pid).unwrap() >= 3);
     }

@@ -42,8 +42,10 @@ pub struct LatencyCell {
 pub struct Memory {
     pub gpus: usize,
     pub idle_rss_kib: u64,
+    pub idle_rss_anon_kib: u64,
     pub prepared_claims: usize,
     pub prepared_rss_kib: u64,
+    pub prepared_rss_anon_kib: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -154,11 +156,13 @@ pub fn render_table(report: &Report) -> String {
     let mem = &report.memory;
     let _ = writeln!(
         out,
-        "\nRSS: idle with {} GPUs {:.1} MiB; with {} claims prepared {:.1} MiB",
+        "\nRSS: idle with {} GPUs {:.1} MiB (anon {:.1}); with {} claims prepared {:.1} MiB (anon {:.1})",
         mem.gpus,
         mib(mem.idle_rss_kib),
+        mib(mem.idle_rss_anon_kib),
         mem.prepared_claims,
-        mib(mem.prepared_rss_kib)
+        mib(mem.prepared_rss_kib),
+        mib(mem.prepared_rss_anon_kib)
     );
     let soak = &report.soak;
     let _ = writeln!(
@@ -266,8 +270,10 @@ mod tests {
             memory: Memory {
                 gpus: 8,
                 idle_rss_kib: 8 * 1024,
+                idle_rss_anon_kib: 3 * 1024,
                 prepared_claims: 256,
                 prepared_rss_kib: 10 * 1024,
+                prepared_rss_anon_kib: 5 * 1024,
             },
             soak: Soak {
                 cycles: 100,
@@ -304,8 +310,14 @@ mod tests {
         assert!(table.contains("fractional"), "{table}");
         assert!(table.contains("200/400/900/1500"), "{table}");
         assert!(table.contains("20.0"), "{table}");
-        assert!(table.contains("idle with 8 GPUs 8.0 MiB"), "{table}");
-        assert!(table.contains("256 claims prepared 10.0 MiB"), "{table}");
+        assert!(
+            table.contains("idle with 8 GPUs 8.0 MiB (anon 3.0)"),
+            "{table}"
+        );
+        assert!(
+            table.contains("256 claims prepared 10.0 MiB (anon 5.0)"),
+            "{table}"
+        );
         assert!(table.contains("(+0.50 MiB)"), "{table}");
         assert!(table.contains("fds 20 -> 20 (+0)"), "{table}");
         assert!(table.contains("40.0 ms / 60.0 ms"), "{table}");
