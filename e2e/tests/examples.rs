@@ -1,0 +1,559 @@
+//! Every example in deploy/examples/ applied to the sandbox's pool (issue 7 "Done when"), with the
+//! state each file's comments and the README promise checked as a user would: pods running on the
+//! right model, the limits in the CDI specs, `kubectl get gpumodels` and `kubectl describe`.
+//!
+//! One cluster and one test: the examples share the pool's cards, and the last step frees some of
+//! them to watch the prioritized-list claim choose.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use common::*;
+use gpupool_api::names::{attr, capacity};
+use gpupool_e2e::harness::objects::pod_yaml;
+use gpupool_e2e::harness::{wait_for, Backend, ClusterSpec, NodeSpec, TestCluster};
+use gpupool_e2e::sandbox::cdi_limits;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceClaimTemplate};
+use kube::api::ListParams;
+use kube::Api;
+
+/// Every example this test covers. A new file in deploy/examples/ fails the test until it is
+/// covered here.
+const COVERED: [&str; 8] = [
+    "claim-prefer-a100.yaml",
+    "compute-profile-half-a100.yaml",
+    "deployment-template.yaml",
+    "fraction-half-a100.yaml",
+    "fraction-v100-70.yaml",
+    "gpumodels.yaml",
+    "pod-by-model.yaml",
+    "whole-gpu-claim.yaml",
+];
+
+const NS: &str = "default";
+
+fn examples_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples")
+}
+
+/// The YAML files of deploy/examples/, GpuModels and ComputeProfiles first (as the sandbox applies
+/// them), so that the classes and templates the others name exist early.
+fn example_files() -> Vec<PathBuf> {
+    let dir = examples_dir();
+    let mut files: Vec<(bool, PathBuf)> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()))
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| matches!(p.extension().and_then(|e| e.to_str()), Some("yaml" | "yml")))
+        .map(|p| {
+            let text = std::fs::read_to_string(&p).unwrap_or_default();
+            let setup = text.contains("kind: GpuModel") || text.contains("kind: ComputeProfile");
+            (!setup, p)
+        })
+        .collect();
+    files.sort();
+    files.into_iter().map(|(_, p)| p).collect()
+}
+
+/// The sandbox's pool (the seeds' cards).
+fn pool() -> Vec<NodeSpec> {
+    vec![
+        NodeSpec::new("node-a100", "a100-40gb:2"),
+        NodeSpec::new("node-v100", "v100-32gb:2"),
+        NodeSpec::new("node-rtx", "rtx3090:1"),
+    ]
+}
+
+#[test]
+fn every_example_reaches_the_state_its_comments_and_the_readme_promise() {
+    let files = example_files();
+    let names: BTreeSet<String> = files
+        .iter()
+        .filter_map(|p| p.file_name().and_then(|n| n.to_str()).map(str::to_string))
+        .collect();
+    let covered: BTreeSet<String> = COVERED.iter().map(|s| s.to_string()).collect();
+    assert_eq!(
+        names, covered,
+        "deploy/examples/ changed: cover each new example in this test (and drop removed ones)"
+    );
+
+    gpupool_e2e::harness::shared_runtime().block_on(async {
+        let started = Instant::now();
+        let mut spec = ClusterSpec::new().with_controller();
+        spec.nodes = pool();
+        spec.backend = Some(Backend::Emulator);
+        let cluster = TestCluster::start(spec)
+            .await
+            .unwrap_or_else(|e| panic!("starting the cluster: {e}"));
+        for node in cluster.nodes() {
+            cluster
+                .wait_for_slices(&node.name, 1, TIMEOUT)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+        }
+        for file in &files {
+            cluster
+                .apply_file(file, None)
+                .await
+                .unwrap_or_else(|e| panic!("kubectl apply -f {}: {e}", file.display()));
+        }
+
+        gpumodels_make_classes_weights_and_the_kubectl_table(&cluster).await;
+        compute_profile_keeps_its_template_in_team_a(&cluster).await;
+        half_a100_runs_with_1gi_and_half_the_sms(&cluster).await;
+        describe_shows_what_the_driver_applied(&cluster).await;
+        v100_70_runs_on_a_v100_with_70_percent(&cluster).await;
+        whole_gpu_claim_gets_the_whole_card_unthrottled(&cluster).await;
+        deployment_replicas_each_get_their_own_share(&cluster).await;
+        pod_by_model_lands_on_a_v100(&cluster).await;
+        prefer_a100_waits_for_a_pod_then_takes_an_a100_else_a_v100(&cluster).await;
+        eprintln!("examples scenario took {:?}", started.elapsed());
+    });
+}
+
+/// gpumodels.yaml: one class per model, per tier and for every card; each card's weight in its
+/// slice; `kubectl get gpumodels` as in the README.
+async fn gpumodels_make_classes_weights_and_the_kubectl_table(cluster: &TestCluster) {
+    let classes: Api<DeviceClass> = Api::all(cluster.client());
+    for class in [
+        "a100-sxm4-40gb.gpupool.dev",
+        "v100-sxm2-32gb.gpupool.dev",
+        "rtx-3090.gpupool.dev",
+        "tier-datacenter.gpupool.dev",
+        "tier-workstation.gpupool.dev",
+        "gpupool.dev",
+    ] {
+        wait_for(&format!("DeviceClass {class}"), TIMEOUT, || async {
+            classes.get_opt(class).await.ok().flatten()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    }
+    for (node, weight) in [("node-a100", 312), ("node-v100", 256), ("node-rtx", 71)] {
+        wait_for(
+            &format!("every card of {node} to publish computeWeight {weight}"),
+            TIMEOUT,
+            || async {
+                let slices = cluster.slices_of(node).await.ok()?;
+                let weights: Vec<Option<i64>> = slices
+                    .iter()
+                    .flat_map(|s| s.spec.devices.iter().flatten())
+                    .map(|d| attribute(d, attr::COMPUTE_WEIGHT).and_then(|a| a.int))
+                    .collect();
+                (!weights.is_empty() && weights.iter().all(|w| *w == Some(weight))).then_some(())
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    }
+    let want: BTreeMap<&str, [&str; 6]> = BTreeMap::from([
+        (
+            "a100-sxm4-40gb",
+            ["A100-SXM4-40GB", "312", "2", "1", "80Gi", "True"],
+        ),
+        (
+            "v100-sxm2-32gb",
+            ["V100-SXM2-32GB", "256", "2", "1", "64Gi", "True"],
+        ),
+        ("rtx-3090", ["RTX-3090", "71", "1", "1", "24Gi", "True"]),
+    ]);
+    let columns = ["MODEL", "WEIGHT", "DEVICES", "NODES", "MEMORY", "READY"];
+    let last = Mutex::new(String::new());
+    wait_for(
+        "`kubectl get gpumodels` as the README shows it",
+        TIMEOUT,
+        || {
+            let (last, want) = (&last, &want);
+            async move {
+                let table = cluster.kubectl(&["get", "gpumodels"]).await.ok()?;
+                *last.lock().unwrap() = table.clone();
+                let rows = table_rows(&table);
+                let same = rows.len() == want.len()
+                    && want.iter().all(|(name, values)| {
+                        rows.get(*name).is_some_and(|row| {
+                            columns
+                                .iter()
+                                .zip(values)
+                                .all(|(c, v)| row.get(*c).map(String::as_str) == Some(*v))
+                        })
+                    });
+                same.then_some(())
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}; last output:\n{}", last.lock().unwrap()));
+}
+
+/// `kubectl get` table: rows by NAME, cells by column header (no cell here holds a space).
+fn table_rows(table: &str) -> BTreeMap<String, BTreeMap<String, String>> {
+    let mut lines = table.lines();
+    let headers: Vec<&str> = lines
+        .next()
+        .map(|h| h.split_whitespace().collect())
+        .unwrap_or_default();
+    lines
+        .map(|line| {
+            let row: BTreeMap<String, String> = headers
+                .iter()
+                .zip(line.split_whitespace())
+                .map(|(h, v)| (h.to_string(), v.to_string()))
+                .collect();
+            (row.get("NAME").cloned().unwrap_or_default(), row)
+        })
+        .collect()
+}
+
+/// compute-profile-half-a100.yaml: template half-a100 in team-a, A100 cores 50 then V100 cores 61,
+/// 8Gi each, no RTX 3090 (it cannot serve 156).
+async fn compute_profile_keeps_its_template_in_team_a(cluster: &TestCluster) {
+    let templates: Api<ResourceClaimTemplate> = Api::namespaced(cluster.client(), "team-a");
+    let want = [
+        ("a100-sxm4-40gb.gpupool.dev", "50", "8Gi"),
+        ("v100-sxm2-32gb.gpupool.dev", "61", "8Gi"),
+    ];
+    let last = Mutex::new(None);
+    wait_for(
+        "template team-a/half-a100 with A100 50 then V100 61",
+        TIMEOUT,
+        || {
+            let (last, templates) = (&last, &templates);
+            async move {
+                let template = templates.get_opt("half-a100").await.ok().flatten()?;
+                let requests = template.spec.spec.devices?.requests?;
+                *last.lock().unwrap() = Some(requests.clone());
+                let [request] = requests.as_slice() else {
+                    return None;
+                };
+                let subs = request.first_available.as_ref()?;
+                let got: Vec<(String, String, String)> = subs
+                    .iter()
+                    .map(|s| {
+                        let capacity = s
+                            .capacity
+                            .as_ref()
+                            .and_then(|c| c.requests.clone())
+                            .unwrap_or_default();
+                        let q = |k: &str| capacity.get(k).map(|q| q.0.clone()).unwrap_or_default();
+                        (
+                            s.device_class_name.clone(),
+                            q(capacity::CORES),
+                            q(capacity::MEMORY),
+                        )
+                    })
+                    .collect();
+                let same = request.name == "gpu"
+                    && got.len() == want.len()
+                    && got
+                        .iter()
+                        .zip(&want)
+                        .all(|(g, w)| (g.0.as_str(), g.1.as_str(), g.2.as_str()) == *w);
+                same.then_some(())
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}; last seen {:?}", last.lock().unwrap()));
+}
+
+/// The one gpupool allocation of a claim once its pod runs: (request, pool, device, shareID).
+async fn allocation_of_running(
+    cluster: &TestCluster,
+    pod: &str,
+    claim_name: &str,
+) -> (String, String, String, Option<String>) {
+    wait_pod_running(cluster, NS, pod).await;
+    let results = results(&claim(cluster, NS, claim_name).await);
+    assert_eq!(results.len(), 1, "claim {claim_name}: {results:?}");
+    results.into_iter().next().unwrap()
+}
+
+/// The claim a pod got from its template (`resourceClaimStatuses`).
+async fn generated_claim(cluster: &TestCluster, pod: &str) -> String {
+    let pod_object = wait_pod_running(cluster, NS, pod).await;
+    pod_object
+        .status
+        .as_ref()
+        .and_then(|s| s.resource_claim_statuses.as_ref())
+        .and_then(|c| c.iter().find(|c| c.name == "gpu"))
+        .and_then(|c| c.resource_claim_name.clone())
+        .unwrap_or_else(|| panic!("pod {pod} has no generated claim: {:?}", pod_object.status))
+}
+
+/// What the claim consumed: (memory, cores) as written in its allocation.
+async fn consumed(cluster: &TestCluster, claim_name: &str) -> (Option<String>, Option<String>) {
+    let c = claim(cluster, NS, claim_name).await;
+    let result = c
+        .status
+        .and_then(|s| s.allocation)
+        .and_then(|a| a.devices)
+        .and_then(|d| d.results)
+        .and_then(|r| r.into_iter().next())
+        .unwrap_or_else(|| panic!("claim {claim_name} is not allocated"));
+    let capacity = result.consumed_capacity.unwrap_or_default();
+    (
+        capacity.get(capacity::MEMORY).map(|q| q.0.clone()),
+        capacity.get(capacity::CORES).map(|q| q.0.clone()),
+    )
+}
+
+/// The limit env of a claim's CDI spec on `node`, once prepared.
+async fn limits_of(cluster: &TestCluster, node: &str, claim_name: &str) -> Vec<String> {
+    let node = cluster.node(node).unwrap();
+    let uid = claim(cluster, NS, claim_name)
+        .await
+        .metadata
+        .uid
+        .expect("claim uid");
+    prepared(node, &uid).await;
+    cdi_limits(&cdi_spec(node, &uid))
+}
+
+async fn model_of(cluster: &TestCluster, node: &str, device: &str) -> String {
+    let devices = devices_of(cluster, node, 1).await;
+    let d = devices
+        .get(device)
+        .unwrap_or_else(|| panic!("node {node} publishes no {device}"));
+    attribute(d, attr::MODEL)
+        .and_then(|a| a.string.clone())
+        .unwrap_or_default()
+}
+
+/// fraction-half-a100.yaml: Running on an A100 with 1Gi and 50%, limits 1024m / 50.
+async fn half_a100_runs_with_1gi_and_half_the_sms(cluster: &TestCluster) {
+    let (request, pool, device, share) =
+        allocation_of_running(cluster, "half-a100", "half-a100").await;
+    assert_eq!(
+        (request.as_str(), pool.as_str()),
+        ("gpu", "node-a100"),
+        "{device}"
+    );
+    assert_eq!(model_of(cluster, &pool, &device).await, "A100-SXM4-40GB");
+    assert!(share.is_some(), "a fraction is a share of the card");
+    assert_eq!(
+        consumed(cluster, "half-a100").await,
+        (Some("1Gi".into()), Some("50".into()))
+    );
+    let limits = limits_of(cluster, &pool, "half-a100").await;
+    for want in [
+        "CUDA_DEVICE_MEMORY_LIMIT_0=1024m",
+        "CUDA_DEVICE_SM_LIMIT_0=50",
+    ] {
+        assert!(limits.iter().any(|l| l == want), "{want}: {limits:?}");
+    }
+}
+
+/// README "Reading what you got": describe shows the driver's data for the device.
+async fn describe_shows_what_the_driver_applied(cluster: &TestCluster) {
+    let results = results(&claim(cluster, NS, "half-a100").await);
+    let (_, pool, device, _) = &results[0];
+    let devices = devices_of(cluster, pool, 2).await;
+    let uuid = attribute(&devices[device], attr::UUID)
+        .and_then(|a| a.string.clone())
+        .expect("uuid attribute");
+    let want = [
+        ("Compute Units:", "156".to_string()),
+        ("Core Limit:", "50".to_string()),
+        ("Memory Limit:", "1Gi".to_string()),
+        ("Model:", "A100-SXM4-40GB".to_string()),
+        ("Uuid:", uuid),
+    ];
+    let last = Mutex::new(String::new());
+    wait_for(
+        "`kubectl describe resourceclaim half-a100` to show the device data",
+        TIMEOUT,
+        || {
+            let (last, want) = (&last, &want);
+            async move {
+                let text = cluster
+                    .kubectl(&["describe", "resourceclaim", "half-a100", "-n", NS])
+                    .await
+                    .ok()?;
+                *last.lock().unwrap() = text.clone();
+                let shown = want.iter().all(|(label, value)| {
+                    text.lines().any(|line| {
+                        line.trim_start()
+                            .strip_prefix(label)
+                            .is_some_and(|rest| rest.trim() == value)
+                    })
+                });
+                shown.then_some(())
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}; last output:\n{}", last.lock().unwrap()));
+}
+
+/// fraction-v100-70.yaml: on a V100 with 8Gi and SM limit 70.
+async fn v100_70_runs_on_a_v100_with_70_percent(cluster: &TestCluster) {
+    let (_, pool, device, _) = allocation_of_running(cluster, "v100-70", "v100-70").await;
+    assert_eq!(pool, "node-v100");
+    assert_eq!(model_of(cluster, &pool, &device).await, "V100-SXM2-32GB");
+    assert_eq!(
+        consumed(cluster, "v100-70").await,
+        (Some("8Gi".into()), Some("70".into()))
+    );
+    let limits = limits_of(cluster, &pool, "v100-70").await;
+    for want in [
+        "CUDA_DEVICE_MEMORY_LIMIT_0=8192m",
+        "CUDA_DEVICE_SM_LIMIT_0=70",
+    ] {
+        assert!(limits.iter().any(|l| l == want), "{want}: {limits:?}");
+    }
+}
+
+/// whole-gpu-claim.yaml: the RTX 3090, all its memory, no SM limit.
+async fn whole_gpu_claim_gets_the_whole_card_unthrottled(cluster: &TestCluster) {
+    let (_, pool, device, _) = allocation_of_running(cluster, "whole-gpu", "whole-rtx-3090").await;
+    assert_eq!((pool.as_str(), device.as_str()), ("node-rtx", "gpu-0"));
+    let card = &devices_of(cluster, &pool, 1).await[&device];
+    let card_mib = memory_mib(card);
+    let limits = limits_of(cluster, &pool, "whole-rtx-3090").await;
+    let want_memory = format!("CUDA_DEVICE_MEMORY_LIMIT_0={card_mib}m");
+    for want in [want_memory.as_str(), "CUDA_DEVICE_SM_LIMIT_0=0"] {
+        assert!(limits.iter().any(|l| l == want), "{want}: {limits:?}");
+    }
+    let (memory, cores) = consumed(cluster, "whole-rtx-3090").await;
+    if let Some(memory) = memory {
+        let bytes = gpupool_api::quantity::parse(&memory)
+            .expect("consumed memory")
+            .ceil_units() as u64;
+        assert_eq!(bytes, card_mib * 1024 * 1024, "the whole card's memory");
+    }
+    assert!(
+        matches!(cores.as_deref(), None | Some("0")),
+        "no compute share: {cores:?}"
+    );
+}
+
+/// deployment-template.yaml: each replica its own claim (owned by it), each an 8Gi + 25% share of an A100.
+async fn deployment_replicas_each_get_their_own_share(cluster: &TestCluster) {
+    let mut claims = BTreeSet::new();
+    let mut shares = BTreeSet::new();
+    for pod in ["inference-0", "inference-1"] {
+        let claim_name = generated_claim(cluster, pod).await;
+        assert!(
+            claim_name.starts_with(&format!("{pod}-gpu-")),
+            "{pod}: {claim_name}"
+        );
+        let c = claim(cluster, NS, &claim_name).await;
+        let pod_uid = Api::<Pod>::namespaced(cluster.client(), NS)
+            .get(pod)
+            .await
+            .unwrap()
+            .metadata
+            .uid;
+        let owners = c.metadata.owner_references.clone().unwrap_or_default();
+        assert!(
+            owners
+                .iter()
+                .any(|o| o.kind == "Pod" && Some(&o.uid) == pod_uid.as_ref()),
+            "{claim_name} is owned by {pod}: {owners:?}"
+        );
+        let (_, pool, device, share) = allocation_of_running(cluster, pod, &claim_name).await;
+        assert_eq!(pool, "node-a100", "{claim_name}");
+        assert_eq!(model_of(cluster, &pool, &device).await, "A100-SXM4-40GB");
+        assert_eq!(
+            consumed(cluster, &claim_name).await,
+            (Some("8Gi".into()), Some("25".into()))
+        );
+        let limits = limits_of(cluster, &pool, &claim_name).await;
+        assert!(
+            limits.iter().any(|l| l == "CUDA_DEVICE_SM_LIMIT_0=25"),
+            "{limits:?}"
+        );
+        claims.insert(claim_name);
+        shares.insert(share.unwrap_or_else(|| panic!("{pod}'s claim is not a share")));
+    }
+    assert_eq!(claims.len(), 2, "one claim per replica: {claims:?}");
+    assert_eq!(shares.len(), 2, "one share per replica: {shares:?}");
+}
+
+/// pod-by-model.yaml: the pod's claim from one-v100 gets a V100.
+async fn pod_by_model_lands_on_a_v100(cluster: &TestCluster) {
+    let claim_name = generated_claim(cluster, "on-a-v100").await;
+    let (_, pool, device, _) = allocation_of_running(cluster, "on-a-v100", &claim_name).await;
+    assert_eq!(pool, "node-v100");
+    assert_eq!(model_of(cluster, &pool, &device).await, "V100-SXM2-32GB");
+}
+
+/// Claims of `default` allocated on node-a100.
+async fn a100_claims(cluster: &TestCluster) -> Vec<String> {
+    Api::<ResourceClaim>::namespaced(cluster.client(), NS)
+        .list(&ListParams::default())
+        .await
+        .map(|l| l.items)
+        .unwrap_or_default()
+        .iter()
+        .filter(|c| results(c).iter().any(|r| r.1 == "node-a100"))
+        .filter_map(|c| c.metadata.name.clone())
+        .collect()
+}
+
+/// claim-prefer-a100.yaml: unallocated while no pod uses it; with both A100s freed a pod using it
+/// gets an A100 ("gpu/a100"); a copy of it, once the A100s are taken, gets the free V100 ("gpu/v100").
+async fn prefer_a100_waits_for_a_pod_then_takes_an_a100_else_a_v100(cluster: &TestCluster) {
+    let prefer = claim(cluster, NS, "prefer-a100").await;
+    assert!(
+        results(&prefer).is_empty(),
+        "allocated with no pod using it: {:?}",
+        results(&prefer)
+    );
+
+    // Free the A100s (the other examples' pods there) and one V100 (pod-by-model's whole card).
+    for pod in ["half-a100", "inference-0", "inference-1", "on-a-v100"] {
+        delete_pod(cluster, NS, pod).await;
+    }
+    let last = Mutex::new(Vec::new());
+    wait_for("the A100s to be released", TIMEOUT, || {
+        let last = &last;
+        async move {
+            let held = a100_claims(cluster).await;
+            *last.lock().unwrap() = held.clone();
+            held.is_empty().then_some(())
+        }
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}; still on node-a100: {:?}", last.lock().unwrap()));
+    assert!(
+        results(&claim(cluster, NS, "prefer-a100").await).is_empty(),
+        "still unused"
+    );
+
+    let prefer_yaml = std::fs::read_to_string(examples_dir().join("claim-prefer-a100.yaml"))
+        .expect("reading claim-prefer-a100.yaml");
+    // Two more claims like it: with the one from the file they take both A100s, then a V100.
+    for name in ["prefer-a100-2", "prefer-a100-3"] {
+        let copy = prefer_yaml.replace("name: prefer-a100\n", &format!("name: {name}\n"));
+        assert_ne!(
+            copy, prefer_yaml,
+            "the example's claim is named prefer-a100"
+        );
+        apply(cluster, NS, &copy).await;
+    }
+    let mut a100_devices = BTreeSet::new();
+    for (claim_name, want_request, want_pool) in [
+        ("prefer-a100", "gpu/a100", "node-a100"),
+        ("prefer-a100-2", "gpu/a100", "node-a100"),
+        ("prefer-a100-3", "gpu/v100", "node-v100"),
+    ] {
+        let pod = format!("uses-{claim_name}");
+        apply(cluster, NS, &pod_yaml(&pod, &[claim_name])).await;
+        let (request, pool, device, _) = allocation_of_running(cluster, &pod, claim_name).await;
+        assert_eq!(
+            (request.as_str(), pool.as_str()),
+            (want_request, want_pool),
+            "{claim_name} -> {device}"
+        );
+        if pool == "node-a100" {
+            a100_devices.insert(device);
+        }
+    }
+    assert_eq!(a100_devices.len(), 2, "one A100 each: {a100_devices:?}");
+}
