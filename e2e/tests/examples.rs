@@ -525,6 +525,31 @@ async fn prefer_a100_waits_for_a_pod_then_takes_an_a100_else_a_v100(cluster: &Te
         results(&claim(cluster, NS, "prefer-a100").await).is_empty(),
         "still unused"
     );
+    // deployment-template.yaml: the scheduler "deletes it with the pod" (so does pod-by-model's).
+    let claims: Api<ResourceClaim> = Api::namespaced(cluster.client(), NS);
+    let last = Mutex::new(Vec::new());
+    wait_for(
+        "the replicas' generated claims to go with them",
+        TIMEOUT,
+        || {
+            let (last, claims) = (&last, &claims);
+            async move {
+                let generated: Vec<String> = claims
+                    .list(&ListParams::default())
+                    .await
+                    .ok()?
+                    .items
+                    .into_iter()
+                    .filter_map(|c| c.metadata.name)
+                    .filter(|n| n.starts_with("inference-") || n.starts_with("on-a-v100-"))
+                    .collect();
+                *last.lock().unwrap() = generated.clone();
+                generated.is_empty().then_some(())
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}; left: {:?}", last.lock().unwrap()));
 
     let prefer_yaml = std::fs::read_to_string(examples_dir().join("claim-prefer-a100.yaml"))
         .expect("reading claim-prefer-a100.yaml");

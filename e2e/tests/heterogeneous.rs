@@ -538,7 +538,23 @@ async fn weight_changes_reach_the_slices_and_deleting_a_model_removes_its_class(
     })
     .await
     .unwrap_or_else(|e| panic!("{e}; last seen {:?}", last.lock().unwrap()));
-    for class in [A100_CLASS, RTX_CLASS] {
+    // The datacenter tier still has the A100, and no longer picks the V100.
+    wait_for(
+        "tier-datacenter.gpupool.dev to select the A100 only",
+        TIMEOUT,
+        || async {
+            let tier = classes
+                .get_opt("tier-datacenter.gpupool.dev")
+                .await
+                .ok()??;
+            let selectors = serde_json::to_string(&tier.spec.selectors).ok()?;
+            (selectors.contains("A100-SXM4-40GB") && !selectors.contains("V100-SXM2-32GB"))
+                .then_some(())
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    for class in [A100_CLASS, RTX_CLASS, "gpupool.dev"] {
         assert!(
             classes.get_opt(class).await.unwrap().is_some(),
             "{class} went with the V100's GpuModel"
