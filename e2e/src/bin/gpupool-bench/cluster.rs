@@ -118,6 +118,14 @@ impl Bench {
         self.workdir.path()
     }
 
+    /// The checkpoint file of a node's driver (its `--state-dir` is `<workdir>/<node>/state`).
+    pub fn checkpoint_path(&self, node: &str) -> PathBuf {
+        self.workdir()
+            .join(node)
+            .join("state")
+            .join("checkpoint.json")
+    }
+
     fn node_dirs(&self, name: &str) -> anyhow::Result<(NodeDirs, PathBuf)> {
         let base = self.workdir().join(name);
         let dirs = NodeDirs {

@@ -157,6 +157,10 @@ async fn run(args: &Args) -> anyhow::Result<Report> {
         .await?;
     run_concurrently(&held, 16, |c| prepare_one(kubelet, c)).await?;
     let prepared_rss = procfs::rss(pid)?;
+    let checkpoint = bench.checkpoint_path(&node.name);
+    let prepared_checkpoint_bytes = std::fs::metadata(&checkpoint)
+        .with_context(|| format!("reading {}", checkpoint.display()))?
+        .len();
     run_concurrently(&held, 16, |c| unprepare_one(kubelet, c)).await?;
     let memory = Memory {
         gpus: GPUS,
@@ -165,6 +169,7 @@ async fn run(args: &Args) -> anyhow::Result<Report> {
         prepared_claims: held.len(),
         prepared_rss_kib: prepared_rss.total_kib,
         prepared_rss_anon_kib: prepared_rss.anon_kib,
+        prepared_checkpoint_bytes,
     };
 
     let mut latency = Vec::new();

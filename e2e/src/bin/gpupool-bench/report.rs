@@ -46,6 +46,9 @@ pub struct Memory {
     pub prepared_claims: usize,
     pub prepared_rss_kib: u64,
     pub prepared_rss_anon_kib: u64,
+    /// Size of the driver's checkpoint file with the claims prepared (it is rewritten whole on
+    /// every change).
+    pub prepared_checkpoint_bytes: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -164,6 +167,12 @@ pub fn render_table(report: &Report) -> String {
         mib(mem.prepared_rss_kib),
         mib(mem.prepared_rss_anon_kib)
     );
+    let _ = writeln!(
+        out,
+        "checkpoint with {} claims prepared: {:.1} KiB",
+        mem.prepared_claims,
+        mem.prepared_checkpoint_bytes as f64 / 1024.0
+    );
     let soak = &report.soak;
     let _ = writeln!(
         out,
@@ -274,6 +283,7 @@ mod tests {
                 prepared_claims: 256,
                 prepared_rss_kib: 10 * 1024,
                 prepared_rss_anon_kib: 5 * 1024,
+                prepared_checkpoint_bytes: 700 * 1024,
             },
             soak: Soak {
                 cycles: 100,
@@ -319,6 +329,10 @@ mod tests {
             "{table}"
         );
         assert!(table.contains("(+0.50 MiB)"), "{table}");
+        assert!(
+            table.contains("checkpoint with 256 claims prepared: 700.0 KiB"),
+            "{table}"
+        );
         assert!(table.contains("fds 20 -> 20 (+0)"), "{table}");
         assert!(table.contains("40.0 ms / 60.0 ms"), "{table}");
         assert!(table.contains("       8  GET nodes"), "{table}");
