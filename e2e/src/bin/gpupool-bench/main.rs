@@ -198,7 +198,7 @@ async fn run(args: &Args) -> anyhow::Result<Report> {
         publishing.push(publish(&bench, step, nodes, &gpus).await?);
     }
 
-    Ok(Report {
+    let mut report = Report {
         machine: procfs::machine(),
         driver_binary: driver_bin.display().to_string(),
         short: args.short,
@@ -208,7 +208,10 @@ async fn run(args: &Args) -> anyhow::Result<Report> {
         soak,
         startup,
         publishing,
-    })
+        targets: Vec::new(),
+    };
+    report.targets = report::check_targets(&report);
+    Ok(report)
 }
 
 /// Runs `call` on every claim with `concurrency` callers, each taking every `concurrency`-th claim,

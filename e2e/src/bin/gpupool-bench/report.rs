@@ -85,6 +85,16 @@ pub struct Publishing {
     pub requests_after_settle: BTreeMap<String, usize>,
 }
 
+/// One target of issue 8 against what this run measured.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TargetCheck {
+    pub target: String,
+    pub measured: f64,
+    pub limit: f64,
+    pub unit: &'static str,
+    pub met: bool,
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct Report {
     pub machine: Machine,
@@ -96,6 +106,102 @@ pub struct Report {
     pub soak: Soak,
     pub startup: Vec<Startup>,
     pub publishing: Vec<Publishing>,
+    /// Filled by [`check_targets`].
+    pub targets: Vec<TargetCheck>,
+}
+
+fn at_most(target: &str, measured: f64, limit: f64, unit: &'static str) -> TargetCheck {
+    TargetCheck {
+        target: target.to_string(),
+        measured,
+        limit,
+        unit,
+        met: measured <= limit,
+    }
+}
+
+fn at_least(target: &str, measured: f64, limit: f64, unit: &'static str) -> TargetCheck {
+    TargetCheck {
+        met: measured >= limit,
+        ..at_most(target, measured, limit, unit)
+    }
+}
+
+/// The issue's targets (for a release build on a 2-core machine) against this run; a target whose
+/// measurement is missing from the run is left out.
+pub fn check_targets(report: &Report) -> Vec<TargetCheck> {
+    let mut checks = Vec::new();
+    let cell = |kind: ClaimKind, concurrency: usize| {
+        report
+            .latency
+            .iter()
+            .find(|c| c.kind == kind && c.concurrency == concurrency)
+    };
+    for kind in [ClaimKind::Whole, ClaimKind::Fractional] {
+        let label = kind.label();
+        if let Some(serial) = cell(kind, 1) {
+            checks.push(at_most(
+                &format!("{label} prepare p50, serial"),
+                serial.prepare.p50_us,
+                250.0,
+                "µs",
+            ));
+            checks.push(at_most(
+                &format!("{label} prepare p99, serial"),
+                serial.prepare.p99_us,
+                1000.0,
+                "µs",
+            ));
+            if let Some(four) = cell(kind, 4) {
+                checks.push(at_least(
+                    &format!("{label} throughput, 4 callers / serial"),
+                    four.cycles_per_second / serial.cycles_per_second.max(f64::EPSILON),
+                    2.0,
+                    "x",
+                ));
+            }
+        }
+    }
+    checks.push(at_most(
+        &format!(
+            "RSS, {} GPUs + {} prepared claims",
+            report.memory.gpus, report.memory.prepared_claims
+        ),
+        mib(report.memory.prepared_rss_kib),
+        12.0,
+        "MiB",
+    ));
+    let soak = &report.soak;
+    checks.push(at_most(
+        "RSS growth over the soak",
+        mib(soak.rss_after_kib) - mib(soak.rss_before_kib),
+        1.0,
+        "MiB",
+    ));
+    checks.push(at_most(
+        "open fds growth over the soak",
+        soak.fds_after as f64 - soak.fds_before as f64,
+        0.0,
+        "fds",
+    ));
+    if !report.startup.is_empty() {
+        let registered: Vec<f64> = report.startup.iter().map(|s| s.to_registered_ms).collect();
+        checks.push(at_most(
+            "start -> registered (median)",
+            median(&registered),
+            100.0,
+            "ms",
+        ));
+    }
+    if let Some(largest) = report.publishing.last() {
+        checks.push(at_most(
+            &format!("slice writes per slice ({} devices)", largest.devices),
+            largest.slice_writes as f64 / largest.slices.max(1) as f64,
+            1.0,
+            "requests",
+        ));
+    }
+    checks
 }
 
 fn mib(kib: u64) -> f64 {
@@ -240,6 +346,21 @@ pub fn render_table(report: &Report) -> String {
             let _ = writeln!(out, "  {n:>6}  {kind}");
         }
     }
+    if !report.targets.is_empty() {
+        let _ = writeln!(out, "\ntargets (issue 8; release build, 2 cores):");
+        for t in &report.targets {
+            let _ = writeln!(
+                out,
+                "  {:<6} {:<44} {:>10.2} {} (limit {} {})",
+                if t.met { "met" } else { "MISSED" },
+                t.target,
+                t.measured,
+                t.unit,
+                t.limit,
+                t.unit
+            );
+        }
+    }
     out
 }
 
@@ -310,7 +431,60 @@ mod tests {
                     ("GET nodes".to_string(), 8),
                 ]),
             }],
+            targets: Vec::new(),
         }
+    }
+
+    fn verdict(checks: &[TargetCheck], prefix: &str) -> bool {
+        checks
+            .iter()
+            .find(|c| c.target.starts_with(prefix))
+            .unwrap_or_else(|| panic!("no check {prefix}: {checks:?}"))
+            .met
+    }
+
+    #[test]
+    fn targets_are_judged_against_the_issue_limits() {
+        let mut report = sample();
+        let serial = LatencyCell {
+            concurrency: 1,
+            cycles_per_second: 15.0,
+            ..report.latency[0].clone()
+        };
+        report.latency.insert(0, serial);
+        let checks = check_targets(&report);
+        // p50 200 µs <= 250, p99 900 µs <= 1 ms, 20/15 = 1.33x < 2x.
+        assert!(verdict(&checks, "fractional prepare p50"));
+        assert!(verdict(&checks, "fractional prepare p99"));
+        assert!(!verdict(&checks, "fractional throughput"));
+        // No whole-card cells in the sample: no whole-card verdicts.
+        assert!(checks.iter().all(|c| !c.target.starts_with("whole")));
+        assert!(verdict(&checks, "RSS, 8 GPUs + 256"));
+        assert!(verdict(&checks, "RSS growth"));
+        assert!(verdict(&checks, "open fds"));
+        assert!(verdict(&checks, "start -> registered"));
+        assert!(verdict(&checks, "slice writes per slice"));
+
+        report.memory.prepared_rss_kib = 13 * 1024;
+        report.soak.fds_after = 21;
+        report.publishing[0].slice_writes = 16;
+        let checks = check_targets(&report);
+        assert!(!verdict(&checks, "RSS, 8 GPUs + 256"));
+        assert!(!verdict(&checks, "open fds"));
+        assert!(!verdict(&checks, "slice writes per slice"));
+    }
+
+    #[test]
+    fn table_lists_missed_targets() {
+        let mut report = sample();
+        report.memory.prepared_rss_kib = 30 * 1024;
+        report.targets = check_targets(&report);
+        let table = render_table(&report);
+        assert!(
+            table.contains("MISSED RSS, 8 GPUs + 256 prepared claims"),
+            "{table}"
+        );
+        assert!(table.contains("30.00 MiB (limit 12 MiB)"), "{table}");
     }
 
     #[test]
