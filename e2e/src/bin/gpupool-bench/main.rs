@@ -172,6 +172,8 @@ async fn run(args: &Args) -> anyhow::Result<Report> {
         prepared_checkpoint_bytes,
     };
 
+    let api_get_claim = time_claim_gets(&bench, &held[0], plan.cycles.min(1000)).await?;
+
     let mut latency = Vec::new();
     for kind in [ClaimKind::Whole, ClaimKind::Fractional] {
         for &concurrency in &plan.concurrency {
@@ -208,10 +210,31 @@ async fn run(args: &Args) -> anyhow::Result<Report> {
         soak,
         startup,
         publishing,
+        api_get_claim,
         targets: Vec::new(),
     };
     report.targets = report::check_targets(&report);
     Ok(report)
+}
+
+/// Serial GETs of one claim through the bench's kube client: the same client library and transport
+/// the driver reads claims with.
+async fn time_claim_gets(
+    bench: &Bench,
+    claim: &ClaimRef,
+    count: usize,
+) -> anyhow::Result<stats::Summary> {
+    let api: kube::Api<k8s_openapi::api::resource::v1::ResourceClaim> =
+        kube::Api::namespaced(bench.client.clone(), &claim.namespace);
+    let mut samples = Vec::with_capacity(count);
+    for _ in 0..count {
+        let t = Instant::now();
+        api.get(&claim.name)
+            .await
+            .with_context(|| format!("reading claim {}", claim.name))?;
+        samples.push(t.elapsed());
+    }
+    Ok(stats::summarize(&samples))
 }
 
 /// Runs `call` on every claim with `concurrency` callers, each taking every `concurrency`-th claim,

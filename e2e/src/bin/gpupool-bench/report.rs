@@ -106,6 +106,9 @@ pub struct Report {
     pub soak: Soak,
     pub startup: Vec<Startup>,
     pub publishing: Vec<Publishing>,
+    /// A claim GET through kube-rs to the emulator, the read every fresh prepare makes: the floor
+    /// of prepare latency as long as the claim is read from the API server.
+    pub api_get_claim: Summary,
     /// Filled by [`check_targets`].
     pub targets: Vec<TargetCheck>,
 }
@@ -261,6 +264,13 @@ pub fn render_table(report: &Report) -> String {
             cell.cycles_per_second
         );
     }
+
+    let get = &report.api_get_claim;
+    let _ = writeln!(
+        out,
+        "API claim GET (bench client -> emulator), {} calls: p50 {:.0} µs, p99 {:.0} µs",
+        get.count, get.p50_us, get.p99_us
+    );
 
     let mem = &report.memory;
     let _ = writeln!(
@@ -431,6 +441,7 @@ mod tests {
                     ("GET nodes".to_string(), 8),
                 ]),
             }],
+            api_get_claim: summary,
             targets: Vec::new(),
         }
     }
@@ -494,6 +505,12 @@ mod tests {
         assert!(table.contains("fractional"), "{table}");
         assert!(table.contains("200/400/900/1500"), "{table}");
         assert!(table.contains("20.0"), "{table}");
+        assert!(
+            table.contains(
+                "API claim GET (bench client -> emulator), 10 calls: p50 200 µs, p99 900 µs"
+            ),
+            "{table}"
+        );
         assert!(
             table.contains("idle with 8 GPUs 8.0 MiB (anon 3.0)"),
             "{table}"
