@@ -106,7 +106,11 @@ pub async fn watch_gpu_models(
         };
         match event {
             Ok(event) => {
-                backoff = Duration::from_millis(200);
+                // kube's watcher yields Init before every (re)list, also before one that is about
+                // to fail: only a completed list or a change proves the API answers again.
+                if !matches!(event, watcher::Event::Init | watcher::Event::InitApply(_)) {
+                    backoff = Duration::from_millis(200);
+                }
                 match event {
                     watcher::Event::Init => {
                         initial.clear();
