@@ -29,6 +29,17 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(45);
 /// How long the first publication waits for the cluster's GpuModel weights.
 const WEIGHTS_WAIT: Duration = Duration::from_secs(5);
 
+/// glibc gives every thread that allocates its own arena (up to 8 per core) and does not return
+/// their free memory: with prepares running on blocking threads that was most of the driver's heap
+/// (BENCHMARKS.md, finding 4). Two arenas keep contention low for a process this size.
+fn limit_malloc_arenas() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only sets an allocator parameter; it is called before any thread starts.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 2);
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let logging = matches!(cli.command, Command::Run(_));
@@ -36,7 +47,15 @@ fn main() -> ExitCode {
         Command::Inspect(args) => inspect(args),
         Command::Run(args) => {
             init_tracing(args.log_format);
-            match tokio::runtime::Runtime::new() {
+            limit_malloc_arenas();
+            // A node agent needs little parallelism; the defaults (a worker per core, 512 blocking
+            // threads) cost memory on a 128-core GPU node and give nothing back.
+            match tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .max_blocking_threads(8)
+                .enable_all()
+                .build()
+            {
                 Ok(rt) => rt.block_on(run(*args)),
                 Err(e) => Err(anyhow::Error::new(e).context("starting the async runtime")),
             }
