@@ -172,7 +172,10 @@ async fn run(args: &Args) -> anyhow::Result<Report> {
         prepared_checkpoint_bytes,
     };
 
-    let api_get_claim = time_claim_gets(&bench, &held[0], plan.cycles.min(1000)).await?;
+    let probe = bench
+        .create_allocated_claim("get-probe", ClaimKind::Whole, &node.name, "gpu-0")
+        .await?;
+    let api_get_claim = time_claim_gets(&bench, &probe, plan.cycles.min(1000)).await?;
 
     let mut latency = Vec::new();
     for kind in [ClaimKind::Whole, ClaimKind::Fractional] {
