@@ -127,7 +127,55 @@ pub struct ClaimPreparer {
     layout: HostLayout,
     checkpoint: tokio::sync::Mutex<CheckpointData>,
     claim_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    status_writes: StatusQueue,
     warned_missing_lib: AtomicBool,
+}
+
+/// The claims' `status.devices` writes, off the kubelet's critical path: each claim's writes run
+/// in spawned tasks chained one after the other, so a later unprepare's clear never gets
+/// overtaken by an earlier prepare's write of the same claim. Claims do not wait for each other.
+#[derive(Default, Clone)]
+struct StatusQueue {
+    /// Per claim uid: the sequence number and handle of the last write queued.
+    tails: Arc<Mutex<HashMap<String, (u64, tokio::task::JoinHandle<()>)>>>,
+    next_seq: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl StatusQueue {
+    fn push(&self, uid: &str, write: impl std::future::Future<Output = ()> + Send + 'static) {
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        let tails = self.tails.clone();
+        let owned_uid = uid.to_string();
+        let mut map = self.tails.lock().expect("status queue is never poisoned");
+        let previous = map.remove(uid).map(|(_, handle)| handle);
+        let handle = tokio::spawn(async move {
+            if let Some(previous) = previous {
+                let _ = previous.await;
+            }
+            write.await;
+            let mut map = tails.lock().expect("status queue is never poisoned");
+            if map.get(&owned_uid).is_some_and(|(s, _)| *s == seq) {
+                map.remove(&owned_uid);
+            }
+        });
+        map.insert(uid.to_string(), (seq, handle));
+    }
+
+    /// Wait until every write queued so far has finished.
+    async fn flush(&self) {
+        loop {
+            let pending: Vec<_> = {
+                let mut map = self.tails.lock().expect("status queue is never poisoned");
+                map.drain().map(|(_, (_, h))| h).collect()
+            };
+            if pending.is_empty() {
+                return;
+            }
+            for handle in pending {
+                let _ = handle.await;
+            }
+        }
+    }
 }
 
 impl ClaimPreparer {
@@ -187,6 +235,7 @@ impl ClaimPreparer {
             layout,
             checkpoint: tokio::sync::Mutex::new(data),
             claim_locks: Mutex::new(HashMap::new()),
+            status_writes: StatusQueue::default(),
             warned_missing_lib: AtomicBool::new(false),
         })
     }
@@ -214,6 +263,11 @@ impl ClaimPreparer {
             .get(uid)
             .filter(|e| e.state == ClaimState::PrepareCompleted && !e.recovered)
             .map(|e| e.devices.clone())
+    }
+
+    /// Wait until the claims' status writes queued so far are done (tests, orderly shutdown).
+    pub async fn flush_status_writes(&self) {
+        self.status_writes.flush().await;
     }
 
     fn claim_lock(&self, uid: &str) -> Arc<tokio::sync::Mutex<()>> {
@@ -486,21 +540,27 @@ impl ClaimPreparer {
             })
             .collect();
         let list = status::merge_device_status(&allocation.device_status, pool, ours);
-        match tokio::time::timeout(
-            API_WRITE_TIMEOUT,
-            self.api
-                .write_device_status(&claim.namespace, &claim.name, list),
-        )
-        .await
-        {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                tracing::warn!(claim = %claim_name, error = %e, "prepared, but writing the claim's device status failed")
+        let (api, namespace, name) = (
+            self.api.clone(),
+            claim.namespace.clone(),
+            claim.name.clone(),
+        );
+        self.status_writes.push(&uid, async move {
+            match tokio::time::timeout(
+                API_WRITE_TIMEOUT,
+                api.write_device_status(&namespace, &name, list),
+            )
+            .await
+            {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::warn!(claim = %claim_name, error = %e, "prepared, but writing the claim's device status failed")
+                }
+                Err(_) => {
+                    tracing::warn!(claim = %claim_name, "prepared, but writing the claim's device status timed out")
+                }
             }
-            Err(_) => {
-                tracing::warn!(claim = %claim_name, "prepared, but writing the claim's device status timed out")
-            }
-        }
+        });
         Ok(devices)
     }
 
@@ -566,36 +626,37 @@ impl ClaimPreparer {
         if known {
             self.update_checkpoint(Change::Remove(claim.uid.clone()))
                 .await?;
-            self.clear_device_status(claim).await;
+            self.status_writes.push(
+                &claim.uid,
+                clear_device_status(self.api.clone(), self.opts.node_name.clone(), claim.clone()),
+            );
         }
         Ok(())
     }
+}
 
-    /// Best effort: unprepare must work while the API server is away.
-    async fn clear_device_status(&self, claim: &ClaimRef) {
-        let pool = self.opts.node_name.as_str();
-        let work = async {
-            let object = self.api.get_claim(&claim.namespace, &claim.name).await?;
-            if object.metadata.uid.as_deref() != Some(claim.uid.as_str()) {
-                return Ok(());
-            }
-            let existing = object.status.and_then(|s| s.devices).unwrap_or_default();
-            if !status::has_our_entries(&existing, pool) {
-                return Ok(());
-            }
-            let list = status::merge_device_status(&existing, pool, Vec::new());
-            self.api
-                .write_device_status(&claim.namespace, &claim.name, list)
-                .await
-        };
-        match tokio::time::timeout(API_WRITE_TIMEOUT, work).await {
-            Ok(Ok(())) | Ok(Err(ApiError::NotFound)) => {}
-            Ok(Err(e)) => {
-                tracing::info!(uid = %claim.uid, error = %e, "could not clear the claim's device status")
-            }
-            Err(_) => {
-                tracing::info!(uid = %claim.uid, "clearing the claim's device status timed out")
-            }
+/// Best effort: unprepare must work while the API server is away.
+async fn clear_device_status(api: Arc<dyn ClaimApi>, pool: String, claim: ClaimRef) {
+    let work = async {
+        let object = api.get_claim(&claim.namespace, &claim.name).await?;
+        if object.metadata.uid.as_deref() != Some(claim.uid.as_str()) {
+            return Ok(());
+        }
+        let existing = object.status.and_then(|s| s.devices).unwrap_or_default();
+        if !status::has_our_entries(&existing, &pool) {
+            return Ok(());
+        }
+        let list = status::merge_device_status(&existing, &pool, Vec::new());
+        api.write_device_status(&claim.namespace, &claim.name, list)
+            .await
+    };
+    match tokio::time::timeout(API_WRITE_TIMEOUT, work).await {
+        Ok(Ok(())) | Ok(Err(ApiError::NotFound)) => {}
+        Ok(Err(e)) => {
+            tracing::info!(uid = %claim.uid, error = %e, "could not clear the claim's device status")
+        }
+        Err(_) => {
+            tracing::info!(uid = %claim.uid, "clearing the claim's device status timed out")
         }
     }
 }

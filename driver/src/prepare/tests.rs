@@ -27,6 +27,8 @@ struct FakeApi {
     claims: Mutex<HashMap<(String, String), ResourceClaim>>,
     down: AtomicBool,
     fail_status_writes: AtomicBool,
+    /// Milliseconds each status write waits before it lands (a slow API server).
+    status_write_delay_ms: std::sync::atomic::AtomicU64,
     gets: AtomicUsize,
     events: Mutex<Vec<Event>>,
     /// A claim name whose read waits until notified.
@@ -99,6 +101,10 @@ impl ClaimApi for FakeApi {
         devices: Vec<AllocatedDeviceStatus>,
     ) -> BoxFuture<'a, Result<(), ApiError>> {
         Box::pin(async move {
+            let delay = self.status_write_delay_ms.load(Ordering::SeqCst);
+            if delay > 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
+            }
             if self.down.load(Ordering::SeqCst) || self.fail_status_writes.load(Ordering::SeqCst) {
                 return Err(ApiError::Other("connection refused".into()));
             }
@@ -274,6 +280,7 @@ async fn prepares_a_fractional_claim_and_reports_it() {
     assert_eq!(saved.claims[UID_A].devices, devices);
     assert_eq!(saved.boot_id, "boot-1");
 
+    preparer.flush_status_writes().await;
     let status = node.api.device_status("train");
     assert_eq!(status.len(), 1);
     assert_eq!(status[0].share_id.as_deref(), Some("a1b2"));
@@ -533,6 +540,7 @@ async fn two_shares_of_different_cards_get_ordinals_in_cdi_id_order() {
         .container_edits
         .env
         .contains(&"CUDA_DEVICE_SM_LIMIT_1=50".into()));
+    preparer.flush_status_writes().await;
     assert_eq!(node.api.device_status("pair").len(), 2);
 }
 
@@ -580,6 +588,7 @@ async fn unprepare_removes_everything_and_works_without_the_api() {
     assert!(answers[0].1.is_ok());
     assert!(!node.spec_path(UID_A).exists());
     assert!(!cache_a.exists());
+    preparer.flush_status_writes().await;
     assert!(
         node.api.device_status("train").is_empty(),
         "our status entries are cleared"
@@ -616,6 +625,32 @@ async fn a_failing_status_write_does_not_fail_the_prepare() {
     let preparer = node.start().await;
     assert!(preparer.prepare(vec![r("train", UID_A)]).await[0].1.is_ok());
     assert!(node.spec_path(UID_A).exists());
+}
+
+#[tokio::test]
+async fn the_answer_does_not_wait_for_the_status_and_a_quick_unprepare_still_clears_it() {
+    let node = Node::new();
+    node.api.add("train", fractional(UID_A));
+    node.api.status_write_delay_ms.store(300, Ordering::SeqCst);
+    let preparer = node.start().await;
+    let started = std::time::Instant::now();
+    assert!(preparer.prepare(vec![r("train", UID_A)]).await[0].1.is_ok());
+    assert!(
+        started.elapsed() < std::time::Duration::from_millis(300),
+        "prepare waited for the status write: {:?}",
+        started.elapsed()
+    );
+    // The prepare's write is still in flight: the clear must come after it, not before.
+    assert!(preparer.unprepare(vec![r("train", UID_A)]).await[0]
+        .1
+        .is_ok());
+    preparer.flush_status_writes().await;
+    assert!(node.api.device_status("train").is_empty());
+
+    node.api.status_write_delay_ms.store(0, Ordering::SeqCst);
+    assert!(preparer.prepare(vec![r("train", UID_A)]).await[0].1.is_ok());
+    preparer.flush_status_writes().await;
+    assert_eq!(node.api.device_status("train").len(), 1);
 }
 
 #[tokio::test]
@@ -967,6 +1002,7 @@ async fn real_gpu_fractional_claim_names_the_real_card() {
     ] {
         assert!(edits.env.contains(&env), "{env} not in {:?}", edits.env);
     }
+    preparer.flush_status_writes().await;
     let status = api.device_status("train");
     println!(
         "status data: {}",
