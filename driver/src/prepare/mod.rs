@@ -134,10 +134,13 @@ pub struct ClaimPreparer {
 /// The claims' `status.devices` writes, off the kubelet's critical path: each claim's writes run
 /// in spawned tasks chained one after the other, so a later unprepare's clear never gets
 /// overtaken by an earlier prepare's write of the same claim. Claims do not wait for each other.
+/// The last write queued for a claim: its sequence number and task.
+type QueueTail = (u64, tokio::task::JoinHandle<()>);
+
 #[derive(Default, Clone)]
 struct StatusQueue {
     /// Per claim uid: the sequence number and handle of the last write queued.
-    tails: Arc<Mutex<HashMap<String, (u64, tokio::task::JoinHandle<()>)>>>,
+    tails: Arc<Mutex<HashMap<String, QueueTail>>>,
     next_seq: Arc<std::sync::atomic::AtomicU64>,
 }
 
