@@ -1,15 +1,23 @@
 //! `<state-dir>/checkpoint.json`: what this node has prepared, surviving restarts and reboots.
 //!
 //! ```json
-//! {"version": 1, "checksum": "<sha256 hex of the canonical data>", "data": {"bootId": "...", "claims": {...}}}
+//! {"version": 1, "checksum": "<sha256 hex of the data's bytes>", "data": {"bootId": "...", "claims": {...}}}
 //! ```
-//! The checksum covers the data re-serialised through `serde_json::Value`, so it does not depend
-//! on the file's whitespace. Newer fields may be added to `data` later: version 1 readers ignore
-//! them, and later versions must keep reading version 1.
+//! Written on one line: the data is serialised once (compact, `": "` after keys) and the checksum
+//! covers exactly those bytes, so a read of our own layout hashes the bytes between `"data": `
+//! and the closing brace and parses them once. Files in any other layout still load when the
+//! checksum matches the data re-serialised from its typed form, or (files of earlier drivers) the
+//! data re-serialised through `serde_json::Value`. Newer fields may be added to `data` later:
+//! version 1 readers ignore them, and later versions must keep reading version 1.
+//!
+//! [`Store`] keeps the in-memory copy authoritative and group-commits changes: one writer drains
+//! every pending change and writes the file once for all of them.
 
 use std::collections::BTreeMap;
 use std::io;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use gpupool_api::cdi::Spec;
 use serde::{Deserialize, Serialize};
@@ -77,19 +85,64 @@ pub struct CheckpointData {
     pub claims: BTreeMap<String, ClaimEntry>,
 }
 
-fn checksum(data: &serde_json::Value) -> String {
-    let canonical = serde_json::to_vec(data).unwrap_or_default();
-    hex::encode(Sha256::digest(&canonical))
+fn sha256_hex(bytes: &[u8]) -> String {
+    hex::encode(Sha256::digest(bytes))
 }
 
+/// The checksum files of earlier drivers carry: over the data re-serialised through `Value`.
+fn value_checksum(data: &serde_json::Value) -> String {
+    sha256_hex(&serde_json::to_vec(data).unwrap_or_default())
+}
+
+/// Compact JSON with `": "` after keys: one line, yet `"bootId": "..."` reads as it always did.
+struct OneLine;
+
+impl serde_json::ser::Formatter for OneLine {
+    fn begin_object_value<W: ?Sized + io::Write>(&mut self, writer: &mut W) -> io::Result<()> {
+        writer.write_all(b": ")
+    }
+}
+
+/// The data's canonical bytes, which the checksum covers.
+fn data_bytes(data: &CheckpointData) -> Vec<u8> {
+    let mut out = Vec::with_capacity(4096);
+    let mut ser = serde_json::Serializer::with_formatter(&mut out, OneLine);
+    data.serialize(&mut ser)
+        .expect("checkpoint data is plain JSON");
+    out
+}
+
+const HEAD: &[u8] = b"{\"version\": 1, \"checksum\": \"";
+const MID: &[u8] = b"\", \"data\": ";
+const TAIL: &[u8] = b"}\n";
+const HEX_LEN: usize = 64;
+
 pub fn encode(data: &CheckpointData) -> Vec<u8> {
-    let value = serde_json::to_value(data).expect("checkpoint data is plain JSON");
-    let file =
-        serde_json::json!({ "version": VERSION, "checksum": checksum(&value), "data": value });
-    serde_json::to_vec_pretty(&file).expect("a JSON value serialises")
+    let data = data_bytes(data);
+    let mut file = Vec::with_capacity(HEAD.len() + HEX_LEN + MID.len() + data.len() + TAIL.len());
+    file.extend_from_slice(HEAD);
+    file.extend_from_slice(sha256_hex(&data).as_bytes());
+    file.extend_from_slice(MID);
+    file.extend_from_slice(&data);
+    file.extend_from_slice(TAIL);
+    file
+}
+
+/// Our own layout, checksum verified: the data's bytes parsed once.
+fn decode_own_layout(bytes: &[u8]) -> Option<Result<CheckpointData, CheckpointError>> {
+    let rest = bytes.strip_prefix(HEAD)?;
+    let (checksum, rest) = rest.split_at_checked(HEX_LEN)?;
+    let data = rest.strip_prefix(MID)?.strip_suffix(TAIL)?;
+    if sha256_hex(data).as_bytes() != checksum {
+        return None;
+    }
+    Some(serde_json::from_slice(data).map_err(|e| CheckpointError::Parse(e.to_string())))
 }
 
 pub fn decode(bytes: &[u8]) -> Result<CheckpointData, CheckpointError> {
+    if let Some(decoded) = decode_own_layout(bytes) {
+        return decoded;
+    }
     let file: serde_json::Value =
         serde_json::from_slice(bytes).map_err(|e| CheckpointError::Parse(e.to_string()))?;
     let version = file
@@ -102,10 +155,18 @@ pub fn decode(bytes: &[u8]) -> Result<CheckpointData, CheckpointError> {
     let data = file
         .get("data")
         .ok_or_else(|| CheckpointError::Parse("no data".into()))?;
-    if file.get("checksum").and_then(|c| c.as_str()) != Some(checksum(data).as_str()) {
+    let Some(stored) = file.get("checksum").and_then(|c| c.as_str()) else {
         return Err(CheckpointError::Checksum);
+    };
+    if stored == value_checksum(data) {
+        return serde_json::from_value(data.clone())
+            .map_err(|e| CheckpointError::Parse(e.to_string()));
     }
-    serde_json::from_value(data.clone()).map_err(|e| CheckpointError::Parse(e.to_string()))
+    // Our layout reformatted (by hand, by a tool): the checksum is over the canonical bytes.
+    match CheckpointData::deserialize(data) {
+        Ok(typed) if stored == sha256_hex(&data_bytes(&typed)) => Ok(typed),
+        _ => Err(CheckpointError::Checksum),
+    }
 }
 
 pub fn path(state_dir: &Path) -> PathBuf {
@@ -124,11 +185,15 @@ pub fn load(state_dir: &Path) -> Result<Option<CheckpointData>, CheckpointError>
 
 /// Write the checkpoint atomically, mode 0600. Callers serialise writers.
 pub fn save(state_dir: &Path, data: &CheckpointData) -> Result<(), CheckpointError> {
+    write_file(state_dir, &encode(data))
+}
+
+fn write_file(state_dir: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
     fsutil::atomic_write(
         state_dir,
         CHECKPOINT_FILE,
         CHECKPOINT_TEMP,
-        &encode(data),
+        bytes,
         0o600,
         None,
     )
@@ -136,6 +201,37 @@ pub fn save(state_dir: &Path, data: &CheckpointData) -> Result<(), CheckpointErr
         path: path(state_dir),
         source,
     })
+}
+
+/// What identifies one version of the checkpoint file: a file written by anyone else (another
+/// driver process on the node during a rolling update) gets a new inode from its rename and a
+/// new ctime, so a differing stamp means "read it again".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileStamp {
+    dev: u64,
+    ino: u64,
+    len: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+impl FileStamp {
+    fn of(meta: &std::fs::Metadata) -> Self {
+        Self {
+            dev: meta.dev(),
+            ino: meta.ino(),
+            len: meta.len(),
+            mtime: (meta.mtime(), meta.mtime_nsec()),
+            ctime: (meta.ctime(), meta.ctime_nsec()),
+        }
+    }
+}
+
+/// The stamp of the checkpoint file now; `None` when there is none or it cannot be looked at.
+pub fn stamp(state_dir: &Path) -> Option<FileStamp> {
+    std::fs::metadata(path(state_dir))
+        .ok()
+        .map(|m| FileStamp::of(&m))
 }
 
 /// An exclusive lock on the checkpoint, released on drop.
@@ -176,12 +272,179 @@ pub enum Change {
 
 impl Change {
     pub fn apply(self, data: &mut CheckpointData) {
+        self.apply_with_undo(data);
+    }
+
+    /// Apply; returns what restores the claim's previous entry.
+    fn apply_with_undo(self, data: &mut CheckpointData) -> Undo {
         match self {
             Change::Put(uid, entry) => {
-                data.claims.insert(uid, *entry);
+                let previous = data.claims.insert(uid.clone(), *entry);
+                Undo(uid, previous)
             }
             Change::Remove(uid) => {
-                data.claims.remove(&uid);
+                let previous = data.claims.remove(&uid);
+                Undo(uid, previous)
+            }
+        }
+    }
+}
+
+/// A claim's entry before a change (none: it had none).
+struct Undo(String, Option<ClaimEntry>);
+
+impl Undo {
+    fn apply(self, data: &mut CheckpointData) {
+        match self.1 {
+            Some(entry) => data.claims.insert(self.0, entry),
+            None => data.claims.remove(&self.0),
+        };
+    }
+}
+
+/// The checkpoint of a running driver: the in-memory copy is authoritative; the file is read
+/// again only when another process wrote it since our last write. Changes are group-committed:
+/// whoever finds no writer running becomes it, drains every pending change, writes the file
+/// once (temp, fsync, rename, fsync of the folder, under `flock`), and answers every waiter with
+/// the result; a caller's `commit` returns only once its own change is durable (or failed, and
+/// then the in-memory copy is as before).
+pub struct Store {
+    dir: PathBuf,
+    data: Mutex<CheckpointData>,
+    queue: Mutex<Queue>,
+    /// Files written since start (each one batch of changes).
+    writes: std::sync::atomic::AtomicU64,
+    /// The file as we last wrote it; only the writer touches it.
+    written: Mutex<Option<FileStamp>>,
+}
+
+type Waiter = tokio::sync::oneshot::Sender<Result<(), String>>;
+
+#[derive(Default)]
+struct Queue {
+    pending: Vec<(Change, Waiter)>,
+    writing: bool,
+}
+
+impl Store {
+    /// `data` as the file in `dir` holds it now, `written` the file's stamp then.
+    pub fn new(dir: PathBuf, data: CheckpointData, written: Option<FileStamp>) -> Self {
+        Self {
+            dir,
+            data: Mutex::new(data),
+            queue: Mutex::new(Queue::default()),
+            writes: Default::default(),
+            written: Mutex::new(written),
+        }
+    }
+
+    /// Look at the in-memory copy (it holds every committed change of this process).
+    pub fn read<R>(&self, f: impl FnOnce(&CheckpointData) -> R) -> R {
+        f(&self.data.lock().expect("checkpoint data is never poisoned"))
+    }
+
+    /// How many times the file was written (one per batch of changes).
+    pub fn writes(&self) -> u64 {
+        self.writes.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Make `change` durable; returns once it is on disk, with the batch's result.
+    pub async fn commit(self: &Arc<Self>, change: Change) -> Result<(), String> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let start_writer = {
+            let mut queue = self
+                .queue
+                .lock()
+                .expect("checkpoint queue is never poisoned");
+            queue.pending.push((change, tx));
+            !std::mem::replace(&mut queue.writing, true)
+        };
+        if start_writer {
+            let store = self.clone();
+            tokio::task::spawn_blocking(move || store.run_writer());
+        }
+        rx.await
+            .map_err(|_| "the checkpoint writer stopped before writing the change".to_string())?
+    }
+
+    fn run_writer(&self) {
+        let _stop = WriterStop(self);
+        loop {
+            let batch = {
+                let mut queue = self
+                    .queue
+                    .lock()
+                    .expect("checkpoint queue is never poisoned");
+                if queue.pending.is_empty() {
+                    queue.writing = false;
+                    return;
+                }
+                std::mem::take(&mut queue.pending)
+            };
+            let (changes, waiters): (Vec<_>, Vec<_>) = batch.into_iter().unzip();
+            let result = self.write_batch(changes).map_err(|e| e.to_string());
+            for waiter in waiters {
+                let _ = waiter.send(result.clone());
+            }
+        }
+    }
+
+    fn write_batch(&self, changes: Vec<Change>) -> Result<(), CheckpointError> {
+        let _lock =
+            CheckpointLock::acquire(&self.dir).map_err(|source| CheckpointError::Write {
+                path: self.dir.join(LOCK_FILE),
+                source,
+            })?;
+        let mut written = self.written.lock().expect("only the writer takes it");
+        let on_disk = match stamp(&self.dir) {
+            None => None,
+            Some(now) if Some(now) == *written => None,
+            Some(_) => match load(&self.dir) {
+                Ok(data) => data,
+                Err(e) => {
+                    tracing::error!(error = %e, "checkpoint unreadable during an update; writing the in-memory copy");
+                    None
+                }
+            },
+        };
+        let (bytes, replaced, undo) = {
+            let mut data = self.data.lock().expect("checkpoint data is never poisoned");
+            let replaced = on_disk.map(|d| std::mem::replace(&mut *data, d));
+            let undo: Vec<Undo> = changes
+                .into_iter()
+                .map(|c| c.apply_with_undo(&mut data))
+                .collect();
+            (encode(&data), replaced, undo)
+        };
+        match write_file(&self.dir, &bytes) {
+            Ok(()) => {
+                *written = stamp(&self.dir);
+                self.writes
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Ok(())
+            }
+            Err(e) => {
+                let mut data = self.data.lock().expect("checkpoint data is never poisoned");
+                match replaced {
+                    Some(previous) => *data = previous,
+                    None => undo.into_iter().rev().for_each(|u| u.apply(&mut data)),
+                }
+                Err(e)
+            }
+        }
+    }
+}
+
+/// A writer that panics must not leave `writing` set with nobody writing: its waiters get an
+/// error (their senders drop) and the next commit starts a new writer.
+struct WriterStop<'a>(&'a Store);
+
+impl Drop for WriterStop<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            if let Ok(mut queue) = self.0.queue.lock() {
+                queue.writing = false;
+                queue.pending.clear();
             }
         }
     }
@@ -332,6 +595,155 @@ mod tests {
         assert_eq!(load(dir.path()).unwrap().unwrap(), written);
         let written = update(dir.path(), &stale, Change::Remove("u2".into())).unwrap();
         assert_eq!(written, sample());
+    }
+
+    /// How drivers before the group commit wrote the file.
+    fn legacy_encode(data: &CheckpointData) -> Vec<u8> {
+        let value = serde_json::to_value(data).unwrap();
+        let file = serde_json::json!({
+            "version": 1,
+            "checksum": value_checksum(&value),
+            "data": value,
+        });
+        serde_json::to_vec_pretty(&file).unwrap()
+    }
+
+    #[test]
+    fn files_of_earlier_drivers_still_load_and_ours_are_one_line() {
+        let mut data = sample();
+        data.claims.values_mut().next().unwrap().spec = Some(
+            serde_json::from_value(serde_json::json!({
+                "cdiVersion": "0.6.0",
+                "kind": "gpupool.dev/claim",
+                "devices": [{"name": "x", "containerEdits": {"env": ["A=1"]}}]
+            }))
+            .unwrap(),
+        );
+        assert_eq!(decode(&legacy_encode(&data)).unwrap(), data);
+        let mut tampered = legacy_encode(&data);
+        let at = tampered.iter().position(|b| *b == b'b').unwrap();
+        tampered[at] = b'c';
+        assert!(decode(&tampered).is_err());
+
+        let ours = encode(&data);
+        assert_eq!(ours.iter().filter(|b| **b == b'\n').count(), 1);
+        assert!(ours.windows(11).any(|w| w == b"\"bootId\": \""));
+        assert_eq!(decode(&ours).unwrap(), data);
+    }
+
+    fn entry(name: &str) -> Box<ClaimEntry> {
+        let mut entry = sample().claims.into_values().next().unwrap();
+        entry.name = name.into();
+        Box::new(entry)
+    }
+
+    fn store_in(dir: &Path) -> Arc<Store> {
+        save(dir, &CheckpointData::default()).unwrap();
+        Arc::new(Store::new(
+            dir.to_path_buf(),
+            CheckpointData::default(),
+            stamp(dir),
+        ))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_changes_share_writes_and_all_are_durable_when_answered() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_in(dir.path());
+        let commits = (0..16).map(|i| {
+            let store = store.clone();
+            async move {
+                store
+                    .commit(Change::Put(format!("u{i}"), entry(&format!("c{i}"))))
+                    .await
+                    .unwrap();
+                // Answered: the change is in the file.
+                assert!(load(store.dir.as_path())
+                    .unwrap()
+                    .unwrap()
+                    .claims
+                    .contains_key(&format!("u{i}")));
+            }
+        });
+        futures::future::join_all(commits).await;
+        assert!(
+            store.writes() < 16,
+            "{} writes for 16 changes",
+            store.writes()
+        );
+        let on_disk = load(dir.path()).unwrap().unwrap();
+        assert_eq!(on_disk.claims.len(), 16);
+        assert_eq!(store.read(|d| d.clone()), on_disk);
+    }
+
+    #[tokio::test]
+    async fn a_file_written_by_another_process_is_read_again_and_ours_is_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_in(dir.path());
+        store
+            .commit(Change::Put("ours".into(), entry("a")))
+            .await
+            .unwrap();
+        // Another driver process adds its own claim.
+        update(
+            dir.path(),
+            &CheckpointData::default(),
+            Change::Put("theirs".into(), entry("b")),
+        )
+        .unwrap();
+        store
+            .commit(Change::Put("ours2".into(), entry("c")))
+            .await
+            .unwrap();
+        let on_disk = load(dir.path()).unwrap().unwrap();
+        assert_eq!(
+            on_disk.claims.keys().collect::<Vec<_>>(),
+            ["ours", "ours2", "theirs"]
+        );
+        assert_eq!(store.read(|d| d.clone()), on_disk);
+
+        // Unchanged since our write: the in-memory copy is the base and the file is not read,
+        // which an entry planted only in memory shows.
+        store
+            .data
+            .lock()
+            .unwrap()
+            .claims
+            .insert("memory-only".into(), *entry("m"));
+        store.commit(Change::Remove("ours".into())).await.unwrap();
+        let on_disk = load(dir.path()).unwrap().unwrap();
+        assert_eq!(
+            on_disk.claims.keys().collect::<Vec<_>>(),
+            ["memory-only", "ours2", "theirs"]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_failed_write_leaves_the_in_memory_copy_as_it_was() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_in(dir.path());
+        store
+            .commit(Change::Put("kept".into(), entry("a")))
+            .await
+            .unwrap();
+        let before = store.read(|d| d.clone());
+        // The temp file's name taken by a folder: the write cannot happen.
+        std::fs::create_dir(dir.path().join(CHECKPOINT_TEMP)).unwrap();
+        let err = store
+            .commit(Change::Put("new".into(), entry("b")))
+            .await
+            .unwrap_err();
+        assert!(err.contains("checkpoint.json"), "{err}");
+        assert!(store.commit(Change::Remove("kept".into())).await.is_err());
+        assert_eq!(store.read(|d| d.clone()), before);
+        assert_eq!(load(dir.path()).unwrap().unwrap(), before);
+
+        std::fs::remove_dir(dir.path().join(CHECKPOINT_TEMP)).unwrap();
+        store
+            .commit(Change::Put("new".into(), entry("b")))
+            .await
+            .unwrap();
+        assert_eq!(load(dir.path()).unwrap().unwrap().claims.len(), 2);
     }
 
     proptest! {

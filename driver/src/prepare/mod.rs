@@ -125,7 +125,7 @@ pub struct ClaimPreparer {
     api: Arc<dyn ClaimApi>,
     weights: watch::Receiver<BTreeMap<String, i64>>,
     layout: HostLayout,
-    checkpoint: tokio::sync::Mutex<CheckpointData>,
+    checkpoint: Arc<checkpoint::Store>,
     claim_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     status_writes: StatusQueue,
     warned_missing_lib: AtomicBool,
@@ -208,7 +208,7 @@ impl ClaimPreparer {
             cache_root: opts.state_dir.join(CACHE_DIR_NAME),
             fake_gpus: opts.fake_gpus,
         };
-        let (data, corrupt) = {
+        let (data, written, corrupt) = {
             let opts = opts.clone();
             let layout = layout.clone();
             tokio::task::spawn_blocking(move || reconcile(&opts, &layout, &boot_id))
@@ -230,13 +230,18 @@ impl ClaimPreparer {
                 }
             });
         }
+        let checkpoint = Arc::new(checkpoint::Store::new(
+            opts.state_dir.clone(),
+            data,
+            written,
+        ));
         Ok(Self {
             opts,
             inventory,
             api,
             weights,
             layout,
-            checkpoint: tokio::sync::Mutex::new(data),
+            checkpoint,
             claim_locks: Mutex::new(HashMap::new()),
             status_writes: StatusQueue::default(),
             warned_missing_lib: AtomicBool::new(false),
@@ -261,11 +266,12 @@ impl ClaimPreparer {
 
     /// The recorded answer for a prepared claim, if any (for inspection and tests).
     pub async fn prepared(&self, uid: &str) -> Option<Vec<PreparedDevice>> {
-        let data = self.checkpoint.lock().await;
-        data.claims
-            .get(uid)
-            .filter(|e| e.state == ClaimState::PrepareCompleted && !e.recovered)
-            .map(|e| e.devices.clone())
+        self.checkpoint.read(|data| {
+            data.claims
+                .get(uid)
+                .filter(|e| e.state == ClaimState::PrepareCompleted && !e.recovered)
+                .map(|e| e.devices.clone())
+        })
     }
 
     /// Wait until the claims' status writes queued so far are done (tests, orderly shutdown).
@@ -297,16 +303,7 @@ impl ClaimPreparer {
 
     /// Change the checkpoint and persist it; the in-memory copy follows what was written.
     async fn update_checkpoint(&self, change: Change) -> Result<(), String> {
-        let mut current = self.checkpoint.lock().await;
-        let dir = self.opts.state_dir.clone();
-        let snapshot = current.clone();
-        let written =
-            tokio::task::spawn_blocking(move || checkpoint::update(&dir, &snapshot, change))
-                .await
-                .map_err(|e| format!("checkpoint write did not finish: {e}"))?
-                .map_err(|e| e.to_string())?;
-        *current = written;
-        Ok(())
+        self.checkpoint.commit(change).await
     }
 
     async fn prepare_claim(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, String> {
@@ -320,13 +317,12 @@ impl ClaimPreparer {
     }
 
     async fn prepare_locked(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, String> {
-        let recorded = {
-            let data = self.checkpoint.lock().await;
+        let recorded = self.checkpoint.read(|data| {
             data.claims
                 .get(&claim.uid)
                 .filter(|e| e.state == ClaimState::PrepareCompleted && !e.recovered)
                 .cloned()
-        };
+        });
         if let Some(entry) = recorded {
             self.restore_spec_if_missing(&claim.uid, &entry).await?;
             return Ok(entry.devices);
@@ -605,7 +601,9 @@ impl ClaimPreparer {
     }
 
     async fn unprepare_locked(&self, claim: &ClaimRef) -> Result<(), String> {
-        let known = self.checkpoint.lock().await.claims.contains_key(&claim.uid);
+        let known = self
+            .checkpoint
+            .read(|data| data.claims.contains_key(&claim.uid));
 
         let (cdi_root, cache_dir, uid) = (
             self.opts.cdi_root.clone(),
@@ -752,7 +750,14 @@ fn reconcile(
     opts: &PrepareOptions,
     layout: &HostLayout,
     boot_id: &str,
-) -> Result<(CheckpointData, Option<String>), PrepareError> {
+) -> Result<
+    (
+        CheckpointData,
+        Option<checkpoint::FileStamp>,
+        Option<String>,
+    ),
+    PrepareError,
+> {
     let state_dir = &opts.state_dir;
     fsutil::ensure_private_dir(state_dir, 0o700).map_err(|source| PrepareError::StateDir {
         path: state_dir.clone(),
@@ -864,7 +869,9 @@ fn reconcile(
 
     data.boot_id = boot_id.to_string();
     checkpoint::save(state_dir, &data)?;
-    Ok((data, corrupt))
+    // Still under the lock: the stamp is of the file just written.
+    let written = checkpoint::stamp(state_dir);
+    Ok((data, written, corrupt))
 }
 
 #[cfg(test)]
