@@ -17,6 +17,7 @@ use gpupool_api::names::{cdi_device_id, cdi_device_name, cdi_spec_file_name, CDI
 use thiserror::Error;
 
 use super::claim::AllocatedDevice;
+use super::fault::fault_point;
 use super::fsutil;
 use super::limits::{self, DeviceLimits};
 
@@ -231,14 +232,25 @@ pub fn owned_file_uid(file_name: &str) -> Option<&str> {
 
 /// Write the spec atomically, mode 0644 (container runtimes read it).
 pub fn write_spec(cdi_root: &Path, claim_uid: &str, spec: &Spec) -> io::Result<()> {
+    write_spec_temp(cdi_root, claim_uid, spec)?;
+    publish_spec(cdi_root, claim_uid)
+}
+
+/// The spec's temp file written and fsynced; invisible to CDI readers until [`publish_spec`].
+pub fn write_spec_temp(cdi_root: &Path, claim_uid: &str, spec: &Spec) -> io::Result<()> {
     let bytes = serde_json::to_vec_pretty(spec).map_err(io::Error::other)?;
-    fsutil::atomic_write(
+    fsutil::write_temp(cdi_root, &temp_name(claim_uid), &bytes, 0o644)?;
+    fault_point("after-temp-spec-written");
+    Ok(())
+}
+
+/// Rename the spec's temp file to its final name and make that durable.
+pub fn publish_spec(cdi_root: &Path, claim_uid: &str) -> io::Result<()> {
+    fsutil::publish(
         cdi_root,
-        &cdi_spec_file_name(claim_uid),
         &temp_name(claim_uid),
-        &bytes,
-        0o644,
-        Some(("after-temp-spec-written", "after-spec-renamed")),
+        &cdi_spec_file_name(claim_uid),
+        Some("after-spec-renamed"),
     )
 }
 

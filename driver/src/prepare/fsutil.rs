@@ -20,25 +20,43 @@ pub fn atomic_write(
     mode: u32,
     faults: FaultPoints,
 ) -> io::Result<()> {
-    let tmp = dir.join(tmp_name);
-    {
-        let mut file = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(mode)
-            .open(&tmp)?;
-        // The umask may have narrowed the mode; a leftover temp file may carry another one.
-        file.set_permissions(Permissions::from_mode(mode))?;
-        file.write_all(bytes)?;
-        file.sync_all()?;
-    }
+    write_temp(dir, tmp_name, bytes, mode)?;
     if let Some((after_temp, _)) = faults {
         fault_point(after_temp);
     }
-    fs::rename(&tmp, dir.join(name))?;
-    if let Some((_, after_rename)) = faults {
-        fault_point(after_rename);
+    publish(
+        dir,
+        tmp_name,
+        name,
+        faults.map(|(_, after_rename)| after_rename),
+    )
+}
+
+/// The first half of [`atomic_write`]: `dir/tmp_name` written and fsynced, not yet visible
+/// under its final name.
+pub fn write_temp(dir: &Path, tmp_name: &str, bytes: &[u8], mode: u32) -> io::Result<()> {
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(mode)
+        .open(dir.join(tmp_name))?;
+    // The umask may have narrowed the mode; a leftover temp file may carry another one.
+    file.set_permissions(Permissions::from_mode(mode))?;
+    file.write_all(bytes)?;
+    file.sync_all()
+}
+
+/// The second half of [`atomic_write`]: rename the fsynced temp file, then fsync the folder.
+pub fn publish(
+    dir: &Path,
+    tmp_name: &str,
+    name: &str,
+    after_rename: Option<&'static str>,
+) -> io::Result<()> {
+    fs::rename(dir.join(tmp_name), dir.join(name))?;
+    if let Some(point) = after_rename {
+        fault_point(point);
     }
     sync_dir(dir)
 }

@@ -4,8 +4,8 @@
 //! claim.rs (fetch + check) -> limits.rs (pure) -> cdi.rs (pure render + atomic write) -> checkpoint.rs,
 //! then status.rs (what `kubectl describe resourceclaim` shows).
 //!
-//! Crash safety: a claim is recorded `PrepareStarted` before its spec is written and
-//! `PrepareCompleted` after; unprepare removes the spec before the entry. Start-up reconciliation
+//! Crash safety: a claim is recorded `PrepareStarted` before its spec appears under its final
+//! name (the temp file is written meanwhile) and `PrepareCompleted` after; unprepare removes the spec before the entry. Start-up reconciliation
 //! (in [`ClaimPreparer::new`]) rolls back whatever a crash left half done.
 
 pub mod api;
@@ -465,23 +465,10 @@ impl ClaimPreparer {
         }
 
         let uid = claim.uid.clone();
-        self.update_checkpoint(Change::Put(
-            uid.clone(),
-            Box::new(ClaimEntry {
-                state: ClaimState::PrepareStarted,
-                namespace: claim.namespace.clone(),
-                name: claim.name.clone(),
-                devices: Vec::new(),
-                spec: None,
-                warning: None,
-                recovered: false,
-            }),
-        ))
-        .await
-        .map_err(|e| format!("claim {claim_name}: {e}"))?;
-        fault_point("after-prepare-started");
-
-        let written = {
+        // The spec's temp file (invisible to CDI readers) is written and fsynced while the
+        // PrepareStarted entry is made durable: two independent fsyncs, overlapped. The spec
+        // only gets its final name once the entry is on disk.
+        let temp_written = {
             let (cdi_root, layout, spec) = (
                 self.opts.cdi_root.clone(),
                 self.layout.clone(),
@@ -490,11 +477,44 @@ impl ClaimPreparer {
             let uid = uid.clone();
             tokio::task::spawn_blocking(move || -> std::io::Result<()> {
                 ensure_mount_sources(&layout, &uid, &spec)?;
-                cdi::write_spec(&cdi_root, &uid, &spec)
+                cdi::write_spec_temp(&cdi_root, &uid, &spec)
             })
+        };
+        let started = self
+            .update_checkpoint(Change::Put(
+                uid.clone(),
+                Box::new(ClaimEntry {
+                    state: ClaimState::PrepareStarted,
+                    namespace: claim.namespace.clone(),
+                    name: claim.name.clone(),
+                    devices: Vec::new(),
+                    spec: None,
+                    warning: None,
+                    recovered: false,
+                }),
+            ))
+            .await;
+        if started.is_ok() {
+            fault_point("after-prepare-started");
+        }
+        let temp_written = temp_written
             .await
             .map_err(|e| e.to_string())
-            .and_then(|r| r.map_err(|e| format!("writing the CDI spec: {e}")))
+            .and_then(|r| r.map_err(|e| format!("writing the CDI spec: {e}")));
+        if let Err(e) = started {
+            // Only the temp file and the cache folder can exist: no spec was published.
+            self.roll_back(&uid).await;
+            return Err(format!("claim {claim_name}: {e}"));
+        }
+        let written = match temp_written {
+            Ok(()) => {
+                let (cdi_root, uid) = (self.opts.cdi_root.clone(), uid.clone());
+                tokio::task::spawn_blocking(move || cdi::publish_spec(&cdi_root, &uid))
+                    .await
+                    .map_err(|e| e.to_string())
+                    .and_then(|r| r.map_err(|e| format!("writing the CDI spec: {e}")))
+            }
+            Err(e) => Err(e),
         };
         let completed = match written {
             Ok(()) => {

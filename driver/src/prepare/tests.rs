@@ -618,6 +618,29 @@ async fn unprepare_removes_everything_and_works_without_the_api() {
 }
 
 #[tokio::test]
+async fn a_checkpoint_that_cannot_be_written_fails_the_prepare_and_leaves_nothing() {
+    let node = Node::new();
+    node.api.add("train", fractional(UID_A));
+    let preparer = node.start().await;
+    let before = node.all_files();
+    // The checkpoint's temp file name taken by a folder: PrepareStarted cannot be recorded,
+    // while the spec's temp file is being written at the same time.
+    let blocker = node.opts.state_dir.join(".checkpoint.json.tmp");
+    fs::create_dir(&blocker).unwrap();
+    let answer = preparer.prepare(vec![r("train", UID_A)]).await;
+    let error = answer[0].1.clone().unwrap_err();
+    assert!(error.contains("checkpoint.json"), "{error}");
+    fs::remove_dir(&blocker).unwrap();
+    assert_eq!(
+        node.all_files(),
+        before,
+        "no spec, temp file or cache folder left"
+    );
+    assert!(preparer.prepare(vec![r("train", UID_A)]).await[0].1.is_ok());
+    assert!(node.spec_path(UID_A).exists());
+}
+
+#[tokio::test]
 async fn a_failing_status_write_does_not_fail_the_prepare() {
     let node = Node::new();
     node.api.add("train", fractional(UID_A));
