@@ -164,19 +164,26 @@ impl StatusQueue {
         map.insert(uid.to_string(), (seq, handle));
     }
 
-    /// Wait until every write queued so far has finished.
+    /// Wait until every write queued so far has finished. A marker is chained behind each
+    /// claim's last write, so the per-claim order holds for writes queued meanwhile.
     async fn flush(&self) {
-        loop {
-            let pending: Vec<_> = {
-                let mut map = self.tails.lock().expect("status queue is never poisoned");
-                map.drain().map(|(_, (_, h))| h).collect()
-            };
-            if pending.is_empty() {
-                return;
-            }
-            for handle in pending {
-                let _ = handle.await;
-            }
+        let uids: Vec<String> = self
+            .tails
+            .lock()
+            .expect("status queue is never poisoned")
+            .keys()
+            .cloned()
+            .collect();
+        let mut done = Vec::with_capacity(uids.len());
+        for uid in uids {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            self.push(&uid, async move {
+                let _ = tx.send(());
+            });
+            done.push(rx);
+        }
+        for rx in done {
+            let _ = rx.await;
         }
     }
 }
