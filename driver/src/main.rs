@@ -238,7 +238,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     )
     .await
     .context("reconciling prepared claims at start")?;
-    let preparer: Arc<dyn Preparer> = Arc::new(preparer);
+    let preparer = Arc::new(preparer);
+    let status_writer = preparer.clone();
 
     let (_devices_tx, devices_rx) = watch::channel(
         inventory
@@ -248,7 +249,12 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             .collect(),
     );
     let health = HealthService::new(node.clone(), devices_rx, stop.clone());
-    let dra = server::serve_dra(&args.dra_socket(), preparer, health, stop.clone())?;
+    let dra = server::serve_dra(
+        &args.dra_socket(),
+        preparer as Arc<dyn Preparer>,
+        health,
+        stop.clone(),
+    )?;
 
     let (published_tx, mut published_rx) = watch::channel(false);
     let publisher = SlicePublisher::new(client.clone(), node.clone());
@@ -306,6 +312,14 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                 let _ = std::fs::remove_file(path);
             }
         }
+    }
+    // Claim statuses are written after the kubelet got its answer: let those queued finish, within
+    // the same grace, so `kubectl describe` does not keep a stale entry after a clean restart.
+    if tokio::time::timeout(SHUTDOWN_GRACE, status_writer.flush_status_writes())
+        .await
+        .is_err()
+    {
+        tracing::warn!("claim status writes did not finish within {SHUTDOWN_GRACE:?}");
     }
     let _ = publisher_task.await;
     let _ = weights_task.await;

@@ -397,12 +397,21 @@ mod scenarios {
         let uids = [uid(&whole), uid(&fraction)];
         delete_pod(cluster, &ns, "whole").await;
         delete_pod(cluster, &ns, "fraction").await;
+        // The spec goes at the start of unprepare; the kubelet forgets the claim and the cache
+        // folder goes when unprepare has answered: wait for all of it.
         gpupool_e2e::harness::wait_for(
-            "CDI specs removed after the pods went",
+            "CDI specs, cache folders and the kubelet's record removed after the pods went",
             TIMEOUT,
             || async {
                 uids.iter()
-                    .all(|u| !node.cdi_spec_path(u).exists())
+                    .all(|u| {
+                        !node.cdi_spec_path(u).exists()
+                            && !node.dirs.state.join("vgpu-cache").join(u).exists()
+                            && node
+                                .kubelet
+                                .as_ref()
+                                .is_none_or(|k| !k.prepared_claims().contains_key(u))
+                    })
                     .then_some(())
             },
         )
