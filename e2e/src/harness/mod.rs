@@ -174,6 +174,41 @@ pub struct NodeDirs {
     pub state: PathBuf,
 }
 
+impl NodeDirs {
+    /// `gpupool-driver run` for a fake node with these folders: the one command line the harness,
+    /// the bench and the crash tests start drivers with.
+    pub fn driver_run_args(
+        &self,
+        node: &str,
+        kubeconfig: &Path,
+        fake_gpus: &str,
+        vgpu_lib_dir: &Path,
+    ) -> Vec<String> {
+        let path = |p: &Path| p.display().to_string();
+        [
+            "run",
+            "--node-name",
+            node,
+            "--kubeconfig",
+            &path(kubeconfig),
+            "--registry-dir",
+            &path(&self.registry),
+            "--plugin-dir",
+            &path(&self.plugin),
+            "--cdi-root",
+            &path(&self.cdi),
+            "--state-dir",
+            &path(&self.state),
+            "--fake-gpus",
+            fake_gpus,
+            "--vgpu-lib-dir",
+            &path(vgpu_lib_dir),
+        ]
+        .map(String::from)
+        .to_vec()
+    }
+}
+
 /// A node: its folders, kubelet emulator and driver process.
 pub struct TestNode {
     pub name: String,
@@ -488,26 +523,9 @@ impl TestCluster {
             Some(Kubelet::start(self.client.clone(), config).await?)
         };
         let binary = find_binary(DRIVER_BIN)?;
-        let mut args: Vec<String> = vec![
-            "run".into(),
-            "--node-name".into(),
-            name.clone(),
-            "--kubeconfig".into(),
-            self.kubeconfig.display().to_string(),
-            "--registry-dir".into(),
-            dirs.registry.display().to_string(),
-            "--plugin-dir".into(),
-            dirs.plugin.display().to_string(),
-            "--cdi-root".into(),
-            dirs.cdi.display().to_string(),
-            "--state-dir".into(),
-            dirs.state.display().to_string(),
-            "--fake-gpus".into(),
-            spec.fake_gpus.clone(),
-            // An empty folder: the HAMi-core library is "not installed", whatever this host has.
-            "--vgpu-lib-dir".into(),
-            base.join("vgpu").display().to_string(),
-        ];
+        // An empty vgpu folder: the HAMi-core library is "not installed", whatever this host has.
+        let mut args =
+            dirs.driver_run_args(&name, &self.kubeconfig, &spec.fake_gpus, &base.join("vgpu"));
         args.extend(spec.extra_driver_args.iter().cloned());
         let driver = ManagedProcess::spawn(
             &format!("{DRIVER_BIN} on {name}"),

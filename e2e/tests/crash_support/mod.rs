@@ -202,25 +202,12 @@ impl CrashNode {
         let log_err = log.try_clone().expect("cloning the log handle");
         let mut command = Command::new(&self.binary);
         command
-            .args([
-                "run",
-                "--node-name",
+            .args(self.dirs.driver_run_args(
                 &self.name,
-                "--kubeconfig",
-                &self.kubeconfig.display().to_string(),
-                "--registry-dir",
-                &self.dirs.registry.display().to_string(),
-                "--plugin-dir",
-                &self.dirs.plugin.display().to_string(),
-                "--cdi-root",
-                &self.dirs.cdi.display().to_string(),
-                "--state-dir",
-                &self.dirs.state.display().to_string(),
-                "--fake-gpus",
+                &self.kubeconfig,
                 &self.fake_gpus,
-                "--vgpu-lib-dir",
-                &self.vgpu_dir.display().to_string(),
-            ])
+                &self.vgpu_dir,
+            ))
             .env("NO_COLOR", "1")
             .env(BOOT_ID_ENV, &self.boot_id)
             .env_remove(FAULT_POINT_ENV)

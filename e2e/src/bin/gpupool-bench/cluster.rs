@@ -148,25 +148,7 @@ impl Bench {
         dirs: &NodeDirs,
         vgpu: &Path,
     ) -> anyhow::Result<ManagedProcess> {
-        let args: Vec<String> = vec![
-            "run".into(),
-            "--node-name".into(),
-            name.into(),
-            "--kubeconfig".into(),
-            self.kubeconfig.display().to_string(),
-            "--registry-dir".into(),
-            dirs.registry.display().to_string(),
-            "--plugin-dir".into(),
-            dirs.plugin.display().to_string(),
-            "--cdi-root".into(),
-            dirs.cdi.display().to_string(),
-            "--state-dir".into(),
-            dirs.state.display().to_string(),
-            "--fake-gpus".into(),
-            fake_gpus.into(),
-            "--vgpu-lib-dir".into(),
-            vgpu.display().to_string(),
-        ];
+        let args = dirs.driver_run_args(name, &self.kubeconfig, fake_gpus, vgpu);
         ManagedProcess::spawn(
             &format!("gpupool-driver on {name}"),
             &self.driver_bin,
