@@ -31,20 +31,81 @@ fn log_results<T>(what: &str, results: &[(ClaimRef, Result<T, String>)]) {
     }
 }
 
-/// Serves `k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`.
-#[derive(Clone)]
-pub struct DraV1 {
-    preparer: Arc<dyn Preparer>,
-}
+/// One DRA service per proto version: the generated types differ, the translation does not.
+macro_rules! dra_service {
+    ($(#[$doc:meta])* $name:ident, $proto:ident, $device:ident) => {
+        $(#[$doc])*
+        #[derive(Clone)]
+        pub struct $name {
+            preparer: Arc<dyn Preparer>,
+        }
 
-impl DraV1 {
-    pub fn new(preparer: Arc<dyn Preparer>) -> Self {
-        Self { preparer }
-    }
+        impl $name {
+            pub fn new(preparer: Arc<dyn Preparer>) -> Self {
+                Self { preparer }
+            }
 
-    pub fn into_server(self) -> v1::dra_plugin_server::DraPluginServer<Self> {
-        v1::dra_plugin_server::DraPluginServer::new(self)
-    }
+            pub fn into_server(self) -> $proto::dra_plugin_server::DraPluginServer<Self> {
+                $proto::dra_plugin_server::DraPluginServer::new(self)
+            }
+        }
+
+        #[tonic::async_trait]
+        impl $proto::dra_plugin_server::DraPlugin for $name {
+            async fn node_prepare_resources(
+                &self,
+                request: Request<$proto::NodePrepareResourcesRequest>,
+            ) -> Result<Response<$proto::NodePrepareResourcesResponse>, Status> {
+                let claims = request
+                    .into_inner()
+                    .claims
+                    .into_iter()
+                    .map(|c| claim_ref(c.namespace, c.name, c.uid))
+                    .collect();
+                let results = self.preparer.prepare(claims).await;
+                log_results("prepared", &results);
+                let claims: HashMap<_, _> = results
+                    .into_iter()
+                    .map(|(claim, result)| {
+                        let answer = match result {
+                            Ok(devices) => $proto::NodePrepareResourceResponse {
+                                devices: devices.into_iter().map($device).collect(),
+                                error: String::new(),
+                            },
+                            Err(error) => $proto::NodePrepareResourceResponse {
+                                devices: vec![],
+                                error,
+                            },
+                        };
+                        (claim.uid, answer)
+                    })
+                    .collect();
+                Ok(Response::new($proto::NodePrepareResourcesResponse { claims }))
+            }
+
+            async fn node_unprepare_resources(
+                &self,
+                request: Request<$proto::NodeUnprepareResourcesRequest>,
+            ) -> Result<Response<$proto::NodeUnprepareResourcesResponse>, Status> {
+                let claims = request
+                    .into_inner()
+                    .claims
+                    .into_iter()
+                    .map(|c| claim_ref(c.namespace, c.name, c.uid))
+                    .collect();
+                let results = self.preparer.unprepare(claims).await;
+                log_results("unprepared", &results);
+                let claims = results
+                    .into_iter()
+                    .map(|(claim, result)| {
+                        let error = result.err().unwrap_or_default();
+                        (claim.uid, $proto::NodeUnprepareResourceResponse { error })
+                    })
+                    .collect();
+                Ok(Response::new($proto::NodeUnprepareResourcesResponse { claims }))
+            }
+        }
+    };
 }
 
 fn v1_device(d: PreparedDevice) -> v1::Device {
@@ -57,78 +118,7 @@ fn v1_device(d: PreparedDevice) -> v1::Device {
     }
 }
 
-#[tonic::async_trait]
-impl v1::dra_plugin_server::DraPlugin for DraV1 {
-    async fn node_prepare_resources(
-        &self,
-        request: Request<v1::NodePrepareResourcesRequest>,
-    ) -> Result<Response<v1::NodePrepareResourcesResponse>, Status> {
-        let claims = request
-            .into_inner()
-            .claims
-            .into_iter()
-            .map(|c| claim_ref(c.namespace, c.name, c.uid))
-            .collect();
-        let results = self.preparer.prepare(claims).await;
-        log_results("prepared", &results);
-        let claims: HashMap<_, _> = results
-            .into_iter()
-            .map(|(claim, result)| {
-                let answer = match result {
-                    Ok(devices) => v1::NodePrepareResourceResponse {
-                        devices: devices.into_iter().map(v1_device).collect(),
-                        error: String::new(),
-                    },
-                    Err(error) => v1::NodePrepareResourceResponse {
-                        devices: vec![],
-                        error,
-                    },
-                };
-                (claim.uid, answer)
-            })
-            .collect();
-        Ok(Response::new(v1::NodePrepareResourcesResponse { claims }))
-    }
-
-    async fn node_unprepare_resources(
-        &self,
-        request: Request<v1::NodeUnprepareResourcesRequest>,
-    ) -> Result<Response<v1::NodeUnprepareResourcesResponse>, Status> {
-        let claims = request
-            .into_inner()
-            .claims
-            .into_iter()
-            .map(|c| claim_ref(c.namespace, c.name, c.uid))
-            .collect();
-        let results = self.preparer.unprepare(claims).await;
-        log_results("unprepared", &results);
-        let claims = results
-            .into_iter()
-            .map(|(claim, result)| {
-                let error = result.err().unwrap_or_default();
-                (claim.uid, v1::NodeUnprepareResourceResponse { error })
-            })
-            .collect();
-        Ok(Response::new(v1::NodeUnprepareResourcesResponse { claims }))
-    }
-}
-
-/// Serves `k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin` for kubelets that know only v1beta1.
-#[derive(Clone)]
-pub struct DraV1beta1 {
-    preparer: Arc<dyn Preparer>,
-}
-
-impl DraV1beta1 {
-    pub fn new(preparer: Arc<dyn Preparer>) -> Self {
-        Self { preparer }
-    }
-
-    pub fn into_server(self) -> v1beta1::dra_plugin_server::DraPluginServer<Self> {
-        v1beta1::dra_plugin_server::DraPluginServer::new(self)
-    }
-}
-
+/// v1beta1 has no share id: the device is answered without one.
 fn v1beta1_device(d: PreparedDevice) -> v1beta1::Device {
     v1beta1::Device {
         request_names: d.request_names,
@@ -138,62 +128,15 @@ fn v1beta1_device(d: PreparedDevice) -> v1beta1::Device {
     }
 }
 
-#[tonic::async_trait]
-impl v1beta1::dra_plugin_server::DraPlugin for DraV1beta1 {
-    async fn node_prepare_resources(
-        &self,
-        request: Request<v1beta1::NodePrepareResourcesRequest>,
-    ) -> Result<Response<v1beta1::NodePrepareResourcesResponse>, Status> {
-        let claims = request
-            .into_inner()
-            .claims
-            .into_iter()
-            .map(|c| claim_ref(c.namespace, c.name, c.uid))
-            .collect();
-        let results = self.preparer.prepare(claims).await;
-        log_results("prepared", &results);
-        let claims = results
-            .into_iter()
-            .map(|(claim, result)| {
-                let answer = match result {
-                    Ok(devices) => v1beta1::NodePrepareResourceResponse {
-                        devices: devices.into_iter().map(v1beta1_device).collect(),
-                        error: String::new(),
-                    },
-                    Err(error) => v1beta1::NodePrepareResourceResponse {
-                        devices: vec![],
-                        error,
-                    },
-                };
-                (claim.uid, answer)
-            })
-            .collect();
-        Ok(Response::new(v1beta1::NodePrepareResourcesResponse {
-            claims,
-        }))
-    }
-
-    async fn node_unprepare_resources(
-        &self,
-        request: Request<v1beta1::NodeUnprepareResourcesRequest>,
-    ) -> Result<Response<v1beta1::NodeUnprepareResourcesResponse>, Status> {
-        let claims = request
-            .into_inner()
-            .claims
-            .into_iter()
-            .map(|c| claim_ref(c.namespace, c.name, c.uid))
-            .collect();
-        let results = self.preparer.unprepare(claims).await;
-        log_results("unprepared", &results);
-        let claims = results
-            .into_iter()
-            .map(|(claim, result)| {
-                let error = result.err().unwrap_or_default();
-                (claim.uid, v1beta1::NodeUnprepareResourceResponse { error })
-            })
-            .collect();
-        Ok(Response::new(v1beta1::NodeUnprepareResourcesResponse {
-            claims,
-        }))
-    }
-}
+dra_service!(
+    /// Serves `k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`.
+    DraV1,
+    v1,
+    v1_device
+);
+dra_service!(
+    /// Serves `k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin` for kubelets that know only v1beta1.
+    DraV1beta1,
+    v1beta1,
+    v1beta1_device
+);
