@@ -190,25 +190,6 @@ async fn gpumodels_make_classes_weights_and_the_kubectl_table(cluster: &TestClus
     .unwrap_or_else(|e| panic!("{e}; last output:\n{}", last.lock().unwrap()));
 }
 
-/// `kubectl get` table: rows by NAME, cells by column header (no cell here holds a space).
-fn table_rows(table: &str) -> BTreeMap<String, BTreeMap<String, String>> {
-    let mut lines = table.lines();
-    let headers: Vec<&str> = lines
-        .next()
-        .map(|h| h.split_whitespace().collect())
-        .unwrap_or_default();
-    lines
-        .map(|line| {
-            let row: BTreeMap<String, String> = headers
-                .iter()
-                .zip(line.split_whitespace())
-                .map(|(h, v)| (h.to_string(), v.to_string()))
-                .collect();
-            (row.get("NAME").cloned().unwrap_or_default(), row)
-        })
-        .collect()
-}
-
 /// compute-profile-half-a100.yaml: template half-a100 in team-a, A100 cores 50 then V100 cores 61,
 /// 8Gi each, no RTX 3090 (it cannot serve 156).
 async fn compute_profile_keeps_its_template_in_team_a(cluster: &TestCluster) {
@@ -312,16 +293,6 @@ async fn limits_of(cluster: &TestCluster, node: &str, claim_name: &str) -> Vec<S
         .expect("claim uid");
     prepared(node, &uid).await;
     cdi_limits(&cdi_spec(node, &uid))
-}
-
-async fn model_of(cluster: &TestCluster, node: &str, device: &str) -> String {
-    let devices = devices_of(cluster, node, 1).await;
-    let d = devices
-        .get(device)
-        .unwrap_or_else(|| panic!("node {node} publishes no {device}"));
-    attribute(d, attr::MODEL)
-        .and_then(|a| a.string.clone())
-        .unwrap_or_default()
 }
 
 /// fraction-half-a100.yaml: Running on an A100 with 1Gi and 50%, limits 1024m / 50.

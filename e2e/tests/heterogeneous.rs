@@ -194,41 +194,6 @@ async fn gpu_models_become_classes_and_kubectl_counts_the_pool(cluster: &TestClu
     }
 }
 
-/// `kubectl get` table: rows by NAME, cells by column header (cells hold no spaces here).
-fn table_rows(table: &str) -> BTreeMap<String, BTreeMap<String, String>> {
-    let mut lines = table.lines();
-    let headers: Vec<&str> = lines
-        .next()
-        .map(|h| h.split_whitespace().collect())
-        .unwrap_or_default();
-    lines
-        .map(|line| {
-            let row: BTreeMap<String, String> = headers
-                .iter()
-                .zip(line.split_whitespace())
-                .map(|(h, v)| (h.to_string(), v.to_string()))
-                .collect();
-            (row.get("NAME").cloned().unwrap_or_default(), row)
-        })
-        .collect()
-}
-
-/// The model attribute of a published device.
-async fn model_of(cluster: &TestCluster, node: &str, device: &str) -> String {
-    let slices = cluster
-        .slices_of(node)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let d = slices
-        .iter()
-        .flat_map(|s| s.spec.devices.iter().flatten())
-        .find(|d| d.name == device)
-        .unwrap_or_else(|| panic!("node {node} publishes no {device}"));
-    attribute(d, attr::MODEL)
-        .and_then(|a| a.string.clone())
-        .unwrap_or_default()
-}
-
 /// Pods until gone and claims until gone (their allocations released).
 async fn delete_all(cluster: &TestCluster, namespace: &str) {
     let pods: Api<Pod> = Api::namespaced(cluster.client(), namespace);

@@ -283,3 +283,38 @@ pub fn results(claim: &ResourceClaim) -> Vec<(String, String, String, Option<Str
         .map(|r| (r.request, r.pool, r.device, r.share_id))
         .collect()
 }
+
+/// `kubectl get` table: rows by NAME, cells by column header (no cell here holds a space).
+pub fn table_rows(table: &str) -> BTreeMap<String, BTreeMap<String, String>> {
+    let mut lines = table.lines();
+    let headers: Vec<&str> = lines
+        .next()
+        .map(|h| h.split_whitespace().collect())
+        .unwrap_or_default();
+    lines
+        .map(|line| {
+            let row: BTreeMap<String, String> = headers
+                .iter()
+                .zip(line.split_whitespace())
+                .map(|(h, v)| (h.to_string(), v.to_string()))
+                .collect();
+            (row.get("NAME").cloned().unwrap_or_default(), row)
+        })
+        .collect()
+}
+
+/// The `model` attribute a node publishes for one of its devices.
+pub async fn model_of(cluster: &TestCluster, node: &str, device: &str) -> String {
+    let slices = cluster
+        .slices_of(node)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let d = slices
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .find(|d| d.name == device)
+        .unwrap_or_else(|| panic!("node {node} publishes no {device}"));
+    attribute(d, gpupool_api::names::attr::MODEL)
+        .and_then(|a| a.string.clone())
+        .unwrap_or_default()
+}
