@@ -321,6 +321,10 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     {
         tracing::warn!("claim status writes did not finish within {SHUTDOWN_GRACE:?}");
     }
+    // Leave the checkpoint in one file: a driver version before the log reads only that one.
+    if let Err(e) = status_writer.compact_checkpoint().await {
+        tracing::warn!(error = %e, "could not fold the checkpoint log into its snapshot");
+    }
     let _ = publisher_task.await;
     let _ = weights_task.await;
     let _ = readiness.await;

@@ -353,7 +353,7 @@ async fn after_a_reboot_the_specs_come_back_with_identical_ids() {
     );
     node.check_files(&after).unwrap_or_else(|p| panic!("{p}"));
     let checkpoint = node.checkpoint().expect("checkpoint");
-    assert_eq!(checkpoint["data"]["bootId"], node.boot_id.as_str());
+    assert_eq!(checkpoint["bootId"], node.boot_id.as_str());
     assert_ne!(old_boot, node.boot_id);
     assert!(
         node.log().contains("rebooted"),

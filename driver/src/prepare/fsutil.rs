@@ -54,7 +54,11 @@ pub fn publish(
     name: &str,
     after_rename: Option<&'static str>,
 ) -> io::Result<()> {
-    fs::rename(dir.join(tmp_name), dir.join(name))?;
+    if let Err(e) = fs::rename(dir.join(tmp_name), dir.join(name)) {
+        // Nobody will publish this one; the next write would replace it anyway.
+        let _ = remove_file(&dir.join(tmp_name));
+        return Err(e);
+    }
     if let Some(point) = after_rename {
         fault_point(point);
     }

@@ -34,7 +34,7 @@ use tokio::sync::watch;
 
 use self::api::{ApiError, ClaimApi, KubeClaimApi};
 use self::cdi::{HostLayout, SpecDevice};
-use self::checkpoint::{Change, CheckpointData, ClaimEntry, ClaimState};
+use self::checkpoint::{Change, CheckpointData, ClaimEntry, ClaimState, Durability};
 use self::fault::fault_point;
 pub use self::nvidia_cdi::DriverLibraries;
 
@@ -215,7 +215,7 @@ impl ClaimPreparer {
             cache_root: opts.state_dir.join(CACHE_DIR_NAME),
             fake_gpus: opts.fake_gpus,
         };
-        let (data, written, corrupt) = {
+        let (data, corrupt) = {
             let opts = opts.clone();
             let layout = layout.clone();
             tokio::task::spawn_blocking(move || reconcile(&opts, &layout, &boot_id))
@@ -237,11 +237,7 @@ impl ClaimPreparer {
                 }
             });
         }
-        let checkpoint = Arc::new(checkpoint::Store::new(
-            opts.state_dir.clone(),
-            data,
-            written,
-        ));
+        let checkpoint = Arc::new(checkpoint::Store::new(opts.state_dir.clone(), data));
         Ok(Self {
             opts,
             inventory,
@@ -310,7 +306,16 @@ impl ClaimPreparer {
 
     /// Change the checkpoint and persist it; the in-memory copy follows what was written.
     async fn update_checkpoint(&self, change: Change) -> Result<(), String> {
-        self.checkpoint.commit(change).await
+        self.checkpoint.commit(change, Durability::Stable).await
+    }
+
+    /// Fold the checkpoint's log into its snapshot (orderly shutdown).
+    pub async fn compact_checkpoint(&self) -> Result<(), String> {
+        let store = self.checkpoint.clone();
+        tokio::task::spawn_blocking(move || store.compact())
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())
     }
 
     async fn prepare_claim(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, String> {
@@ -473,8 +478,8 @@ impl ClaimPreparer {
 
         let uid = claim.uid.clone();
         // The spec's temp file (invisible to CDI readers) is written and fsynced while the
-        // PrepareStarted entry is made durable: two independent fsyncs, overlapped. The spec
-        // only gets its final name once the entry is on disk.
+        // PrepareStarted entry is written. The spec only gets its final name once the entry is
+        // in the checkpoint.
         let temp_written = {
             let (cdi_root, layout, spec) = (
                 self.opts.cdi_root.clone(),
@@ -487,19 +492,23 @@ impl ClaimPreparer {
                 cdi::write_spec_temp(&cdi_root, &uid, &spec)
             })
         };
+        // Written, not synced: after a power cut, start-up removes a spec without a completed
+        // entry whether or not this entry survived, so only a crash of this process needs it.
+        let started_entry = ClaimEntry {
+            state: ClaimState::PrepareStarted,
+            namespace: claim.namespace.clone(),
+            name: claim.name.clone(),
+            devices: Vec::new(),
+            spec: None,
+            warning: None,
+            recovered: false,
+        };
         let started = self
-            .update_checkpoint(Change::Put(
-                uid.clone(),
-                Box::new(ClaimEntry {
-                    state: ClaimState::PrepareStarted,
-                    namespace: claim.namespace.clone(),
-                    name: claim.name.clone(),
-                    devices: Vec::new(),
-                    spec: None,
-                    warning: None,
-                    recovered: false,
-                }),
-            ))
+            .checkpoint
+            .commit(
+                Change::Put(uid.clone(), Box::new(started_entry)),
+                Durability::Written,
+            )
             .await;
         if started.is_ok() {
             fault_point("after-prepare-started");
@@ -777,14 +786,7 @@ fn reconcile(
     opts: &PrepareOptions,
     layout: &HostLayout,
     boot_id: &str,
-) -> Result<
-    (
-        CheckpointData,
-        Option<checkpoint::FileStamp>,
-        Option<String>,
-    ),
-    PrepareError,
-> {
+) -> Result<(CheckpointData, Option<String>), PrepareError> {
     let state_dir = &opts.state_dir;
     fsutil::ensure_private_dir(state_dir, 0o700).map_err(|source| PrepareError::StateDir {
         path: state_dir.clone(),
@@ -896,9 +898,7 @@ fn reconcile(
 
     data.boot_id = boot_id.to_string();
     checkpoint::save(state_dir, &data)?;
-    // Still under the lock: the stamp is of the file just written.
-    let written = checkpoint::stamp(state_dir);
-    Ok((data, written, corrupt))
+    Ok((data, corrupt))
 }
 
 #[cfg(test)]

@@ -623,17 +623,20 @@ async fn a_checkpoint_that_cannot_be_written_fails_the_prepare_and_leaves_nothin
     node.api.add("train", fractional(UID_A));
     let preparer = node.start().await;
     let before = node.all_files();
-    // The checkpoint's temp file name taken by a folder: PrepareStarted cannot be recorded,
-    // while the spec's temp file is being written at the same time.
-    let blocker = node.opts.state_dir.join(".checkpoint.json.tmp");
+    // The checkpoint's log replaced by a folder: PrepareStarted cannot be recorded, while the
+    // spec's temp file is being written at the same time.
+    let blocker = checkpoint::log_path(&node.opts.state_dir);
+    fs::remove_file(&blocker).unwrap();
     fs::create_dir(&blocker).unwrap();
     let answer = preparer.prepare(vec![r("train", UID_A)]).await;
     let error = answer[0].1.clone().unwrap_err();
-    assert!(error.contains("checkpoint.json"), "{error}");
+    assert!(error.contains("checkpoint.wal"), "{error}");
     fs::remove_dir(&blocker).unwrap();
+    let mut expected = before;
+    expected.remove(&blocker);
     assert_eq!(
         node.all_files(),
-        before,
+        expected,
         "no spec, temp file or cache folder left"
     );
     assert!(preparer.prepare(vec![r("train", UID_A)]).await[0].1.is_ok());
@@ -779,7 +782,13 @@ async fn after_a_reboot_a_claim_whose_card_is_gone_is_dropped() {
 
 #[tokio::test]
 async fn a_corrupt_checkpoint_is_moved_aside_and_the_driver_works() {
-    for corruption in ["truncated", "flipped", "version", "empty"] {
+    for corruption in [
+        "truncated",
+        "flipped",
+        "version",
+        "empty",
+        "flipped log line",
+    ] {
         let node = Node::new();
         node.api.add("train", fractional(UID_A));
         let preparer = node.start().await;
@@ -787,13 +796,23 @@ async fn a_corrupt_checkpoint_is_moved_aside_and_the_driver_works() {
             .1
             .clone()
             .unwrap();
+        // The snapshot's damage on a snapshot that holds the claim (as an orderly stop leaves
+        // it), the log's on a log that does (as a crash leaves it).
+        let in_log = corruption.ends_with("log line");
+        if !in_log {
+            preparer.compact_checkpoint().await.unwrap();
+        }
         drop(preparer);
 
-        let path = checkpoint::path(&node.opts.state_dir);
+        let path = if in_log {
+            checkpoint::log_path(&node.opts.state_dir)
+        } else {
+            checkpoint::path(&node.opts.state_dir)
+        };
         let good = fs::read(&path).unwrap();
         let bad: Vec<u8> = match corruption {
             "truncated" => good[..good.len() / 3].to_vec(),
-            "flipped" => String::from_utf8(good)
+            "flipped" | "flipped log line" => String::from_utf8(good.clone())
                 .unwrap()
                 .replacen("team-a", "team-b", 1)
                 .into_bytes(),
@@ -866,6 +885,7 @@ async fn files_have_the_promised_modes_and_world_writable_roots_are_refused() {
     assert_eq!(mode(&node.opts.cdi_root), 0o755);
     assert_eq!(mode(&node.spec_path(UID_A)), 0o644);
     assert_eq!(mode(&checkpoint::path(&node.opts.state_dir)), 0o600);
+    assert_eq!(mode(&checkpoint::log_path(&node.opts.state_dir)), 0o600);
     drop(preparer);
 
     fs::set_permissions(&node.opts.cdi_root, fs::Permissions::from_mode(0o777)).unwrap();

@@ -31,7 +31,12 @@ pub const FAULT_POINT_ENV: &str = "GPUPOOL_FAULT_POINT";
 pub const BOOT_ID_ENV: &str = "GPUPOOL_BOOT_ID";
 pub const CHECKPOINT_FILE: &str = "checkpoint.json";
 /// Files the driver keeps in its state folder besides the per-claim cache folders.
-const STATE_FILES: &[&str] = &["checkpoint.json", "checkpoint.lock", "ld.so.preload"];
+const STATE_FILES: &[&str] = &[
+    "checkpoint.json",
+    "checkpoint.wal",
+    "checkpoint.lock",
+    "ld.so.preload",
+];
 const CACHE_DIR: &str = "vgpu-cache";
 pub const TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -408,9 +413,11 @@ impl CrashNode {
             .collect()
     }
 
+    /// The checkpoint's data (`bootId`, `claims`) as the driver reads it: the snapshot with its
+    /// log replayed.
     pub fn checkpoint(&self) -> Option<Value> {
-        let text = std::fs::read_to_string(self.dirs.state.join(CHECKPOINT_FILE)).ok()?;
-        serde_json::from_str(&text).ok()
+        let data = gpupool_driver::prepare::checkpoint::load(&self.dirs.state).ok()??;
+        serde_json::to_value(data).ok()
     }
 
     /// What start-up reconciliation must leave, whatever the kubelet believes: only completed
@@ -419,8 +426,8 @@ impl CrashNode {
         let mut problems = Vec::new();
         let checkpoint = self
             .checkpoint()
-            .ok_or_else(|| "no readable checkpoint.json in the state folder".to_string())?;
-        let entries = checkpoint["data"]["claims"]
+            .ok_or_else(|| "no readable checkpoint in the state folder".to_string())?;
+        let entries = checkpoint["claims"]
             .as_object()
             .cloned()
             .unwrap_or_default();
@@ -462,8 +469,8 @@ impl CrashNode {
         let mut problems = Vec::new();
         let checkpoint = self
             .checkpoint()
-            .ok_or_else(|| "no readable checkpoint.json in the state folder".to_string())?;
-        let entries = checkpoint["data"]["claims"]
+            .ok_or_else(|| "no readable checkpoint in the state folder".to_string())?;
+        let entries = checkpoint["claims"]
             .as_object()
             .cloned()
             .unwrap_or_default();
