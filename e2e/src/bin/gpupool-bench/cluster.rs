@@ -34,7 +34,13 @@ pub struct Bench {
     kubeconfig: PathBuf,
     driver_bin: PathBuf,
     workdir: tempfile::TempDir,
+    /// Where the nodes' CDI folders live: a tmpfs when there is one, as `/var/run/cdi` is on a
+    /// node (`/run` is a tmpfs), while their state folders stay on the disk, as `/var/lib` does.
+    cdi_dir: tempfile::TempDir,
 }
+
+/// The tmpfs the bench puts CDI folders on, when this machine has one.
+const TMPFS: &str = "/dev/shm";
 
 /// A driver process and the kubelet emulator it registers with (none for publish-only nodes).
 pub struct BenchNode {
@@ -89,6 +95,16 @@ impl Bench {
             .prefix("gpupool-bench-")
             .tempdir()
             .context("creating the work folder")?;
+        let cdi_dir = match tempfile::Builder::new()
+            .prefix("gpupool-bench-cdi-")
+            .tempdir_in(TMPFS)
+        {
+            Ok(dir) => dir,
+            Err(_) => tempfile::Builder::new()
+                .prefix("gpupool-bench-cdi-")
+                .tempdir()
+                .context("creating the CDI folder")?,
+        };
         let apiserver = ApiServer::start()
             .await
             .context("starting the API server emulator")?;
@@ -103,6 +119,7 @@ impl Bench {
             kubeconfig,
             driver_bin,
             workdir,
+            cdi_dir,
         };
         let namespace: Namespace = serde_json::from_value(json!({
             "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}
@@ -118,12 +135,24 @@ impl Bench {
         self.workdir.path()
     }
 
-    /// The checkpoint file of a node's driver (its `--state-dir` is `<workdir>/<node>/state`).
-    pub fn checkpoint_path(&self, node: &str) -> PathBuf {
-        self.workdir()
-            .join(node)
-            .join("state")
-            .join("checkpoint.json")
+    /// The folder holding the nodes' CDI folders (on a tmpfs when the machine has one).
+    pub fn cdi_dir(&self) -> &Path {
+        self.cdi_dir.path()
+    }
+
+    /// The size of a node's checkpoint: its snapshot and its log (in its `--state-dir`,
+    /// `<workdir>/<node>/state`).
+    pub fn checkpoint_bytes(&self, node: &str) -> anyhow::Result<u64> {
+        let state = self.workdir().join(node).join("state");
+        ["checkpoint.json", "checkpoint.wal"]
+            .iter()
+            .map(|file| {
+                let path = state.join(file);
+                std::fs::metadata(&path)
+                    .map(|m| m.len())
+                    .with_context(|| format!("reading {}", path.display()))
+            })
+            .sum()
     }
 
     fn node_dirs(&self, name: &str) -> anyhow::Result<(NodeDirs, PathBuf)> {
@@ -131,7 +160,7 @@ impl Bench {
         let dirs = NodeDirs {
             registry: base.join("plugins_registry"),
             plugin: base.join("plugins").join(DRIVER),
-            cdi: base.join("cdi"),
+            cdi: self.cdi_dir().join(name),
             state: base.join("state"),
         };
         let vgpu = base.join("vgpu");

@@ -157,10 +157,7 @@ async fn run(args: &Args) -> anyhow::Result<Report> {
         .await?;
     run_concurrently(&held, 16, |c| prepare_one(kubelet, c)).await?;
     let prepared_rss = procfs::rss(pid)?;
-    let checkpoint = bench.checkpoint_path(&node.name);
-    let prepared_checkpoint_bytes = std::fs::metadata(&checkpoint)
-        .with_context(|| format!("reading {}", checkpoint.display()))?
-        .len();
+    let prepared_checkpoint_bytes = bench.checkpoint_bytes(&node.name)?;
     run_concurrently(&held, 16, |c| unprepare_one(kubelet, c)).await?;
     let memory = Memory {
         gpus: GPUS,
@@ -206,6 +203,8 @@ async fn run(args: &Args) -> anyhow::Result<Report> {
     let mut report = Report {
         machine: procfs::machine(),
         driver_binary: driver_bin.display().to_string(),
+        state_folders: procfs::describe_folder(bench.workdir()),
+        cdi_folders: procfs::describe_folder(bench.cdi_dir()),
         short: args.short,
         gpus,
         latency,

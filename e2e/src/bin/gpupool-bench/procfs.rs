@@ -108,9 +108,50 @@ pub fn machine() -> Machine {
     }
 }
 
+/// The file system type `path` lives on, from a mount table (`/proc/self/mounts` lines): the
+/// longest mount point that contains it.
+pub fn filesystem_of(mounts: &str, path: &Path) -> Option<String> {
+    mounts
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let (_, mount_point, fs_type) = (fields.next()?, fields.next()?, fields.next()?);
+            // Spaces in mount points are escaped as \040.
+            let mount_point = mount_point.replace("\\040", " ");
+            path.starts_with(&mount_point)
+                .then(|| (mount_point.len(), fs_type.to_string()))
+        })
+        .max_by_key(|(len, _)| *len)
+        .map(|(_, fs_type)| fs_type)
+}
+
+/// Where a folder is, for the report: `<fs type> (<path>)`.
+pub fn describe_folder(path: &Path) -> String {
+    let fs_type = filesystem_of(&read_or_empty("/proc/self/mounts"), path)
+        .unwrap_or_else(|| "unknown fs".into());
+    format!("{fs_type} ({})", path.display())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_longest_mount_point_decides_the_file_system() {
+        let mounts = "/dev/vda / ext4 rw 0 0\nproc /proc proc rw 0 0\ntmpfs /dev/shm tmpfs rw 0 0\ntmpfs /run tmpfs rw 0 0\n";
+        let fs = |p: &str| filesystem_of(mounts, Path::new(p));
+        assert_eq!(
+            fs("/dev/shm/gpupool-bench-cdi-x/node-0").as_deref(),
+            Some("tmpfs")
+        );
+        assert_eq!(
+            fs("/tmp/gpupool-bench-y/node-0/state").as_deref(),
+            Some("ext4")
+        );
+        // A path component, not a string prefix.
+        assert_eq!(fs("/running").as_deref(), Some("ext4"));
+        assert_eq!(filesystem_of("", Path::new("/tmp")), None);
+    }
 
     #[test]
     fn rss_fields_from_a_status_file() {

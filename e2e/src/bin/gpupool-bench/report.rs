@@ -99,6 +99,9 @@ pub struct TargetCheck {
 pub struct Report {
     pub machine: Machine,
     pub driver_binary: String,
+    /// The file systems under the nodes' state and CDI folders (fsync costs differ by far).
+    pub state_folders: String,
+    pub cdi_folders: String,
     pub short: bool,
     pub gpus: String,
     pub latency: Vec<LatencyCell>,
@@ -235,6 +238,11 @@ pub fn render_table(report: &Report) -> String {
         report.gpus,
         if report.short { " (--short)" } else { "" }
     );
+    let _ = writeln!(
+        out,
+        "folders: state on {}, CDI on {}\n",
+        report.state_folders, report.cdi_folders
+    );
 
     let _ = writeln!(
         out,
@@ -285,7 +293,7 @@ pub fn render_table(report: &Report) -> String {
     );
     let _ = writeln!(
         out,
-        "checkpoint with {} claims prepared: {:.1} KiB",
+        "checkpoint (snapshot + log) with {} claims prepared: {:.1} KiB",
         mem.prepared_claims,
         mem.prepared_checkpoint_bytes as f64 / 1024.0
     );
@@ -396,6 +404,8 @@ mod tests {
                 debug_build: false,
             },
             driver_binary: "target/release/gpupool-driver".into(),
+            state_folders: "ext4 (/tmp/b)".into(),
+            cdi_folders: "tmpfs (/dev/shm/c)".into(),
             short: false,
             gpus: "a100-40gb:8".into(),
             latency: vec![LatencyCell {
@@ -521,7 +531,7 @@ mod tests {
         );
         assert!(table.contains("(+0.50 MiB)"), "{table}");
         assert!(
-            table.contains("checkpoint with 256 claims prepared: 700.0 KiB"),
+            table.contains("checkpoint (snapshot + log) with 256 claims prepared: 700.0 KiB"),
             "{table}"
         );
         assert!(table.contains("fds 20 -> 20 (+0)"), "{table}");
