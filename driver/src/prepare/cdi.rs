@@ -237,7 +237,7 @@ pub fn write_spec(cdi_root: &Path, claim_uid: &str, spec: &Spec) -> io::Result<(
 }
 
 /// The spec's temp file written and fsynced; invisible to CDI readers until [`publish_spec`].
-pub fn write_spec_temp(cdi_root: &Path, claim_uid: &str, spec: &Spec) -> io::Result<()> {
+fn write_spec_temp(cdi_root: &Path, claim_uid: &str, spec: &Spec) -> io::Result<()> {
     let bytes = serde_json::to_vec_pretty(spec).map_err(io::Error::other)?;
     fsutil::write_temp(cdi_root, &temp_name(claim_uid), &bytes, 0o644)?;
     fault_point("after-temp-spec-written");
@@ -245,7 +245,7 @@ pub fn write_spec_temp(cdi_root: &Path, claim_uid: &str, spec: &Spec) -> io::Res
 }
 
 /// Rename the spec's temp file to its final name and make that durable.
-pub fn publish_spec(cdi_root: &Path, claim_uid: &str) -> io::Result<()> {
+fn publish_spec(cdi_root: &Path, claim_uid: &str) -> io::Result<()> {
     fsutil::publish(
         cdi_root,
         &temp_name(claim_uid),

@@ -4,9 +4,10 @@
 //! claim.rs (fetch + check) -> limits.rs (pure) -> cdi.rs (pure render + atomic write) -> checkpoint.rs,
 //! then status.rs (what `kubectl describe resourceclaim` shows).
 //!
-//! Crash safety: a claim is recorded `PrepareStarted` before its spec appears under its final
-//! name (the temp file is written meanwhile) and `PrepareCompleted` after; unprepare removes the spec before the entry. Start-up reconciliation
-//! (in [`ClaimPreparer::new`]) rolls back whatever a crash left half done.
+//! Crash safety: a claim is recorded `PrepareStarted` before its spec is written (temp file,
+//! rename) and `PrepareCompleted` after; unprepare removes the spec before the entry
+//! ([`ClaimFiles`]). Start-up reconciliation (in [`ClaimPreparer::new`]) rolls back whatever a
+//! crash left half done.
 
 pub mod api;
 pub mod cdi;
@@ -34,7 +35,7 @@ use tokio::sync::watch;
 
 use self::api::{ApiError, ClaimApi, KubeClaimApi};
 use self::cdi::{HostLayout, SpecDevice};
-use self::checkpoint::{Change, CheckpointData, ClaimEntry, ClaimState, Durability};
+use self::checkpoint::{Change, CheckpointData, ClaimEntry, ClaimState};
 use self::fault::fault_point;
 pub use self::nvidia_cdi::DriverLibraries;
 
@@ -304,11 +305,6 @@ impl ClaimPreparer {
         }
     }
 
-    /// Change the checkpoint and persist it; the in-memory copy follows what was written.
-    async fn update_checkpoint(&self, change: Change) -> Result<(), String> {
-        self.checkpoint.commit(change, Durability::Stable).await
-    }
-
     /// Fold the checkpoint's log into its snapshot (orderly shutdown).
     pub async fn compact_checkpoint(&self) -> Result<(), String> {
         let store = self.checkpoint.clone();
@@ -477,84 +473,29 @@ impl ClaimPreparer {
         }
 
         let uid = claim.uid.clone();
-        // The spec's temp file (invisible to CDI readers) is written and fsynced while the
-        // PrepareStarted entry is written. The spec only gets its final name once the entry is
-        // in the checkpoint.
-        let temp_written = {
-            let (cdi_root, layout, spec) = (
-                self.opts.cdi_root.clone(),
-                self.layout.clone(),
-                rendered.spec.clone(),
-            );
-            let uid = uid.clone();
-            tokio::task::spawn_blocking(move || -> std::io::Result<()> {
-                ensure_mount_sources(&layout, &uid, &spec)?;
-                cdi::write_spec_temp(&cdi_root, &uid, &spec)
-            })
-        };
-        // Written, not synced: after a power cut, start-up removes a spec without a completed
-        // entry whether or not this entry survived, so only a crash of this process needs it.
-        let started_entry = ClaimEntry {
-            state: ClaimState::PrepareStarted,
+        let entry = |state, devices, spec| ClaimEntry {
+            state,
             namespace: claim.namespace.clone(),
             name: claim.name.clone(),
-            devices: Vec::new(),
-            spec: None,
-            warning: None,
+            devices,
+            spec,
+            warning: rendered.warning.clone(),
             recovered: false,
         };
-        let started = self
-            .checkpoint
-            .commit(
-                Change::Put(uid.clone(), Box::new(started_entry)),
-                Durability::Written,
-            )
-            .await;
-        if started.is_ok() {
-            fault_point("after-prepare-started");
-        }
-        let temp_written = temp_written
+        let started = entry(ClaimState::PrepareStarted, Vec::new(), None);
+        let completed = entry(
+            ClaimState::PrepareCompleted,
+            devices.clone(),
+            Some(rendered.spec.clone()),
+        );
+        let files = self.claim_files(&uid);
+        let spec = rendered.spec.clone();
+        // One blocking section for the whole sequence: no thread hand-over between its steps.
+        tokio::task::spawn_blocking(move || files.prepare(&spec, started, completed))
             .await
             .map_err(|e| e.to_string())
-            .and_then(|r| r.map_err(|e| format!("writing the CDI spec: {e}")));
-        if let Err(e) = started {
-            // Only the temp file and the cache folder can exist: no spec was published.
-            self.roll_back(&uid).await;
-            return Err(format!("claim {claim_name}: {e}"));
-        }
-        let written = match temp_written {
-            Ok(()) => {
-                let (cdi_root, uid) = (self.opts.cdi_root.clone(), uid.clone());
-                tokio::task::spawn_blocking(move || cdi::publish_spec(&cdi_root, &uid))
-                    .await
-                    .map_err(|e| e.to_string())
-                    .and_then(|r| r.map_err(|e| format!("writing the CDI spec: {e}")))
-            }
-            Err(e) => Err(e),
-        };
-        let completed = match written {
-            Ok(()) => {
-                self.update_checkpoint(Change::Put(
-                    uid.clone(),
-                    Box::new(ClaimEntry {
-                        state: ClaimState::PrepareCompleted,
-                        namespace: claim.namespace.clone(),
-                        name: claim.name.clone(),
-                        devices: devices.clone(),
-                        spec: Some(rendered.spec.clone()),
-                        warning: rendered.warning.clone(),
-                        recovered: false,
-                    }),
-                ))
-                .await
-            }
-            Err(e) => Err(e),
-        };
-        if let Err(e) = completed {
-            self.roll_back(&uid).await;
-            return Err(format!("claim {claim_name}: {e}"));
-        }
-        fault_point("after-prepare-completed");
+            .and_then(|r| r)
+            .map_err(|e| format!("claim {claim_name}: {e}"))?;
 
         // The claim is prepared once its spec and entry exist; the status is for the user only.
         let weights = self.weights.borrow().clone();
@@ -599,30 +540,13 @@ impl ClaimPreparer {
         Ok(devices)
     }
 
-    /// Undo a prepare that failed after `PrepareStarted` was recorded.
-    async fn roll_back(&self, uid: &str) {
-        let (cdi_root, cache_dir, owned_uid) = (
-            self.opts.cdi_root.clone(),
-            self.layout.cache_dir(uid),
-            uid.to_string(),
-        );
-        let removed = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
-            cdi::remove_spec(&cdi_root, &owned_uid)?;
-            fsutil::remove_dir_all(&cache_dir)?;
-            Ok(())
-        })
-        .await;
-        if !matches!(removed, Ok(Ok(()))) {
-            tracing::error!(
-                uid,
-                "rolling back a failed prepare could not remove its files; the next start will"
-            );
-        }
-        if let Err(e) = self
-            .update_checkpoint(Change::Remove(uid.to_string()))
-            .await
-        {
-            tracing::error!(uid, error = %e, "rolling back a failed prepare could not update the checkpoint; the next start will");
+    /// What prepare and unprepare write for one claim.
+    fn claim_files(&self, uid: &str) -> ClaimFiles {
+        ClaimFiles {
+            uid: uid.to_string(),
+            cdi_root: self.opts.cdi_root.clone(),
+            layout: self.layout.clone(),
+            checkpoint: self.checkpoint.clone(),
         }
     }
 
@@ -641,32 +565,88 @@ impl ClaimPreparer {
             .checkpoint
             .read(|data| data.claims.contains_key(&claim.uid));
 
-        let (cdi_root, cache_dir, uid) = (
-            self.opts.cdi_root.clone(),
-            self.layout.cache_dir(&claim.uid),
-            claim.uid.clone(),
-        );
-        tokio::task::spawn_blocking(move || -> std::io::Result<()> {
-            cdi::remove_spec(&cdi_root, &uid)?;
-            fault_point("mid-unprepare");
-            fsutil::remove_dir_all(&cache_dir)?;
-            Ok(())
-        })
-        .await
-        .map_err(|e| e.to_string())?
-        .map_err(|e| {
-            format!(
-                "claim {}/{}: removing its files: {e}",
-                claim.namespace, claim.name
-            )
-        })?;
+        let files = self.claim_files(&claim.uid);
+        tokio::task::spawn_blocking(move || files.unprepare(known))
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|r| r)
+            .map_err(|e| format!("claim {}/{}: {e}", claim.namespace, claim.name))?;
         if known {
-            self.update_checkpoint(Change::Remove(claim.uid.clone()))
-                .await?;
             self.status_writes.push(
                 &claim.uid,
                 clear_device_status(self.api.clone(), self.opts.node_name.clone(), claim.clone()),
             );
+        }
+        Ok(())
+    }
+}
+
+/// One claim's files and checkpoint entry, changed in the order that keeps a crash at any
+/// point repairable by start-up reconciliation. Blocking.
+struct ClaimFiles {
+    uid: String,
+    cdi_root: PathBuf,
+    layout: HostLayout,
+    checkpoint: Arc<checkpoint::Store>,
+}
+
+impl ClaimFiles {
+    /// `PrepareStarted`, then the spec (temp file, rename), then `PrepareCompleted`; undone on
+    /// failure. A spec never has its final name without at least a started entry.
+    fn prepare(
+        &self,
+        spec: &gpupool_api::cdi::Spec,
+        started: ClaimEntry,
+        completed: ClaimEntry,
+    ) -> Result<(), String> {
+        self.checkpoint
+            .commit(Change::Put(self.uid.clone(), Box::new(started)))
+            .map_err(|e| e.to_string())?;
+        fault_point("after-prepare-started");
+        let done = ensure_mount_sources(&self.layout, &self.uid, spec)
+            .and_then(|()| cdi::write_spec(&self.cdi_root, &self.uid, spec))
+            .map_err(|e| format!("writing the CDI spec: {e}"))
+            .and_then(|()| {
+                self.checkpoint
+                    .commit(Change::Put(self.uid.clone(), Box::new(completed)))
+                    .map_err(|e| e.to_string())
+            });
+        if done.is_err() {
+            self.roll_back();
+        }
+        done?;
+        fault_point("after-prepare-completed");
+        Ok(())
+    }
+
+    /// Undo a prepare that failed after `PrepareStarted` was recorded.
+    fn roll_back(&self) {
+        let removed = cdi::remove_spec(&self.cdi_root, &self.uid)
+            .and_then(|_| fsutil::remove_dir_all(&self.layout.cache_dir(&self.uid)));
+        if removed.is_err() {
+            tracing::error!(
+                uid = self.uid,
+                "rolling back a failed prepare could not remove its files; the next start will"
+            );
+        }
+        if let Err(e) = self.checkpoint.commit(Change::Remove(self.uid.clone())) {
+            tracing::error!(uid = self.uid, error = %e, "rolling back a failed prepare could not update the checkpoint; the next start will");
+        }
+    }
+
+    /// The spec and cache folder first, the entry (when there is one) last: a crash in between
+    /// leaves an entry whose spec start-up writes again, and the kubelet's retry removes both.
+    fn unprepare(&self, known: bool) -> Result<(), String> {
+        cdi::remove_spec(&self.cdi_root, &self.uid)
+            .and_then(|_| {
+                fault_point("mid-unprepare");
+                fsutil::remove_dir_all(&self.layout.cache_dir(&self.uid))
+            })
+            .map_err(|e| format!("removing its files: {e}"))?;
+        if known {
+            self.checkpoint
+                .commit(Change::Remove(self.uid.clone()))
+                .map_err(|e| e.to_string())?;
         }
         Ok(())
     }
