@@ -64,6 +64,11 @@ pub struct RunArgs {
         default_value = "/var/lib/kubelet/plugins/gpupool.dev"
     )]
     pub state_dir: PathBuf,
+    /// Folder of per-boot state: HAMi-core's per-claim cache folders, which containers map and
+    /// no reboot needs. On a tmpfs (like /var/run) each prepare creates its folder without a
+    /// disk write.
+    #[arg(long, env = "RUN_DIR", default_value = "/var/run/gpupool")]
+    pub run_dir: PathBuf,
     /// Fake GPUs instead of NVML, e.g. a100-40gb:2,v100-32gb:1.
     #[arg(long, env = "FAKE_GPUS")]
     pub fake_gpus: Option<String>,
@@ -148,6 +153,7 @@ mod tests {
             PathBuf::from("/var/lib/kubelet/plugins/gpupool.dev/dra.sock")
         );
         assert_eq!(args.cdi_root, PathBuf::from("/var/run/cdi"));
+        assert_eq!(args.run_dir, PathBuf::from("/var/run/gpupool"));
         assert_eq!(args.vgpu_lib_dir, PathBuf::from("/usr/local/vgpu"));
         assert_eq!(args.log_format, LogFormat::Text);
     }
@@ -169,6 +175,8 @@ mod tests {
             "/c",
             "--state-dir",
             "/s",
+            "--run-dir",
+            "/u",
             "--fake-gpus",
             "t4:1",
             "--vgpu-lib-dir",
@@ -188,6 +196,7 @@ mod tests {
         );
         assert_eq!(args.dra_socket(), PathBuf::from("/p/dra.sock"));
         assert_eq!(args.fake_gpus.as_deref(), Some("t4:1"));
+        assert_eq!(args.run_dir, PathBuf::from("/u"));
         assert_eq!(args.log_format, LogFormat::Json);
         assert_eq!(args.healthz_addr.unwrap().port(), 51515);
     }

@@ -228,6 +228,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             node_name: node.clone(),
             cdi_root: args.cdi_root.clone(),
             state_dir: args.state_dir.clone(),
+            run_dir: args.run_dir.clone(),
             vgpu_lib_dir: args.vgpu_lib_dir.clone(),
             fake_gpus: args.fake_gpus.is_some(),
             driver_libraries: args.driver_libraries(),

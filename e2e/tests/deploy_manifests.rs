@@ -165,6 +165,7 @@ fn host_mounts(workload: &Value, container_name: &str) -> BTreeMap<String, (Stri
 const REGISTRY_DIR: &str = "/var/lib/kubelet/plugins_registry";
 const PLUGIN_DIR: &str = "/var/lib/kubelet/plugins/gpupool.dev";
 const CDI_ROOT: &str = "/var/run/cdi";
+const RUN_DIR: &str = "/var/run/gpupool";
 const VGPU_LIB_DIR: &str = "/usr/local/vgpu";
 /// HAMi-core's lock folder; fixed by HAMi-core itself.
 const VGPU_LOCK_DIR: &str = "/tmp/vgpulock";
@@ -226,6 +227,7 @@ fn driver_daemonset_mounts_exactly_what_it_needs() {
             REGISTRY_DIR,
             PLUGIN_DIR,
             CDI_ROOT,
+            RUN_DIR,
             VGPU_LIB_DIR,
             VGPU_LOCK_DIR,
         ]
@@ -253,6 +255,7 @@ fn driver_daemonset_mounts_exactly_what_it_needs() {
             ("--plugin-dir", PLUGIN_DIR),
             ("--state-dir", PLUGIN_DIR),
             ("--cdi-root", CDI_ROOT),
+            ("--run-dir", RUN_DIR),
             ("--vgpu-lib-dir", VGPU_LIB_DIR),
         ] {
             assert_eq!(flag(driver, name).as_deref(), Some(path), "{dir}: {name}");

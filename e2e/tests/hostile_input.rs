@@ -1,7 +1,7 @@
 //! Hostile input to the real driver binary (issue 6): claim references whose UID, name or namespace
 //! would make a path escape its folder, and opaque configs that are too big, too deep or carry an
 //! unknown field. Each is a per-claim error naming the problem, the good claim in the same request is
-//! prepared, and nothing is written outside the CDI and state folders. The driver also refuses to
+//! prepared, and nothing is written outside the CDI, state and run folders. The driver also refuses to
 //! start on folders others can write to.
 
 mod crash_support;
@@ -140,7 +140,11 @@ async fn hostile_claims_get_their_own_error_and_write_nothing_outside() {
     node.start_driver_ok().await;
     let root = node.root.clone();
     let before = walk(&root);
-    let allowed = [node.dirs.cdi.as_path(), node.dirs.state.as_path()];
+    let allowed = [
+        node.dirs.cdi.as_path(),
+        node.dirs.state.as_path(),
+        node.dirs.run.as_path(),
+    ];
 
     let mut request: Vec<ClaimRef> = vec![good.clone()];
     request.extend(hostile_refs.iter().map(|(c, _)| c.clone()));
@@ -217,7 +221,7 @@ async fn hostile_claims_get_their_own_error_and_write_nothing_outside() {
     // The driver log grows, it is not a new path; everything else new must be in the two folders.
     assert!(
         stray.is_empty(),
-        "written outside the CDI and state folders: {stray:?}"
+        "written outside the CDI, state and run folders: {stray:?}"
     );
     assert!(
         !absolute.exists() && !outside.path().join("evil.json").exists(),

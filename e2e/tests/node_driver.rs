@@ -406,7 +406,7 @@ mod scenarios {
                 uids.iter()
                     .all(|u| {
                         !node.cdi_spec_path(u).exists()
-                            && !node.dirs.state.join("vgpu-cache").join(u).exists()
+                            && !node.dirs.run.join("vgpu-cache").join(u).exists()
                             && node
                                 .kubelet
                                 .as_ref()
@@ -421,7 +421,7 @@ mod scenarios {
             if let Some(kubelet) = &node.kubelet {
                 assert!(!kubelet.prepared_claims().contains_key(u));
             }
-            let cache = node.dirs.state.join("vgpu-cache").join(u);
+            let cache = node.dirs.run.join("vgpu-cache").join(u);
             assert!(
                 !cache.exists(),
                 "cache folder {} removed on unprepare",

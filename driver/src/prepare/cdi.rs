@@ -275,7 +275,7 @@ mod tests {
             vgpu_lib: "/usr/local/vgpu/libvgpu.so".into(),
             preload_file: "/var/lib/gpupool/ld.so.preload".into(),
             vgpu_lock_dir: "/tmp/vgpulock".into(),
-            cache_root: "/var/lib/gpupool/vgpu-cache".into(),
+            cache_root: "/var/run/gpupool/vgpu-cache".into(),
             fake_gpus: fake,
         }
     }
@@ -350,7 +350,7 @@ mod tests {
         let d1 = &s.devices[1].container_edits;
         assert_eq!(d1.device_nodes[0].path, "/dev/nvidia0");
         let cache = format!(
-            "CUDA_DEVICE_MEMORY_SHARED_CACHE=/var/lib/gpupool/vgpu-cache/{UID}/{}.cache",
+            "CUDA_DEVICE_MEMORY_SHARED_CACHE=/var/run/gpupool/vgpu-cache/{UID}/{}.cache",
             inv.gpus[1].uuid
         );
         for env in [
@@ -370,7 +370,7 @@ mod tests {
             .iter()
             .map(|m| (m.host_path.as_str(), m.container_path.as_str()))
             .collect();
-        let cache_dir = format!("/var/lib/gpupool/vgpu-cache/{UID}");
+        let cache_dir = format!("/var/run/gpupool/vgpu-cache/{UID}");
         assert_eq!(
             mounts,
             BTreeSet::from([
@@ -430,7 +430,7 @@ mod tests {
             limits: &l,
         }];
         // Only the claim's cache folder exists (the driver creates it).
-        let only_cache = |p: &Path| p.starts_with("/var/lib/gpupool/vgpu-cache");
+        let only_cache = |p: &Path| p.starts_with("/var/run/gpupool/vgpu-cache");
         let r = render(UID, &devices, &layout(true), &only_cache).unwrap();
         let s = &r.spec;
         assert_eq!(cdi::validate(s), Vec::<String>::new());

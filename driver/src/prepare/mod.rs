@@ -65,6 +65,8 @@ pub struct PrepareOptions {
     pub node_name: String,
     pub cdi_root: PathBuf,
     pub state_dir: PathBuf,
+    /// Per-boot state (HAMi-core's per-claim cache folders), normally on a tmpfs.
+    pub run_dir: PathBuf,
     /// Folder holding HAMi-core's `libvgpu.so`.
     pub vgpu_lib_dir: PathBuf,
     pub fake_gpus: bool,
@@ -213,7 +215,7 @@ impl ClaimPreparer {
             vgpu_lib: opts.vgpu_lib_dir.join(cdi::LIB_FILE_NAME),
             preload_file: opts.state_dir.join(PRELOAD_FILE_NAME),
             vgpu_lock_dir: PathBuf::from(cdi::VGPU_LOCK_DIR),
-            cache_root: opts.state_dir.join(CACHE_DIR_NAME),
+            cache_root: opts.run_dir.join(CACHE_DIR_NAME),
             fake_gpus: opts.fake_gpus,
         };
         let (data, corrupt) = {
@@ -491,10 +493,8 @@ impl ClaimPreparer {
         let files = self.claim_files(&uid);
         let spec = rendered.spec.clone();
         // One blocking section for the whole sequence: no thread hand-over between its steps.
-        tokio::task::spawn_blocking(move || files.prepare(&spec, started, completed))
+        run_blocking(move || files.prepare(&spec, started, completed))
             .await
-            .map_err(|e| e.to_string())
-            .and_then(|r| r)
             .map_err(|e| format!("claim {claim_name}: {e}"))?;
 
         // The claim is prepared once its spec and entry exist; the status is for the user only.
@@ -566,10 +566,8 @@ impl ClaimPreparer {
             .read(|data| data.claims.contains_key(&claim.uid));
 
         let files = self.claim_files(&claim.uid);
-        tokio::task::spawn_blocking(move || files.unprepare(known))
+        run_blocking(move || files.unprepare(known))
             .await
-            .map_err(|e| e.to_string())
-            .and_then(|r| r)
             .map_err(|e| format!("claim {}/{}: {e}", claim.namespace, claim.name))?;
         if known {
             self.status_writes.push(
@@ -578,6 +576,24 @@ impl ClaimPreparer {
             );
         }
         Ok(())
+    }
+}
+
+/// Run a short blocking step (file system calls, a `flock` another driver process may hold for
+/// a moment) for an async caller. On the driver's multi-thread runtime it runs right here,
+/// after handing this worker's other tasks to another thread, so the caller does not wait for
+/// a pool thread to wake up; elsewhere (current-thread test runtimes) on the blocking pool.
+async fn run_blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, String> + Send + 'static,
+) -> Result<T, String> {
+    if tokio::runtime::Handle::current().runtime_flavor()
+        == tokio::runtime::RuntimeFlavor::MultiThread
+    {
+        tokio::task::block_in_place(work)
+    } else {
+        tokio::task::spawn_blocking(work)
+            .await
+            .map_err(|e| e.to_string())?
     }
 }
 
@@ -780,6 +796,7 @@ fn reconcile(
         let path = path.to_path_buf();
         move |source| PrepareError::Io { path, source }
     };
+    fsutil::ensure_private_dir(&opts.run_dir, 0o711).map_err(io_err(&opts.run_dir))?;
     fsutil::ensure_private_dir(&layout.cache_root, 0o711).map_err(io_err(&layout.cache_root))?;
     let preload = format!("{}\n", cdi::CONTAINER_LIB_PATH);
     if fs::read_to_string(&layout.preload_file).ok().as_deref() != Some(preload.as_str()) {

@@ -205,6 +205,7 @@ fn opts_under(top: &Path) -> PrepareOptions {
         node_name: NODE.into(),
         cdi_root: top.join("run/cdi"),
         state_dir: top.join("var/lib/gpupool"),
+        run_dir: top.join("run/gpupool"),
         vgpu_lib_dir: top.join("usr/local/vgpu"),
         fake_gpus: true,
         driver_libraries: DriverLibraries::None,
@@ -267,7 +268,7 @@ async fn prepares_a_fractional_claim_and_reports_it() {
             "{expected} not in {env:?}"
         );
     }
-    let cache_dir = node.opts.state_dir.join("vgpu-cache").join(UID_A);
+    let cache_dir = node.opts.run_dir.join("vgpu-cache").join(UID_A);
     assert!(cache_dir.is_dir(), "the claim's cache folder exists");
     let cache_env = env
         .iter()
@@ -581,7 +582,7 @@ async fn unprepare_removes_everything_and_works_without_the_api() {
     {
         a.unwrap();
     }
-    let cache_a = node.opts.state_dir.join("vgpu-cache").join(UID_A);
+    let cache_a = node.opts.run_dir.join("vgpu-cache").join(UID_A);
     assert!(cache_a.is_dir());
 
     let answers = preparer.unprepare(vec![r("train", UID_A)]).await;
@@ -704,7 +705,7 @@ async fn restart_removes_orphans_and_rolls_back_unfinished_prepares() {
     data.claims.insert(UID_D.into(), started);
     checkpoint::save(&node.opts.state_dir, &data).unwrap();
     fs::write(node.spec_path(UID_D), b"{}").unwrap();
-    fs::create_dir_all(node.opts.state_dir.join("vgpu-cache").join(UID_D)).unwrap();
+    fs::create_dir_all(node.opts.run_dir.join("vgpu-cache").join(UID_D)).unwrap();
     // Someone else's spec is never touched.
     let foreign = node.opts.cdi_root.join("nvidia.com-gpu.json");
     fs::write(&foreign, b"{}").unwrap();
@@ -717,7 +718,7 @@ async fn restart_removes_orphans_and_rolls_back_unfinished_prepares() {
             "nvidia.com-gpu.json".to_string()
         ])
     );
-    assert!(!node.opts.state_dir.join("vgpu-cache").join(UID_D).exists());
+    assert!(!node.opts.run_dir.join("vgpu-cache").join(UID_D).exists());
     let saved = checkpoint::load(&node.opts.state_dir).unwrap().unwrap();
     assert_eq!(saved.claims.keys().collect::<Vec<_>>(), vec![UID_A]);
     assert_eq!(preparer.prepared(UID_A).await, Some(answer));
@@ -737,11 +738,11 @@ async fn after_a_reboot_specs_come_back_with_identical_ids() {
 
     // A reboot empties /var/run/cdi (tmpfs) and the cache folders' content may go too.
     fs::remove_dir_all(&node.opts.cdi_root).unwrap();
-    fs::remove_dir_all(node.opts.state_dir.join("vgpu-cache")).unwrap();
+    fs::remove_dir_all(node.opts.run_dir.join("vgpu-cache")).unwrap();
     node.api.down.store(true, Ordering::SeqCst);
     let preparer = node.start_with_boot("boot-2").await;
     assert_eq!(node.spec(UID_A), spec);
-    assert!(node.opts.state_dir.join("vgpu-cache").join(UID_A).is_dir());
+    assert!(node.opts.run_dir.join("vgpu-cache").join(UID_A).is_dir());
     let again = preparer.prepare(vec![r("train", UID_A)]).await[0]
         .1
         .clone()
@@ -953,7 +954,7 @@ async fn killed_at_every_fault_point_the_node_recovers() {
         node.api.add("train", fractional(UID_A));
         let preparer = node.start().await;
         let saved = checkpoint::load(&node.opts.state_dir).unwrap().unwrap();
-        let cache = node.opts.state_dir.join("vgpu-cache").join(UID_A);
+        let cache = node.opts.run_dir.join("vgpu-cache").join(UID_A);
         match saved.claims.get(UID_A) {
             // Killed after completion: the claim is prepared, with a valid spec and its cache.
             Some(entry) => {

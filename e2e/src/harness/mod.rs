@@ -172,6 +172,8 @@ pub struct NodeDirs {
     pub plugin: PathBuf,
     pub cdi: PathBuf,
     pub state: PathBuf,
+    /// `--run-dir`: per-boot state (HAMi-core's per-claim cache folders).
+    pub run: PathBuf,
 }
 
 impl NodeDirs {
@@ -199,6 +201,8 @@ impl NodeDirs {
             &path(&self.cdi),
             "--state-dir",
             &path(&self.state),
+            "--run-dir",
+            &path(&self.run),
             "--fake-gpus",
             fake_gpus,
             "--vgpu-lib-dir",
@@ -502,6 +506,7 @@ impl TestCluster {
             plugin: from_env(env::PLUGIN_DIR, base.join("plugins").join("gpupool.dev")),
             cdi: from_env(env::CDI_DIR, base.join("cdi")),
             state: base.join("state"),
+            run: base.join("run"),
         };
         for dir in [
             &dirs.registry,

@@ -103,6 +103,7 @@ impl CrashNode {
             plugin: host.join("plugins").join(DRIVER),
             cdi: host.join("cdi"),
             state: host.join("state"),
+            run: host.join("run"),
         };
         let vgpu_dir = host.join("vgpu");
         for dir in [&dirs.registry, &dirs.plugin, &vgpu_dir] {
@@ -451,8 +452,15 @@ impl CrashNode {
             problems.push(format!("CDI folder: no {name} for a completed entry"));
         }
         for name in list_dir(&self.dirs.state) {
-            if name != CACHE_DIR && !STATE_FILES.contains(&name.as_str()) {
+            if !STATE_FILES.contains(&name.as_str()) {
                 problems.push(format!("state folder: unexpected file {name}"));
+            }
+        }
+        for claim_dir in list_dir(&self.dirs.run.join(CACHE_DIR)) {
+            if !entries.contains_key(&claim_dir) {
+                problems.push(format!(
+                    "run folder: {CACHE_DIR}/{claim_dir} without a completed entry"
+                ));
             }
         }
         if problems.is_empty() {
@@ -535,14 +543,18 @@ impl CrashNode {
             }
         }
         for name in list_dir(&self.dirs.state) {
-            if name == CACHE_DIR {
-                for claim_dir in list_dir(&self.dirs.state.join(CACHE_DIR)) {
-                    if !believed.contains_key(&claim_dir) {
-                        problems.push(format!("state folder: leftover {CACHE_DIR}/{claim_dir}"));
-                    }
-                }
-            } else if !STATE_FILES.contains(&name.as_str()) {
+            if !STATE_FILES.contains(&name.as_str()) {
                 problems.push(format!("state folder: unexpected file {name}"));
+            }
+        }
+        for name in list_dir(&self.dirs.run) {
+            if name != CACHE_DIR {
+                problems.push(format!("run folder: unexpected file {name}"));
+            }
+        }
+        for claim_dir in list_dir(&self.dirs.run.join(CACHE_DIR)) {
+            if !believed.contains_key(&claim_dir) {
+                problems.push(format!("run folder: leftover {CACHE_DIR}/{claim_dir}"));
             }
         }
         if problems.is_empty() {

@@ -34,12 +34,13 @@ pub struct Bench {
     kubeconfig: PathBuf,
     driver_bin: PathBuf,
     workdir: tempfile::TempDir,
-    /// Where the nodes' CDI folders live: a tmpfs when there is one, as `/var/run/cdi` is on a
-    /// node (`/run` is a tmpfs), while their state folders stay on the disk, as `/var/lib` does.
-    cdi_dir: tempfile::TempDir,
+    /// Where the nodes' CDI and run folders live: a tmpfs when there is one, as `/var/run/cdi`
+    /// and `/var/run/gpupool` are on a node (`/run` is a tmpfs), while their state folders stay
+    /// on the disk, as `/var/lib` does.
+    runtime_dir: tempfile::TempDir,
 }
 
-/// The tmpfs the bench puts CDI folders on, when this machine has one.
+/// The tmpfs the bench puts the nodes' `/var/run` folders on, when this machine has one.
 const TMPFS: &str = "/dev/shm";
 
 /// A driver process and the kubelet emulator it registers with (none for publish-only nodes).
@@ -95,15 +96,15 @@ impl Bench {
             .prefix("gpupool-bench-")
             .tempdir()
             .context("creating the work folder")?;
-        let cdi_dir = match tempfile::Builder::new()
-            .prefix("gpupool-bench-cdi-")
+        let runtime_dir = match tempfile::Builder::new()
+            .prefix("gpupool-bench-run-")
             .tempdir_in(TMPFS)
         {
             Ok(dir) => dir,
             Err(_) => tempfile::Builder::new()
-                .prefix("gpupool-bench-cdi-")
+                .prefix("gpupool-bench-run-")
                 .tempdir()
-                .context("creating the CDI folder")?,
+                .context("creating the run folder")?,
         };
         let apiserver = ApiServer::start()
             .await
@@ -119,7 +120,7 @@ impl Bench {
             kubeconfig,
             driver_bin,
             workdir,
-            cdi_dir,
+            runtime_dir,
         };
         let namespace: Namespace = serde_json::from_value(json!({
             "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}
@@ -135,9 +136,9 @@ impl Bench {
         self.workdir.path()
     }
 
-    /// The folder holding the nodes' CDI folders (on a tmpfs when the machine has one).
-    pub fn cdi_dir(&self) -> &Path {
-        self.cdi_dir.path()
+    /// The folder holding the nodes' CDI and run folders (on a tmpfs when the machine has one).
+    pub fn runtime_dir(&self) -> &Path {
+        self.runtime_dir.path()
     }
 
     /// The size of a node's checkpoint: its snapshot and its log (in its `--state-dir`,
@@ -160,8 +161,9 @@ impl Bench {
         let dirs = NodeDirs {
             registry: base.join("plugins_registry"),
             plugin: base.join("plugins").join(DRIVER),
-            cdi: self.cdi_dir().join(name),
+            cdi: self.runtime_dir().join(name).join("cdi"),
             state: base.join("state"),
+            run: self.runtime_dir().join(name).join("gpupool"),
         };
         let vgpu = base.join("vgpu");
         for dir in [&dirs.registry, &dirs.plugin, &dirs.cdi, &dirs.state, &vgpu] {

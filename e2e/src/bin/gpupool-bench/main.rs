@@ -204,7 +204,7 @@ async fn run(args: &Args) -> anyhow::Result<Report> {
         machine: procfs::machine(),
         driver_binary: driver_bin.display().to_string(),
         state_folders: procfs::describe_folder(bench.workdir()),
-        cdi_folders: procfs::describe_folder(bench.cdi_dir()),
+        runtime_folders: procfs::describe_folder(bench.runtime_dir()),
         short: args.short,
         gpus,
         latency,

@@ -99,9 +99,10 @@ pub struct TargetCheck {
 pub struct Report {
     pub machine: Machine,
     pub driver_binary: String,
-    /// The file systems under the nodes' state and CDI folders (fsync costs differ by far).
+    /// The file systems under the nodes' state folders and their CDI and run folders (a file
+    /// system call on a disk and one on a tmpfs differ by far).
     pub state_folders: String,
-    pub cdi_folders: String,
+    pub runtime_folders: String,
     pub short: bool,
     pub gpus: String,
     pub latency: Vec<LatencyCell>,
@@ -240,8 +241,8 @@ pub fn render_table(report: &Report) -> String {
     );
     let _ = writeln!(
         out,
-        "folders: state on {}, CDI on {}\n",
-        report.state_folders, report.cdi_folders
+        "folders: state on {}, CDI and run folders on {}\n",
+        report.state_folders, report.runtime_folders
     );
 
     let _ = writeln!(
@@ -405,7 +406,7 @@ mod tests {
             },
             driver_binary: "target/release/gpupool-driver".into(),
             state_folders: "ext4 (/tmp/b)".into(),
-            cdi_folders: "tmpfs (/dev/shm/c)".into(),
+            runtime_folders: "tmpfs (/dev/shm/c)".into(),
             short: false,
             gpus: "a100-40gb:8".into(),
             latency: vec![LatencyCell {
