@@ -48,10 +48,12 @@ fn main() -> ExitCode {
         Command::Run(args) => {
             init_tracing(args.log_format);
             limit_malloc_arenas();
-            // A node agent needs little parallelism; the defaults (a worker per core, 512 blocking
-            // threads) cost memory on a 128-core GPU node and give nothing back.
-            match tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
+            // A node agent needs little parallelism: one thread runs every socket and task, so the
+            // kubelet's call, the claim read and the answer never wait for another thread to wake
+            // up (serial prepare p99 -17% against two workers, BENCHMARKS.md), and file work goes to
+            // a small blocking pool. The defaults (a worker per core, 512 blocking threads) cost
+            // memory on a 128-core GPU node and give nothing back.
+            match tokio::runtime::Builder::new_current_thread()
                 .max_blocking_threads(8)
                 .enable_all()
                 .build()

@@ -361,6 +361,11 @@ impl ClaimPreparer {
         let Some(spec) = entry.spec.clone() else {
             return Ok(());
         };
+        // The common case (the kubelet repeating a prepare) is one stat on the CDI folder's
+        // tmpfs: not worth a thread hand-over.
+        if cdi::spec_path(&self.opts.cdi_root, uid).exists() {
+            return Ok(());
+        }
         let (cdi_root, uid, layout) = (
             self.opts.cdi_root.clone(),
             uid.to_string(),
@@ -579,22 +584,14 @@ impl ClaimPreparer {
     }
 }
 
-/// Run a short blocking step (file system calls, a `flock` another driver process may hold for
-/// a moment) for an async caller. On the driver's multi-thread runtime it runs right here,
-/// after handing this worker's other tasks to another thread, so the caller does not wait for
-/// a pool thread to wake up; elsewhere (current-thread test runtimes) on the blocking pool.
+/// Run a blocking step (file system calls, a `flock` another driver process may hold for a
+/// moment) off the runtime's thread.
 async fn run_blocking<T: Send + 'static>(
     work: impl FnOnce() -> Result<T, String> + Send + 'static,
 ) -> Result<T, String> {
-    if tokio::runtime::Handle::current().runtime_flavor()
-        == tokio::runtime::RuntimeFlavor::MultiThread
-    {
-        tokio::task::block_in_place(work)
-    } else {
-        tokio::task::spawn_blocking(work)
-            .await
-            .map_err(|e| e.to_string())?
-    }
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| e.to_string())?
 }
 
 /// One claim's files and checkpoint entry, changed in the order that keeps a crash at any

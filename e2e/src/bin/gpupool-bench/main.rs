@@ -173,6 +173,7 @@ async fn run(args: &Args) -> anyhow::Result<Report> {
         .create_allocated_claim("get-probe", ClaimKind::Whole, &node.name, "gpu-0")
         .await?;
     let api_get_claim = time_claim_gets(&bench, &probe, plan.cycles.min(1000)).await?;
+    let repeat_prepare = time_repeated_prepares(kubelet, &probe, plan.cycles.min(1000)).await?;
 
     let mut latency = Vec::new();
     for kind in [ClaimKind::Whole, ClaimKind::Fractional] {
@@ -213,6 +214,7 @@ async fn run(args: &Args) -> anyhow::Result<Report> {
         startup,
         publishing,
         api_get_claim,
+        repeat_prepare,
         targets: Vec::new(),
     };
     report.targets = report::check_targets(&report);
@@ -236,6 +238,25 @@ async fn time_claim_gets(
             .with_context(|| format!("reading claim {}", claim.name))?;
         samples.push(t.elapsed());
     }
+    Ok(stats::summarize(&samples))
+}
+
+/// Prepares of a claim already prepared, as the kubelet repeats them: answered from the
+/// checkpoint with no API request and no file written, so the round trip through the sockets
+/// and the driver's own dispatch: the floor under every prepare.
+async fn time_repeated_prepares(
+    kubelet: &Kubelet,
+    claim: &ClaimRef,
+    count: usize,
+) -> anyhow::Result<stats::Summary> {
+    prepare_one(kubelet, claim).await?;
+    let mut samples = Vec::with_capacity(count);
+    for _ in 0..count {
+        let t = Instant::now();
+        prepare_one(kubelet, claim).await?;
+        samples.push(t.elapsed());
+    }
+    unprepare_one(kubelet, claim).await?;
     Ok(stats::summarize(&samples))
 }
 

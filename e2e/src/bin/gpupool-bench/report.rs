@@ -113,6 +113,9 @@ pub struct Report {
     /// A claim GET through kube-rs to the emulator, the read every fresh prepare makes: the floor
     /// of prepare latency as long as the claim is read from the API server.
     pub api_get_claim: Summary,
+    /// A prepare of a claim already prepared (answered from the checkpoint): the gRPC round trip
+    /// and the driver's dispatch, the other floor of prepare latency.
+    pub repeat_prepare: Summary,
     /// Filled by [`check_targets`].
     pub targets: Vec<TargetCheck>,
 }
@@ -279,6 +282,12 @@ pub fn render_table(report: &Report) -> String {
         out,
         "API claim GET (bench client -> emulator), {} calls: p50 {:.0} µs, p99 {:.0} µs",
         get.count, get.p50_us, get.p99_us
+    );
+    let repeat = &report.repeat_prepare;
+    let _ = writeln!(
+        out,
+        "prepare of a claim already prepared (no API call, no file), {} calls: p50 {:.0} µs, p99 {:.0} µs",
+        repeat.count, repeat.p50_us, repeat.p99_us
     );
 
     let mem = &report.memory;
@@ -453,6 +462,7 @@ mod tests {
                 ]),
             }],
             api_get_claim: summary,
+            repeat_prepare: summary,
             targets: Vec::new(),
         }
     }
