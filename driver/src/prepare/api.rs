@@ -11,6 +11,9 @@ use thiserror::Error;
 pub enum ApiError {
     #[error("not found")]
     NotFound,
+    /// The object changed since the version a write was based on.
+    #[error("conflict: the object changed")]
+    Conflict,
     #[error("{0}")]
     Other(String),
 }
@@ -22,13 +25,16 @@ pub trait ClaimApi: Send + Sync {
         name: &'a str,
     ) -> BoxFuture<'a, Result<ResourceClaim, ApiError>>;
 
-    /// Replace `status.devices` of the claim (the caller keeps other drivers' entries in the list).
+    /// Replace `status.devices` of the claim (the caller keeps other drivers' entries in the list),
+    /// only if the claim is still at `based_on` when given ([`ApiError::Conflict`] if not).
+    /// Returns the claim's new resourceVersion.
     fn write_device_status<'a>(
         &'a self,
         namespace: &'a str,
         name: &'a str,
         devices: Vec<AllocatedDeviceStatus>,
-    ) -> BoxFuture<'a, Result<(), ApiError>>;
+        based_on: Option<String>,
+    ) -> BoxFuture<'a, Result<String, ApiError>>;
 
     fn post_event(&self, event: Event) -> BoxFuture<'_, Result<(), ApiError>>;
 }
@@ -47,6 +53,7 @@ impl KubeClaimApi {
 fn api_error(e: kube::Error) -> ApiError {
     match e {
         kube::Error::Api(status) if status.is_not_found() => ApiError::NotFound,
+        kube::Error::Api(status) if status.code == 409 => ApiError::Conflict,
         other => ApiError::Other(other.to_string()),
     }
 }
@@ -70,14 +77,20 @@ impl ClaimApi for KubeClaimApi {
         namespace: &'a str,
         name: &'a str,
         devices: Vec<AllocatedDeviceStatus>,
-    ) -> BoxFuture<'a, Result<(), ApiError>> {
+        based_on: Option<String>,
+    ) -> BoxFuture<'a, Result<String, ApiError>> {
         Box::pin(async move {
-            // A merge patch replaces the whole list: the caller passes every driver's entries.
-            let patch = serde_json::json!({ "status": { "devices": devices } });
+            // A merge patch replaces the whole list: the caller passes every driver's entries. A
+            // resourceVersion in a patch is a precondition: the API server answers 409 when the
+            // claim changed since.
+            let mut patch = serde_json::json!({ "status": { "devices": devices } });
+            if let Some(version) = based_on {
+                patch["metadata"] = serde_json::json!({ "resourceVersion": version });
+            }
             Api::<ResourceClaim>::namespaced(self.client.clone(), namespace)
                 .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
                 .await
-                .map(|_| ())
+                .map(|claim| claim.metadata.resource_version.unwrap_or_default())
                 .map_err(api_error)
         })
     }

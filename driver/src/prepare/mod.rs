@@ -29,6 +29,7 @@ use std::time::Duration;
 
 use gpupool_api::config::effective_config;
 use gpupool_api::inventory::Inventory;
+use k8s_openapi::api::resource::v1::AllocatedDeviceStatus;
 use k8s_openapi::jiff::Timestamp;
 use thiserror::Error;
 use tokio::sync::watch;
@@ -131,7 +132,33 @@ pub struct ClaimPreparer {
     checkpoint: Arc<checkpoint::Store>,
     claim_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     status_writes: StatusQueue,
+    written_status: WrittenStatus,
     warned_missing_lib: AtomicBool,
+}
+
+/// Per claim UID: the resourceVersion our last status write left the claim at, and the list it
+/// wrote. While nobody else writes the claim, unprepare clears our entries from that list with
+/// one write instead of reading the claim first.
+#[derive(Default, Clone)]
+struct WrittenStatus(Arc<Mutex<HashMap<String, StatusWrite>>>);
+
+/// A claim's resourceVersion after our write, and the `status.devices` list we wrote.
+type StatusWrite = (String, Vec<AllocatedDeviceStatus>);
+
+impl WrittenStatus {
+    fn record(&self, uid: &str, version: String, list: Vec<AllocatedDeviceStatus>) {
+        self.0
+            .lock()
+            .expect("written status is never poisoned")
+            .insert(uid.to_string(), (version, list));
+    }
+
+    fn take(&self, uid: &str) -> Option<StatusWrite> {
+        self.0
+            .lock()
+            .expect("written status is never poisoned")
+            .remove(uid)
+    }
 }
 
 /// The claims' `status.devices` writes, off the kubelet's critical path: each claim's writes run
@@ -250,6 +277,7 @@ impl ClaimPreparer {
             checkpoint,
             claim_locks: Mutex::new(HashMap::new()),
             status_writes: StatusQueue::default(),
+            written_status: WrittenStatus::default(),
             warned_missing_lib: AtomicBool::new(false),
         })
     }
@@ -521,19 +549,21 @@ impl ClaimPreparer {
             })
             .collect();
         let list = status::merge_device_status(&allocation.device_status, pool, ours);
-        let (api, namespace, name) = (
+        let (api, namespace, name, written) = (
             self.api.clone(),
             claim.namespace.clone(),
             claim.name.clone(),
+            self.written_status.clone(),
         );
+        let status_uid = uid.clone();
         self.status_writes.push(&uid, async move {
             match tokio::time::timeout(
                 API_WRITE_TIMEOUT,
-                api.write_device_status(&namespace, &name, list),
+                api.write_device_status(&namespace, &name, list.clone(), None),
             )
             .await
             {
-                Ok(Ok(())) => {}
+                Ok(Ok(version)) => written.record(&status_uid, version, list),
                 Ok(Err(e)) => {
                     tracing::warn!(claim = %claim_name, error = %e, "prepared, but writing the claim's device status failed")
                 }
@@ -577,7 +607,12 @@ impl ClaimPreparer {
         if known {
             self.status_writes.push(
                 &claim.uid,
-                clear_device_status(self.api.clone(), self.opts.node_name.clone(), claim.clone()),
+                clear_device_status(
+                    self.api.clone(),
+                    self.opts.node_name.clone(),
+                    claim.clone(),
+                    self.written_status.clone(),
+                ),
             );
         }
         Ok(())
@@ -666,8 +701,24 @@ impl ClaimFiles {
 }
 
 /// Best effort: unprepare must work while the API server is away.
-async fn clear_device_status(api: Arc<dyn ClaimApi>, pool: String, claim: ClaimRef) {
+async fn clear_device_status(
+    api: Arc<dyn ClaimApi>,
+    pool: String,
+    claim: ClaimRef,
+    written: WrittenStatus,
+) {
     let work = async {
+        // Taken here, behind the claim's earlier status writes: the prepare's write is done.
+        if let Some((version, list)) = written.take(&claim.uid) {
+            let cleared = status::merge_device_status(&list, &pool, Vec::new());
+            match api
+                .write_device_status(&claim.namespace, &claim.name, cleared, Some(version))
+                .await
+            {
+                Err(ApiError::Conflict) => {} // Someone else wrote it since: read it first.
+                other => return other.map(|_| ()),
+            }
+        }
         let object = api.get_claim(&claim.namespace, &claim.name).await?;
         if object.metadata.uid.as_deref() != Some(claim.uid.as_str()) {
             return Ok(());
@@ -677,8 +728,9 @@ async fn clear_device_status(api: Arc<dyn ClaimApi>, pool: String, claim: ClaimR
             return Ok(());
         }
         let list = status::merge_device_status(&existing, &pool, Vec::new());
-        api.write_device_status(&claim.namespace, &claim.name, list)
+        api.write_device_status(&claim.namespace, &claim.name, list, None)
             .await
+            .map(|_| ())
     };
     match tokio::time::timeout(API_WRITE_TIMEOUT, work).await {
         Ok(Ok(())) | Ok(Err(ApiError::NotFound)) => {}

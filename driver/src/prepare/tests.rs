@@ -45,6 +45,34 @@ impl FakeApi {
             .insert(("team-a".into(), name.into()), claim);
     }
 
+    /// A write by someone else: the claim's resourceVersion moves on.
+    fn bump_version(claim: &mut ResourceClaim) -> String {
+        let next = claim
+            .metadata
+            .resource_version
+            .as_deref()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+            + 1;
+        claim.metadata.resource_version = Some(next.to_string());
+        next.to_string()
+    }
+
+    /// Another writer (another driver on a claim with devices of several) adds its entry.
+    fn add_foreign_status(&self, name: &str, entry: AllocatedDeviceStatus) {
+        let mut claims = self.claims.lock().unwrap();
+        let claim = claims
+            .get_mut(&("team-a".to_string(), name.to_string()))
+            .unwrap();
+        claim
+            .status
+            .get_or_insert_with(Default::default)
+            .devices
+            .get_or_insert_with(Vec::new)
+            .push(entry);
+        FakeApi::bump_version(claim);
+    }
+
     fn device_status(&self, name: &str) -> Vec<AllocatedDeviceStatus> {
         self.claims.lock().unwrap()[&("team-a".to_string(), name.to_string())]
             .status
@@ -99,7 +127,8 @@ impl ClaimApi for FakeApi {
         namespace: &'a str,
         name: &'a str,
         devices: Vec<AllocatedDeviceStatus>,
-    ) -> BoxFuture<'a, Result<(), ApiError>> {
+        based_on: Option<String>,
+    ) -> BoxFuture<'a, Result<String, ApiError>> {
         Box::pin(async move {
             let delay = self.status_write_delay_ms.load(Ordering::SeqCst);
             if delay > 0 {
@@ -112,8 +141,11 @@ impl ClaimApi for FakeApi {
             let claim = claims
                 .get_mut(&(namespace.to_string(), name.to_string()))
                 .ok_or(ApiError::NotFound)?;
+            if based_on.is_some() && based_on != claim.metadata.resource_version {
+                return Err(ApiError::Conflict);
+            }
             claim.status.get_or_insert_with(Default::default).devices = Some(devices);
-            Ok(())
+            Ok(FakeApi::bump_version(claim))
         })
     }
 
@@ -616,6 +648,53 @@ async fn unprepare_removes_everything_and_works_without_the_api() {
         .clone()
         .unwrap_err();
     assert!(e.contains("team-a/late") && e.contains("API server"), "{e}");
+}
+
+#[tokio::test]
+async fn unprepare_clears_the_status_without_reading_the_claim_unless_it_changed() {
+    let node = Node::new();
+    node.api.add("train", fractional(UID_A));
+    node.api.add("other", fractional(UID_B));
+    let preparer = node.start().await;
+    for (_, a) in preparer
+        .prepare(vec![r("train", UID_A), r("other", UID_B)])
+        .await
+    {
+        a.unwrap();
+    }
+    preparer.flush_status_writes().await;
+    assert_eq!(node.api.device_status("train").len(), 1);
+    assert_eq!(
+        node.api.gets.load(Ordering::SeqCst),
+        2,
+        "one read per prepare"
+    );
+
+    // Nobody else wrote the claim since our status: cleared in one write, no read.
+    preparer.unprepare(vec![r("train", UID_A)]).await[0]
+        .1
+        .clone()
+        .unwrap();
+    preparer.flush_status_writes().await;
+    assert!(node.api.device_status("train").is_empty());
+    assert_eq!(node.api.gets.load(Ordering::SeqCst), 2);
+
+    // Another driver added its entry since: our write based on the old version is refused, the
+    // claim is read, and only our entry goes.
+    let foreign = AllocatedDeviceStatus {
+        driver: "other.example.com".into(),
+        pool: "node-a".into(),
+        device: "nic-0".into(),
+        ..Default::default()
+    };
+    node.api.add_foreign_status("other", foreign.clone());
+    preparer.unprepare(vec![r("other", UID_B)]).await[0]
+        .1
+        .clone()
+        .unwrap();
+    preparer.flush_status_writes().await;
+    assert_eq!(node.api.device_status("other"), vec![foreign]);
+    assert_eq!(node.api.gets.load(Ordering::SeqCst), 3);
 }
 
 #[tokio::test]
