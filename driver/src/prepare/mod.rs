@@ -136,21 +136,21 @@ pub struct ClaimPreparer {
     warned_missing_lib: AtomicBool,
 }
 
-/// Per claim UID: the resourceVersion our last status write left the claim at, and the list it
-/// wrote. While nobody else writes the claim, unprepare clears our entries from that list with
-/// one write instead of reading the claim first.
+/// Per claim UID: the resourceVersion our last status write left the claim at, and the other
+/// drivers' entries of the list it wrote (usually none). While nobody else writes the claim,
+/// unprepare writes those back with one request instead of reading the claim first.
 #[derive(Default, Clone)]
 struct WrittenStatus(Arc<Mutex<HashMap<String, StatusWrite>>>);
 
-/// A claim's resourceVersion after our write, and the `status.devices` list we wrote.
+/// A claim's resourceVersion after our write, and the `status.devices` entries not ours in it.
 type StatusWrite = (String, Vec<AllocatedDeviceStatus>);
 
 impl WrittenStatus {
-    fn record(&self, uid: &str, version: String, list: Vec<AllocatedDeviceStatus>) {
+    fn record(&self, uid: &str, version: String, others: Vec<AllocatedDeviceStatus>) {
         self.0
             .lock()
             .expect("written status is never poisoned")
-            .insert(uid.to_string(), (version, list));
+            .insert(uid.to_string(), (version, others));
     }
 
     fn take(&self, uid: &str) -> Option<StatusWrite> {
@@ -549,6 +549,7 @@ impl ClaimPreparer {
             })
             .collect();
         let list = status::merge_device_status(&allocation.device_status, pool, ours);
+        let others = status::merge_device_status(&list, pool, Vec::new());
         let (api, namespace, name, written) = (
             self.api.clone(),
             claim.namespace.clone(),
@@ -559,11 +560,11 @@ impl ClaimPreparer {
         self.status_writes.push(&uid, async move {
             match tokio::time::timeout(
                 API_WRITE_TIMEOUT,
-                api.write_device_status(&namespace, &name, list.clone(), None),
+                api.write_device_status(&namespace, &name, list, None),
             )
             .await
             {
-                Ok(Ok(version)) => written.record(&status_uid, version, list),
+                Ok(Ok(version)) => written.record(&status_uid, version, others),
                 Ok(Err(e)) => {
                     tracing::warn!(claim = %claim_name, error = %e, "prepared, but writing the claim's device status failed")
                 }
@@ -709,10 +710,9 @@ async fn clear_device_status(
 ) {
     let work = async {
         // Taken here, behind the claim's earlier status writes: the prepare's write is done.
-        if let Some((version, list)) = written.take(&claim.uid) {
-            let cleared = status::merge_device_status(&list, &pool, Vec::new());
+        if let Some((version, others)) = written.take(&claim.uid) {
             match api
-                .write_device_status(&claim.namespace, &claim.name, cleared, Some(version))
+                .write_device_status(&claim.namespace, &claim.name, others, Some(version))
                 .await
             {
                 Err(ApiError::Conflict) => {} // Someone else wrote it since: read it first.
