@@ -924,6 +924,11 @@ mod tests {
         Arc::new(Store::new(dir.to_path_buf(), CheckpointData::default()))
     }
 
+    /// The claims the files hold, as a restarted driver would read them.
+    fn claim_uids(dir: &Path) -> Vec<String> {
+        load(dir).unwrap().unwrap().claims.into_keys().collect()
+    }
+
     fn log_lines(dir: &Path) -> usize {
         std::fs::read(log_path(dir))
             .unwrap()
@@ -1022,15 +1027,7 @@ mod tests {
             store.read(|d| d.claims.keys().cloned().collect::<Vec<_>>()),
             ["memory-only", "ours2", "theirs"]
         );
-        assert_eq!(
-            load(dir.path())
-                .unwrap()
-                .unwrap()
-                .claims
-                .keys()
-                .collect::<Vec<_>>(),
-            ["ours2", "theirs"]
-        );
+        assert_eq!(claim_uids(dir.path()), ["ours2", "theirs"]);
     }
 
     #[test]
@@ -1109,29 +1106,13 @@ mod tests {
         encode_change(&Change::Put("torn".into(), entry("t")), &mut line);
         torn.extend_from_slice(&line[..line.len() / 2]);
         std::fs::write(log_path(dir.path()), &torn).unwrap();
-        assert_eq!(
-            load(dir.path())
-                .unwrap()
-                .unwrap()
-                .claims
-                .keys()
-                .collect::<Vec<_>>(),
-            ["a", "b"]
-        );
+        assert_eq!(claim_uids(dir.path()), ["a", "b"]);
         let restarted = Arc::new(Store::new(
             dir.path().to_path_buf(),
             CheckpointData::default(),
         ));
         restarted.commit(Change::Remove("a".into())).unwrap();
-        assert_eq!(
-            load(dir.path())
-                .unwrap()
-                .unwrap()
-                .claims
-                .keys()
-                .collect::<Vec<_>>(),
-            ["b"]
-        );
+        assert_eq!(claim_uids(dir.path()), ["b"]);
         assert_eq!(log_lines(dir.path()), 4);
 
         // A complete line that does not match its checksum: the checkpoint is unreadable.

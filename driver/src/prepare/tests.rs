@@ -602,9 +602,8 @@ async fn hostile_names_write_nothing_anywhere() {
     assert_eq!(node.api.gets.load(Ordering::SeqCst), 0);
 }
 
-#[tokio::test]
-async fn unprepare_removes_everything_and_works_without_the_api() {
-    let node = Node::new();
+/// Claims `train` (UID_A) and `other` (UID_B) prepared on `node`.
+async fn two_prepared_claims(node: &Node) -> Arc<ClaimPreparer> {
     node.api.add("train", fractional(UID_A));
     node.api.add("other", fractional(UID_B));
     let preparer = node.start().await;
@@ -614,6 +613,13 @@ async fn unprepare_removes_everything_and_works_without_the_api() {
     {
         a.unwrap();
     }
+    preparer
+}
+
+#[tokio::test]
+async fn unprepare_removes_everything_and_works_without_the_api() {
+    let node = Node::new();
+    let preparer = two_prepared_claims(&node).await;
     let cache_a = node.opts.run_dir.join("vgpu-cache").join(UID_A);
     assert!(cache_a.is_dir());
 
@@ -653,15 +659,7 @@ async fn unprepare_removes_everything_and_works_without_the_api() {
 #[tokio::test]
 async fn unprepare_clears_the_status_without_reading_the_claim_unless_it_changed() {
     let node = Node::new();
-    node.api.add("train", fractional(UID_A));
-    node.api.add("other", fractional(UID_B));
-    let preparer = node.start().await;
-    for (_, a) in preparer
-        .prepare(vec![r("train", UID_A), r("other", UID_B)])
-        .await
-    {
-        a.unwrap();
-    }
+    let preparer = two_prepared_claims(&node).await;
     preparer.flush_status_writes().await;
     assert_eq!(node.api.device_status("train").len(), 1);
     assert_eq!(
