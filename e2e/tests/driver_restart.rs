@@ -53,6 +53,22 @@ async fn restart_scenario(backend: Backend) {
         !node.dirs.plugin.join("dra.sock").exists(),
         "DRA socket removed"
     );
+    // An orderly stop folds the checkpoint's log into its snapshot: a driver from before the log
+    // (a DaemonSet rolled back) finds every prepared claim in checkpoint.json alone.
+    let log = std::fs::read_to_string(node.dirs.state.join("checkpoint.wal")).unwrap();
+    assert_eq!(
+        log.lines().count(),
+        1,
+        "only the log's header is left:\n{log}"
+    );
+    let snapshot: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(node.dirs.state.join("checkpoint.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        snapshot["data"]["claims"][before_uid.as_str()]["state"],
+        "PrepareCompleted",
+        "{snapshot}"
+    );
     wait_for("the kubelet to forget the driver", TIMEOUT, || async {
         kubelet.registration(DRIVER).is_none().then_some(())
     })
