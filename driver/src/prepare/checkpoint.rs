@@ -257,7 +257,7 @@ fn log_header(snapshot: &[u8]) -> Vec<u8> {
 }
 
 /// Append a change's log line to `out`.
-pub fn encode_change(change: &Change, out: &mut Vec<u8>) {
+fn encode_change(change: &Change, out: &mut Vec<u8>) {
     let json = serde_json::to_vec(change).expect("a change is plain JSON");
     out.extend_from_slice(sha256_hex(&json).as_bytes());
     out.push(b' ');
@@ -267,18 +267,15 @@ pub fn encode_change(change: &Change, out: &mut Vec<u8>) {
 
 /// What a log holds for one snapshot.
 #[derive(Debug, PartialEq)]
-pub struct LogContent {
-    pub changes: Vec<Change>,
+struct LogContent {
+    changes: Vec<Change>,
     /// Bytes up to the end of the last complete line: what to keep before appending.
-    pub valid_len: u64,
+    valid_len: u64,
 }
 
 /// Parse a log; `Ok(None)` when it does not continue the snapshot `snapshot_bytes` (left over
 /// from a compaction cut short, or no log header at all).
-pub fn decode_log(
-    bytes: &[u8],
-    snapshot_bytes: &[u8],
-) -> Result<Option<LogContent>, CheckpointError> {
+fn decode_log(bytes: &[u8], snapshot_bytes: &[u8]) -> Result<Option<LogContent>, CheckpointError> {
     let header = log_header(snapshot_bytes);
     if !bytes.starts_with(&header) {
         return Ok(None);

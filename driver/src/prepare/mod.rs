@@ -338,10 +338,7 @@ impl ClaimPreparer {
     /// Fold the checkpoint's log into its snapshot (orderly shutdown).
     pub async fn compact_checkpoint(&self) -> Result<(), String> {
         let store = self.checkpoint.clone();
-        tokio::task::spawn_blocking(move || store.compact())
-            .await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| e.to_string())
+        run_blocking(move || store.compact().map_err(|e| e.to_string())).await
     }
 
     async fn prepare_claim(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, String> {
@@ -399,16 +396,15 @@ impl ClaimPreparer {
             uid.to_string(),
             self.layout.clone(),
         );
-        tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+        run_blocking(move || {
             if !cdi::spec_path(&cdi_root, &uid).exists() {
-                ensure_mount_sources(&layout, &uid, &spec)?;
-                cdi::write_spec(&cdi_root, &uid, &spec)?;
+                ensure_mount_sources(&layout, &uid, &spec)
+                    .and_then(|()| cdi::write_spec(&cdi_root, &uid, &spec))
+                    .map_err(|e| format!("rewriting the CDI spec: {e}"))?;
             }
             Ok(())
         })
         .await
-        .map_err(|e| e.to_string())?
-        .map_err(|e| format!("rewriting the CDI spec: {e}"))
     }
 
     async fn prepare_fresh(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, String> {
@@ -524,9 +520,8 @@ impl ClaimPreparer {
             Some(rendered.spec.clone()),
         );
         let files = self.claim_files(&uid);
-        let spec = rendered.spec.clone();
         // One blocking section for the whole sequence: no thread hand-over between its steps.
-        run_blocking(move || files.prepare(&spec, started, completed))
+        run_blocking(move || files.prepare(started, completed))
             .await
             .map_err(|e| format!("claim {claim_name}: {e}"))?;
 
@@ -640,26 +635,26 @@ struct ClaimFiles {
 }
 
 impl ClaimFiles {
-    /// `PrepareStarted`, then the spec (temp file, rename), then `PrepareCompleted`; undone on
-    /// failure. A spec never has its final name without at least a started entry.
-    fn prepare(
-        &self,
-        spec: &gpupool_api::cdi::Spec,
-        started: ClaimEntry,
-        completed: ClaimEntry,
-    ) -> Result<(), String> {
+    /// `PrepareStarted`, then the spec `completed` records (temp file, rename), then
+    /// `PrepareCompleted`; undone on failure. A spec never has its final name without at least a
+    /// started entry.
+    fn prepare(&self, started: ClaimEntry, completed: ClaimEntry) -> Result<(), String> {
+        let spec = completed
+            .spec
+            .as_ref()
+            .ok_or("a completed entry without a CDI spec")?;
         self.checkpoint
             .commit(Change::Put(self.uid.clone(), Box::new(started)))
             .map_err(|e| e.to_string())?;
         fault_point("after-prepare-started");
         let done = ensure_mount_sources(&self.layout, &self.uid, spec)
             .and_then(|()| cdi::write_spec(&self.cdi_root, &self.uid, spec))
-            .map_err(|e| format!("writing the CDI spec: {e}"))
-            .and_then(|()| {
-                self.checkpoint
-                    .commit(Change::Put(self.uid.clone(), Box::new(completed)))
-                    .map_err(|e| e.to_string())
-            });
+            .map_err(|e| format!("writing the CDI spec: {e}"));
+        let done = done.and_then(|()| {
+            self.checkpoint
+                .commit(Change::Put(self.uid.clone(), Box::new(completed)))
+                .map_err(|e| e.to_string())
+        });
         if done.is_err() {
             self.roll_back();
         }
