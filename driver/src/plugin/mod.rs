@@ -1,5 +1,6 @@
 //! The kubelet-facing side: registration, DRA (v1 and v1beta1) and resource health over Unix sockets.
 
+pub mod authority;
 pub mod dra;
 pub mod health;
 pub mod registration;

@@ -1,16 +1,19 @@
 //! Unix-socket gRPC servers with the kubelet's expectations: stale sockets replaced, mode 0600,
-//! graceful stop (no new connections, in-flight calls finish), socket file removed afterwards.
+//! graceful stop (no new connections, in-flight calls finish), socket file removed afterwards,
+//! and any `:authority` accepted (see [`super::authority`]).
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use futures::TryStreamExt;
 use tokio::net::UnixListener;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Server;
 
+use super::authority::AuthorityRepair;
 use super::dra::{DraV1, DraV1beta1};
 use super::health::HealthService;
 use super::registration::RegistrationService;
@@ -70,6 +73,15 @@ pub fn bind(path: &Path) -> Result<UnixListener, ServerError> {
     Ok(listener)
 }
 
+/// The accepted connections, each read through the `:authority` repair: the kubelet sends the
+/// registration socket's path there, which h2 alone refuses. The DRA socket gets the same, so a
+/// client that dials it by path works too.
+fn connections(
+    listener: UnixListener,
+) -> impl futures::Stream<Item = std::io::Result<AuthorityRepair<tokio::net::UnixStream>>> {
+    UnixListenerStream::new(listener).map_ok(AuthorityRepair::new)
+}
+
 /// A socket being served; [`ServedSocket::finish`] waits for the graceful stop and removes the file.
 pub struct ServedSocket {
     path: PathBuf,
@@ -116,8 +128,9 @@ pub fn serve_dra(
         .add_service(DraV1::new(preparer.clone()).into_server())
         .add_service(DraV1beta1::new(preparer).into_server())
         .add_service(health.into_server());
-    let incoming = UnixListenerStream::new(listener);
-    let task = tokio::spawn(router.serve_with_incoming_shutdown(incoming, stop.cancelled_owned()));
+    let task = tokio::spawn(
+        router.serve_with_incoming_shutdown(connections(listener), stop.cancelled_owned()),
+    );
     tracing::info!(path = %path.display(), "serving DRA v1, v1beta1 and resource health");
     Ok(ServedSocket {
         path: path.to_path_buf(),
@@ -134,8 +147,9 @@ pub fn serve_registration(
 ) -> Result<ServedSocket, ServerError> {
     let listener = bind(path)?;
     let router = Server::builder().add_service(service.into_server());
-    let incoming = UnixListenerStream::new(listener);
-    let task = tokio::spawn(router.serve_with_incoming_shutdown(incoming, stop.cancelled_owned()));
+    let task = tokio::spawn(
+        router.serve_with_incoming_shutdown(connections(listener), stop.cancelled_owned()),
+    );
     tracing::info!(path = %path.display(), "registration socket ready");
     Ok(ServedSocket {
         path: path.to_path_buf(),

@@ -1,4 +1,8 @@
-//! gRPC channels over Unix sockets, the way the kubelet reaches a plugin.
+//! gRPC channels over Unix sockets, the way the kubelet reaches a plugin: tonic channels with
+//! authority `localhost` for the DRA socket (what the kubelet's DRA client sends), and
+//! [`path_authority`] for the registration socket (the kubelet's plugin watcher sends the path).
+
+pub mod path_authority;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
