@@ -58,8 +58,23 @@ fn ensure_binaries() -> Result<(), String> {
     if missing {
         if let Some(cargo) = std::env::var_os("CARGO") {
             eprintln!("building {DRIVER_BIN} and {CONTROLLER_BIN} ...");
+            // With gpupool-e2e among the packages, cargo resolves the same features as for the
+            // `cargo run -p gpupool-e2e` that started us (the e2e crate depends on both
+            // libraries), so only the two binaries' own crates are compiled now.
             let status = std::process::Command::new(cargo)
-                .args(["build", "-p", "gpupool-driver", "-p", "gpupool-controller"])
+                .args([
+                    "build",
+                    "-p",
+                    "gpupool-e2e",
+                    "-p",
+                    "gpupool-driver",
+                    "-p",
+                    "gpupool-controller",
+                    "--bin",
+                    DRIVER_BIN,
+                    "--bin",
+                    CONTROLLER_BIN,
+                ])
                 .current_dir(workspace_root())
                 .status()
                 .map_err(|e| format!("running cargo build: {e}"))?;
