@@ -68,6 +68,17 @@ async fn the_driver_answers_registration_calls_that_carry_the_socket_path_as_aut
         .await
         .expect("NotifyRegistrationStatus with a path authority is answered");
 
+    // Newer grpc-go percent-encodes the path; h2 refuses that form too.
+    let encoded = registration.socket.to_string_lossy().replace('/', "%2F");
+    let mut conn = PathAuthorityConnection::connect_with_authority(&registration.socket, &encoded)
+        .await
+        .unwrap();
+    let again: registration::PluginInfo = conn
+        .unary(GET_INFO, &registration::InfoRequest {}, CALL)
+        .await
+        .expect("GetInfo with a percent-encoded path authority is answered");
+    assert_eq!(again, info);
+
     // The DRA socket is as tolerant, for a client that dials it by path.
     let mut dra = PathAuthorityConnection::connect(&registration.endpoint)
         .await

@@ -167,13 +167,22 @@ struct Answer {
 impl PathAuthorityConnection {
     /// Connects and sends the connection preface and an empty SETTINGS frame, as grpc-go does.
     pub async fn connect(path: &Path) -> Result<Self, PathAuthorityError> {
+        Self::connect_with_authority(path, &path.to_string_lossy()).await
+    }
+
+    /// Like [`Self::connect`] with another `:authority`: grpc-go releases since mid-2023
+    /// percent-encode the path (`%2Fvar%2Flib%2F...`), which h2 refuses as well.
+    pub async fn connect_with_authority(
+        path: &Path,
+        authority: &str,
+    ) -> Result<Self, PathAuthorityError> {
         let mut stream = UnixStream::connect(path).await?;
         let mut hello = PREFACE.to_vec();
         hello.extend(frame(SETTINGS, 0, 0, &[]));
         stream.write_all(&hello).await?;
         Ok(Self {
             stream,
-            authority: path.to_string_lossy().into_owned(),
+            authority: authority.to_string(),
             encoder: Encoder::default(),
             decoder: loona_hpack::Decoder::new(),
             next_stream: 1,
