@@ -379,7 +379,16 @@ pub async fn gather(cluster: &TestCluster) -> Result<Report, HarnessError> {
             .and_then(|n| n.cdi_spec(&uid))
             .map(|spec| cdi_limits(&spec))
             .unwrap_or_default();
-        let problem = latest_warning(&events, &namespace, "ResourceClaim", &name);
+        let problem = latest_warning(&events, &namespace, "ResourceClaim", &name).or_else(|| {
+            // kube-scheduler reports a claim that fits nowhere on the pods waiting for it.
+            allocations.is_empty().then_some(())?;
+            pods.iter()
+                .filter(|p| pod_uses_claim(p, &namespace, &name))
+                .find_map(|p| {
+                    let pod = p.metadata.name.as_deref().unwrap_or_default();
+                    latest_warning(&events, &namespace, "Pod", pod)
+                })
+        });
         let used =
             !reserved.is_empty() || pods.iter().any(|p| pod_uses_claim(p, &namespace, &name));
         claim_lines.push(ClaimLine {

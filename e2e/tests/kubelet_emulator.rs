@@ -1,14 +1,27 @@
 //! The kubelet emulator against an in-process plugin that records what the kubelet told it: the
-//! registration handshake (version choice, rejection) and the DRA calls, without the real driver.
+//! registration handshake (version choice, rejection, retries with backoff), the DRA calls and the
+//! pod status it writes from the health stream; then the same pod status with the real driver.
+
+mod common;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use futures::TryStreamExt;
+use gpupool_e2e::harness::objects::{device_class_yaml, pod_yaml, E2E_CLASS};
+use gpupool_e2e::harness::{wait_for, Backend, ClusterSpec, NodeSpec, TestCluster};
 use gpupool_e2e::kubelet::{ClaimRef, DraVersion, Kubelet, KubeletConfig};
+use gpupool_proto::health_v1alpha1::{self as health, HealthStatus};
 use gpupool_proto::{dra_v1, dra_v1beta1, registration};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use serde_json::{json, Value};
 use tokio::net::UnixListener;
+use tokio::sync::watch;
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::{Request, Response, Status};
 
@@ -145,8 +158,58 @@ impl dra_v1beta1::dra_plugin_server::DraPlugin for FakeDra {
     }
 }
 
+/// Streams the health of `node-a/gpu-0`: the value in the channel every 100 ms, nothing while it
+/// is `None` (a plugin gone quiet, its stream still open).
+#[derive(Clone)]
+struct FakeHealth(watch::Receiver<Option<HealthStatus>>);
+
+type HealthStream =
+    Pin<Box<dyn futures::Stream<Item = Result<health::NodeWatchResourcesResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl health::dra_resource_health_server::DraResourceHealth for FakeHealth {
+    type NodeWatchResourcesStream = HealthStream;
+
+    async fn node_watch_resources(
+        &self,
+        _: Request<health::NodeWatchResourcesRequest>,
+    ) -> Result<Response<HealthStream>, Status> {
+        let stream = futures::stream::unfold(self.0.clone(), |current| async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let Some(status) = *current.borrow() else {
+                    continue;
+                };
+                let report = health::NodeWatchResourcesResponse {
+                    devices: vec![health::DeviceHealth {
+                        device: Some(health::DeviceIdentifier {
+                            pool_name: "node-a".into(),
+                            device_name: "gpu-0".into(),
+                        }),
+                        health: status as i32,
+                        last_updated_time: 0,
+                        health_check_timeout_seconds: 0,
+                        message: String::new(),
+                    }],
+                };
+                return Some((Ok(report), current));
+            }
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+}
+
 /// Serves the fake plugin: registration on `<registry>/fake.gpupool.dev-reg.sock`, DRA on `<plugin>/dra.sock`.
 fn serve_plugin(registry: &Path, plugin_dir: &Path, plugin: FakePlugin) {
+    serve_plugin_with_health(registry, plugin_dir, plugin, None)
+}
+
+fn serve_plugin_with_health(
+    registry: &Path,
+    plugin_dir: &Path,
+    plugin: FakePlugin,
+    health: Option<FakeHealth>,
+) {
     let reg_listener = UnixListener::bind(registry.join("fake.gpupool.dev-reg.sock")).unwrap();
     let dra_listener = UnixListener::bind(plugin_dir.join("dra.sock")).unwrap();
     tokio::spawn(
@@ -154,7 +217,12 @@ fn serve_plugin(registry: &Path, plugin_dir: &Path, plugin: FakePlugin) {
             .add_service(registration::registration_server::RegistrationServer::new(
                 plugin,
             ))
-            .serve_with_incoming(UnixListenerStream::new(reg_listener)),
+            // The kubelet's registration requests carry the socket path as `:authority`, which a
+            // plain tonic server refuses; the driver's repair makes this fake accept them too.
+            .serve_with_incoming(
+                UnixListenerStream::new(reg_listener)
+                    .map_ok(gpupool_driver::plugin::authority::AuthorityRepair::new),
+            ),
     );
     tokio::spawn(
         tonic::transport::Server::builder()
@@ -162,6 +230,9 @@ fn serve_plugin(registry: &Path, plugin_dir: &Path, plugin: FakePlugin) {
             .add_service(dra_v1beta1::dra_plugin_server::DraPluginServer::new(
                 FakeDra,
             ))
+            .add_optional_service(
+                health.map(health::dra_resource_health_server::DraResourceHealthServer::new),
+            )
             .serve_with_incoming(UnixListenerStream::new(dra_listener)),
     );
 }
@@ -307,9 +378,13 @@ async fn a_plugin_with_no_common_version_or_wrong_type_is_told_why() {
         while kubelet.rejections().is_empty() && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        // Like the kubelet, a refused plugin is asked again after a backoff and told again why.
         let rejections = kubelet.rejections();
-        assert_eq!(rejections.len(), 1, "{plugin_type}: {rejections:?}");
-        assert!(rejections[0].error.contains(expected), "{rejections:?}");
+        assert!(!rejections.is_empty(), "{plugin_type}: {rejections:?}");
+        assert!(
+            rejections.iter().all(|r| r.error.contains(expected)),
+            "{rejections:?}"
+        );
         assert!(kubelet.registrations().is_empty());
         let notified = setup.notified.lock().unwrap().clone();
         assert!(!notified[0].plugin_registered);
@@ -318,5 +393,276 @@ async fn a_plugin_with_no_common_version_or_wrong_type_is_told_why() {
             kubelet.prepare("fake.gpupool.dev", &[]).await,
             Err(gpupool_e2e::kubelet::KubeletError::NotRegistered(_))
         ));
+    }
+}
+
+#[tokio::test]
+async fn a_registration_socket_that_does_not_answer_is_retried_with_growing_intervals() {
+    let dir = tempfile::tempdir().unwrap();
+    let registry = dir.path().join("registry");
+    std::fs::create_dir_all(&registry).unwrap();
+    // A socket file nobody listens on any more (a plugin that died), and one that hangs up at once.
+    let dead = registry.join("dead.gpupool.dev-reg.sock");
+    drop(std::os::unix::net::UnixListener::bind(&dead).unwrap());
+    let rude = registry.join("rude.gpupool.dev-reg.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&rude).unwrap();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            drop(stream);
+        }
+    });
+    let kubelet = Kubelet::start(
+        offline_client(),
+        offline_kubelet_config(&registry, &["v1.DRAPlugin"]),
+    )
+    .await
+    .unwrap();
+    // Attempts at about 0, 0.5, 1.5 and 3.5 s; a kubelet polling every 100 ms without backoff
+    // would have made about 40.
+    tokio::time::sleep(Duration::from_millis(4200)).await;
+    for socket in [&dead, &rude] {
+        let attempts = kubelet
+            .registration_attempts(socket)
+            .unwrap_or_else(|| panic!("{} was never tried", socket.display()));
+        let started = &attempts.started;
+        assert!(
+            (3..=5).contains(&started.len()),
+            "{}: {attempts:?}",
+            socket.display()
+        );
+        assert_eq!(attempts.failures as usize, started.len(), "{attempts:?}");
+        let gaps: Vec<Duration> = started.windows(2).map(|w| w[1] - w[0]).collect();
+        assert!(gaps[0] >= Duration::from_millis(500), "{gaps:?}");
+        for pair in gaps.windows(2) {
+            assert!(
+                pair[1] >= pair[0] + pair[0] / 2,
+                "growing intervals: {gaps:?}"
+            );
+        }
+        let next = attempts.next_attempt.expect("another attempt is planned");
+        assert!(
+            next - *started.last().unwrap()
+                >= gpupool_e2e::kubelet::registration_retry_delay(attempts.failures),
+            "{attempts:?}"
+        );
+    }
+    assert!(kubelet.registrations().is_empty());
+}
+
+async fn api_client(server: &gpupool_apiserver::ApiServer) -> kube::Client {
+    let kubeconfig = kube::config::Kubeconfig::from_yaml(&server.kubeconfig_yaml()).unwrap();
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+        .await
+        .unwrap();
+    kube::Client::try_from(config).unwrap()
+}
+
+/// `status.containerStatuses` of a pod as JSON (`null` when not written yet).
+async fn container_statuses(pods: &Api<Pod>, name: &str) -> Value {
+    let pod = pods.get(name).await.unwrap();
+    serde_json::to_value(pod.status.and_then(|s| s.container_statuses)).unwrap()
+}
+
+#[tokio::test]
+async fn a_running_pod_carries_ready_containers_and_the_health_the_plugin_streams() {
+    let dir = tempfile::tempdir().unwrap();
+    let registry = dir.path().join("registry");
+    let plugins = dir.path().join("plugin");
+    std::fs::create_dir_all(&registry).unwrap();
+    std::fs::create_dir_all(&plugins).unwrap();
+    let (set_health, health) = watch::channel(Some(HealthStatus::Healthy));
+    serve_plugin_with_health(
+        &registry,
+        &plugins,
+        FakePlugin {
+            plugin_type: "DRAPlugin".into(),
+            endpoint: plugins.join("dra.sock"),
+            versions: BOTH.iter().map(|s| s.to_string()).collect(),
+            notified: Arc::default(),
+        },
+        Some(FakeHealth(health)),
+    );
+    let server = gpupool_apiserver::ApiServer::start().await.unwrap();
+    let client = api_client(&server).await;
+
+    // What the scheduler and the resourceclaim controller would have left: a pod bound to the
+    // node, its template claim named in its status, the claim allocated and reserved for it.
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "p"},
+        "spec": {"nodeName": "node-a",
+                 "containers": [{"name": "main", "image": "busybox",
+                                 "resources": {"claims": [{"name": "gpu"}]}}],
+                 "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "half"}]}
+    }))
+    .unwrap();
+    let pod = pods.create(&PostParams::default(), &pod).await.unwrap();
+    let pod_uid = pod.metadata.uid.clone().unwrap();
+    let statuses = json!({"status": {"resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": "p-gpu-x1"}]}});
+    pods.patch_status("p", &PatchParams::default(), &Patch::Merge(&statuses))
+        .await
+        .unwrap();
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
+    let claim: ResourceClaim = serde_json::from_value(json!({
+        "metadata": {"name": "p-gpu-x1"},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "x"}}]}}
+    }))
+    .unwrap();
+    let mut claim = claims.create(&PostParams::default(), &claim).await.unwrap();
+    let claim_uid = claim.metadata.uid.clone().unwrap();
+    claim.status = Some(
+        serde_json::from_value(json!({
+            "allocation": {"devices": {"results": [
+                {"driver": "fake.gpupool.dev", "pool": "node-a", "device": "gpu-0", "request": "gpu"}]}},
+            "reservedFor": [{"resource": "pods", "name": "p", "uid": pod_uid}]
+        }))
+        .unwrap(),
+    );
+    claims
+        .replace_status("p-gpu-x1", &PostParams::default(), &claim)
+        .await
+        .unwrap();
+
+    let mut config = KubeletConfig::new("node-a", &registry);
+    config.health_timeout = Duration::from_millis(1500);
+    let _kubelet = Kubelet::start(client.clone(), config).await.unwrap();
+
+    let cdi_id = format!("gpupool.dev/claim={claim_uid}-gpu-0-s1");
+    let expect = |health: &str| json!([{"name": "claim:gpu", "resources": [{"resourceID": cdi_id, "health": health}]}]);
+    for (step, health) in [
+        (Some(HealthStatus::Healthy), "Healthy"),
+        (Some(HealthStatus::Unhealthy), "Unhealthy"),
+        // Quiet for longer than the timeout: the kubelet no longer vouches for the device.
+        (None, "Unknown"),
+    ] {
+        set_health.send(step).unwrap();
+        let wanted = expect(health);
+        let seen = match wait_for(
+            &format!("the pod status to show {health}"),
+            Duration::from_secs(10),
+            || async {
+                let statuses = container_statuses(&pods, "p").await;
+                (statuses[0]["allocatedResourcesStatus"] == wanted).then_some(statuses)
+            },
+        )
+        .await
+        {
+            Ok(seen) => seen,
+            Err(e) => panic!("{e}: {}", container_statuses(&pods, "p").await),
+        };
+        assert_eq!(seen[0]["name"], "main");
+        assert_eq!(seen[0]["ready"], true, "{seen}");
+        assert_eq!(seen[0]["started"], true, "{seen}");
+        assert!(
+            seen[0]["state"]["running"]["startedAt"].is_string(),
+            "{seen}"
+        );
+    }
+    let pod = pods.get("p").await.unwrap();
+    let status = pod.status.unwrap();
+    assert_eq!(status.phase.as_deref(), Some("Running"));
+    let conditions: Vec<(String, String)> = status
+        .conditions
+        .unwrap_or_default()
+        .into_iter()
+        .map(|c| (c.type_, c.status))
+        .collect();
+    for wanted in [
+        "PodReadyToStartContainers",
+        "Initialized",
+        "ContainersReady",
+        "Ready",
+    ] {
+        assert!(
+            conditions.contains(&(wanted.to_string(), "True".to_string())),
+            "{conditions:?}"
+        );
+    }
+}
+
+/// The real driver on fake GPUs: what `kubectl get pods` and the pod's status show a user.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_with_a_gpupool_claim_shows_ready_and_healthy() {
+    let cluster = TestCluster::start(ClusterSpec {
+        nodes: vec![NodeSpec::new("node-h", "a100-40gb:1")],
+        backend: Some(Backend::Emulator),
+        ..ClusterSpec::new()
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let _logs = cluster.logs_on_failure();
+    cluster
+        .apply_yaml(&device_class_yaml(), "default")
+        .await
+        .unwrap();
+    let ns = cluster.create_namespace("e2e-pod-status").await.unwrap();
+    let template = format!(
+        "apiVersion: resource.k8s.io/v1\nkind: ResourceClaimTemplate\nmetadata:\n  name: quarter\n\
+         spec:\n  spec:\n    devices:\n      requests:\n      - name: gpu\n        exactly:\n          \
+         deviceClassName: {E2E_CLASS}\n          capacity:\n            requests: {{memory: 4Gi, cores: \"25\"}}\n"
+    );
+    common::apply(&cluster, &ns, &template).await;
+    let pod = "apiVersion: v1\nkind: Pod\nmetadata:\n  name: trainer\nspec:\n  resourceClaims:\n  \
+               - name: gpu\n    resourceClaimTemplateName: quarter\n  containers:\n  - name: main\n    \
+               image: busybox:1.36\n    resources:\n      claims:\n      - name: gpu\n";
+    common::apply(&cluster, &ns, pod).await;
+    common::wait_pod_running(&cluster, &ns, "trainer").await;
+
+    let pods: Api<Pod> = Api::namespaced(cluster.client(), &ns);
+    let status = pods.get("trainer").await.unwrap().status.unwrap();
+    let claim_name = status.resource_claim_statuses.unwrap()[0]
+        .resource_claim_name
+        .clone()
+        .unwrap();
+    let claim = common::claim(&cluster, &ns, &claim_name).await;
+    let prepared =
+        common::prepared(cluster.node_at(0), claim.metadata.uid.as_deref().unwrap()).await;
+    let cdi_id = prepared.devices[0].cdi_device_ids[0].clone();
+    let wanted =
+        json!([{"name": "claim:gpu", "resources": [{"resourceID": cdi_id, "health": "Healthy"}]}]);
+    let shown = wait_for(
+        "the device health in the pod status",
+        common::TIMEOUT,
+        || async {
+            let statuses = container_statuses(&pods, "trainer").await;
+            (statuses[0]["allocatedResourcesStatus"] == wanted && statuses[0]["ready"] == true)
+                .then_some(())
+        },
+    )
+    .await;
+    if let Err(e) = shown {
+        panic!("{e}: {}", container_statuses(&pods, "trainer").await);
+    }
+
+    // A claim the pod names directly is prepared too; the v1.36 kubelet reports no health for it.
+    let direct = gpupool_e2e::harness::objects::claim_yaml(
+        "direct",
+        &[gpupool_e2e::harness::objects::Request::new("gpu").memory("1Gi")],
+    );
+    common::apply(&cluster, &ns, &direct).await;
+    common::apply(&cluster, &ns, &pod_yaml("direct", &["direct"])).await;
+    common::wait_pod_running(&cluster, &ns, "direct").await;
+    let statuses = container_statuses(&pods, "direct").await;
+    assert_eq!(statuses[0]["ready"], true, "{statuses}");
+    assert!(
+        statuses[0].get("allocatedResourcesStatus").is_none(),
+        "{statuses}"
+    );
+
+    if gpupool_e2e::harness::kubectl_path().is_none() {
+        eprintln!("skipped the kubectl check: kubectl not found");
+        return;
+    }
+    let table = cluster
+        .kubectl(&["get", "pods", "-n", &ns, "--no-headers"])
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    for name in ["trainer", "direct"] {
+        let line = table
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(name))
+            .unwrap_or_else(|| panic!("{name} in\n{table}"));
+        let columns: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(columns[1..3], ["1/1", "Running"], "{table}");
     }
 }

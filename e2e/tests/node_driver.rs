@@ -725,20 +725,36 @@ mod scenarios {
         )
         .await;
         apply(cluster, &ns, &pod_yaml("p", &["huge"])).await;
-        let events = gpupool_e2e::harness::wait_for(
-            "an Event on the claim that cannot fit",
+        let pod_uid = Api::<Pod>::namespaced(cluster.client(), &ns)
+            .get("p")
+            .await
+            .unwrap()
+            .metadata
+            .uid;
+        // What kube-scheduler does: a Warning on the pod, saying how many nodes could not
+        // allocate the claim; nothing on the claim.
+        let event = gpupool_e2e::harness::wait_for(
+            "a FailedScheduling event on the pod whose claim cannot fit",
             TIMEOUT,
             || async {
-                let events = events_about(cluster, &ns, "ResourceClaim", "huge").await;
-                (!events.is_empty()).then_some(events)
+                events_about(cluster, &ns, "Pod", "p")
+                    .await
+                    .into_iter()
+                    .find(|e| e.reason.as_deref() == Some("FailedScheduling"))
             },
         )
         .await
         .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(event.type_.as_deref(), Some("Warning"), "{event:?}");
+        assert_eq!(event.involved_object.uid, pod_uid, "{event:?}");
+        let message = event.message.clone().unwrap_or_default();
         assert!(
-            events.iter().any(|e| e.type_.as_deref() == Some("Warning")),
-            "a warning: {events:?}"
+            message.starts_with("0/") && message.contains(" nodes are available: "),
+            "{message}"
         );
+        assert!(message.contains("cannot allocate all claims"), "{message}");
+        let on_claim = events_about(cluster, &ns, "ResourceClaim", "huge").await;
+        assert!(on_claim.is_empty(), "no event on the claim: {on_claim:?}");
         let claim = claim(cluster, &ns, "huge").await;
         assert!(
             claim

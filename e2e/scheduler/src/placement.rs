@@ -1,6 +1,7 @@
 //! Choosing a node for a pod's claims, pure: the first node (by name) on which every pending
 //! claim of the pod can be allocated and every already-allocated one is usable.
 
+use std::collections::BTreeMap;
 use std::fmt;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -15,19 +16,32 @@ pub struct Placement {
     pub allocations: Vec<AllocationResult>,
 }
 
+/// kube-scheduler's reason for a node where the pod's claims cannot all be allocated.
+pub const CANNOT_ALLOCATE: &str = "cannot allocate all claims";
+/// kube-scheduler's reason for a node that cannot use a claim allocated already.
+pub const CLAIM_NOT_AVAILABLE: &str = "resourceclaim not available on the node";
+/// kube-scheduler's reason for a node marked unschedulable.
+pub const NODE_UNSCHEDULABLE: &str = "node(s) were unschedulable";
+/// kube-scheduler's reason for a node outside the pod's node selector or required affinity.
+pub const NODE_AFFINITY_MISMATCH: &str = "node(s) didn't match Pod's node affinity/selector";
+
 /// Why one node was not chosen, attributed to the claim that did not fit there.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodeFailure {
     pub node: String,
     /// `namespace/name` of the claim, when one claim is to blame.
     pub claim: Option<String>,
+    /// kube-scheduler's short reason, counted in the event's summary.
+    pub reason: &'static str,
     pub message: String,
 }
 
-/// No node fits: one reason per node tried.
+/// No node fits: one reason per node tried, and how many nodes were left out before devices
+/// were looked at, by reason.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NoFit {
     pub failures: Vec<NodeFailure>,
+    pub excluded: BTreeMap<&'static str, usize>,
 }
 
 impl NoFit {
@@ -44,22 +58,36 @@ impl NoFit {
 }
 
 impl fmt::Display for NoFit {
-    /// Worded like kube-scheduler's FailedScheduling events, with the reason per node.
+    /// kube-scheduler's FailedScheduling message (every node counted under its reason, the
+    /// counts sorted as text), then what did not fit on each node tried, which kube-scheduler
+    /// leaves to its log.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.failures.is_empty() {
-            return write!(f, "0/0 nodes are available: no schedulable nodes");
+        let mut histogram: BTreeMap<&str, usize> = BTreeMap::new();
+        for (reason, count) in &self.excluded {
+            *histogram.entry(reason).or_default() += count;
         }
-        let reasons: Vec<String> = self
+        for failure in &self.failures {
+            *histogram.entry(failure.reason).or_default() += 1;
+        }
+        let total: usize = histogram.values().sum();
+        if total == 0 {
+            return write!(f, "no nodes available to schedule pods");
+        }
+        let mut summary: Vec<String> = histogram
+            .iter()
+            .map(|(reason, count)| format!("{count} {reason}"))
+            .collect();
+        summary.sort();
+        write!(f, "0/{total} nodes are available: {}.", summary.join(", "))?;
+        let details: Vec<String> = self
             .failures
             .iter()
             .map(|failure| format!("{}: {}", failure.node, failure.message))
             .collect();
-        write!(
-            f,
-            "0/{} nodes are available: {}",
-            self.failures.len(),
-            reasons.join("; ")
-        )
+        if !details.is_empty() {
+            write!(f, " {}", details.join("; "))?;
+        }
+        Ok(())
     }
 }
 
@@ -76,6 +104,27 @@ pub fn claim_key(claim: &ResourceClaim) -> String {
 /// Nodes the pod may go to before devices are considered: schedulable, matching the pod's
 /// `nodeSelector` and required node affinity.
 pub fn candidate_nodes(pod: &Pod, nodes: &[Node]) -> Vec<TargetNode> {
+    nodes
+        .iter()
+        .filter(|n| exclusion(pod, n).is_none())
+        .map(TargetNode::from)
+        .collect()
+}
+
+/// How many nodes [`candidate_nodes`] leaves out, by kube-scheduler's reason.
+pub fn excluded_nodes(pod: &Pod, nodes: &[Node]) -> BTreeMap<&'static str, usize> {
+    let mut out = BTreeMap::new();
+    for reason in nodes.iter().filter_map(|n| exclusion(pod, n)) {
+        *out.entry(reason).or_default() += 1;
+    }
+    out
+}
+
+/// Why the pod may not go to `node` whatever its devices, in kube-scheduler's filter order.
+fn exclusion(pod: &Pod, node: &Node) -> Option<&'static str> {
+    if node.spec.as_ref().and_then(|s| s.unschedulable) == Some(true) {
+        return Some(NODE_UNSCHEDULABLE);
+    }
     let spec = pod.spec.as_ref();
     let labels = spec.and_then(|s| s.node_selector.as_ref());
     let affinity = spec
@@ -85,18 +134,13 @@ pub fn candidate_nodes(pod: &Pod, nodes: &[Node]) -> Vec<TargetNode> {
             a.required_during_scheduling_ignored_during_execution
                 .as_ref()
         });
-    nodes
-        .iter()
-        .filter(|n| n.spec.as_ref().and_then(|s| s.unschedulable) != Some(true))
-        .map(TargetNode::from)
-        .filter(|n| {
-            labels
-                .into_iter()
-                .flatten()
-                .all(|(k, v)| n.labels.get(k) == Some(v))
-        })
-        .filter(|n| affinity.is_none_or(|a| node_selector_matches(a, n)))
-        .collect()
+    let target = TargetNode::from(node);
+    let selected = labels
+        .into_iter()
+        .flatten()
+        .all(|(k, v)| target.labels.get(k) == Some(v));
+    let affine = affinity.is_none_or(|a| node_selector_matches(a, &target));
+    (!(selected && affine)).then_some(NODE_AFFINITY_MISMATCH)
 }
 
 /// Try `nodes` in name order. `pending` claims get allocated; `bound` claims are already
@@ -124,6 +168,7 @@ pub fn place(
                 failures.push(NodeFailure {
                     node: node.name.clone(),
                     claim: Some(claim_key(claim)),
+                    reason: CLAIM_NOT_AVAILABLE,
                     message: format!(
                         "claim {} is allocated on devices not available on this node",
                         claim_key(claim)
@@ -147,6 +192,7 @@ pub fn place(
                     failures.push(NodeFailure {
                         node: node.name.clone(),
                         claim: Some(claim_key(claim)),
+                        reason: CANNOT_ALLOCATE,
                         message: e.message,
                     });
                     continue 'nodes;
@@ -158,7 +204,10 @@ pub fn place(
             allocations,
         });
     }
-    Err(NoFit { failures })
+    Err(NoFit {
+        failures,
+        excluded: BTreeMap::new(),
+    })
 }
 
 #[cfg(test)]
@@ -244,7 +293,7 @@ mod tests {
         assert_eq!(
             refused.to_string(),
             format!(
-                "0/3 nodes are available: \
+                "0/3 nodes are available: 3 cannot allocate all claims. \
                  node-a: claim default/a100-whole, request gpu: insufficient memory on gpu-0: requested 40Gi, available 0; \
                  insufficient memory on gpu-1: requested 40Gi, available 39Gi; \
                  node-b: claim default/a100-whole, request gpu: no device matches class {A100}; \
@@ -255,7 +304,7 @@ mod tests {
             refused.for_claim("default/a100-whole").unwrap(),
             refused
                 .to_string()
-                .trim_start_matches("0/3 nodes are available: ")
+                .trim_start_matches("0/3 nodes are available: 3 cannot allocate all claims. ")
         );
         // Any whole GPU: node-a is full, node-b's gpu-0 has a share, so node-b's gpu-1.
         assert_eq!(
@@ -366,6 +415,27 @@ mod tests {
         pod.spec.as_mut().unwrap().node_selector =
             Some([("zone".to_string(), "z2".to_string())].into());
         assert_eq!(names(&pod), vec!["node-c"]);
+        let excluded = excluded_nodes(&pod, &all);
+        assert_eq!(
+            excluded,
+            BTreeMap::from([(NODE_UNSCHEDULABLE, 1), (NODE_AFFINITY_MISMATCH, 2)])
+        );
+        // Every node is counted in the event, the ones left out early under their own reason.
+        let no_fit = NoFit {
+            failures: vec![NodeFailure {
+                node: "node-c".into(),
+                claim: Some("default/c".into()),
+                reason: CANNOT_ALLOCATE,
+                message: "claim default/c, request gpu: no device matches class x".into(),
+            }],
+            excluded,
+        };
+        assert_eq!(
+            no_fit.to_string(),
+            "0/4 nodes are available: 1 cannot allocate all claims, 1 node(s) were unschedulable, \
+             2 node(s) didn't match Pod's node affinity/selector. \
+             node-c: claim default/c, request gpu: no device matches class x"
+        );
     }
 
     #[test]

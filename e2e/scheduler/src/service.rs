@@ -1,6 +1,6 @@
 //! The loop that plays kube-scheduler's DRA plugin and the resourceclaim controller against
 //! an API server: claims from templates, allocation, reservation, binding, FailedScheduling
-//! events, and release when pods go. It polls (a few lists every `poll_interval`), which
+//! events on the pod, and release when pods go. It polls (a few lists every `poll_interval`), which
 //! keeps it simple and reacts well within a second on the emulator.
 
 use std::collections::{HashMap, HashSet};
@@ -26,7 +26,7 @@ use crate::claims::{
     claim_from_template, extended_resource_claim, is_extended_resource_claim, owned_by,
     owner_pod_uid, pod_claim_sources, ClaimSource,
 };
-use crate::placement::{candidate_nodes, claim_key, place};
+use crate::placement::{candidate_nodes, claim_key, excluded_nodes, place};
 
 /// Component name on events and in binding, like the real scheduler's.
 const COMPONENT: &str = "default-scheduler";
@@ -457,16 +457,10 @@ impl Scheduler {
             &allocated,
         ) {
             Ok(placement) => placement,
-            Err(no_fit) => {
+            // Like kube-scheduler: the event goes on the pod only; the claims stay as they were.
+            Err(mut no_fit) => {
+                no_fit.excluded = excluded_nodes(pod, &world.nodes);
                 self.post_pod_event(pod, &no_fit.to_string()).await;
-                for claim in &pending {
-                    if claim.metadata.uid.is_none() {
-                        continue;
-                    }
-                    if let Some(message) = no_fit.for_claim(&claim_key(claim)) {
-                        self.post_event(&claim_reference(claim), &message).await;
-                    }
-                }
                 return Ok(());
             }
         };
@@ -704,18 +698,6 @@ fn pod_reference(pod: &Pod) -> ObjectReference {
         namespace: pod.metadata.namespace.clone(),
         uid: pod.metadata.uid.clone(),
         resource_version: pod.metadata.resource_version.clone(),
-        field_path: None,
-    }
-}
-
-fn claim_reference(claim: &ResourceClaim) -> ObjectReference {
-    ObjectReference {
-        api_version: Some("resource.k8s.io/v1".to_string()),
-        kind: Some("ResourceClaim".to_string()),
-        name: claim.metadata.name.clone(),
-        namespace: claim.metadata.namespace.clone(),
-        uid: claim.metadata.uid.clone(),
-        resource_version: claim.metadata.resource_version.clone(),
         field_path: None,
     }
 }

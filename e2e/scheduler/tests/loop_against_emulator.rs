@@ -1,5 +1,5 @@
 //! The loop end to end against the API server emulator: a pod with a claim template gets a
-//! claim, an allocation, a reservation and a node; one that cannot fit gets events; deleting
+//! claim, an allocation, a reservation and a node; one that cannot fit gets an event on the pod; deleting
 //! the pod deletes its generated claim.
 
 use std::time::Duration;
@@ -112,10 +112,10 @@ async fn schedules_template_pods_reports_misfits_and_cleans_up() {
         "metadata": {"name": "trainer"},
         "spec": {"containers": container, "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "half-a100"}]}
     })).await;
-    create(&pods, json!({
+    let greedy_uid = create(&pods, json!({
         "metadata": {"name": "greedy"},
         "spec": {"containers": container, "resourceClaims": [{"name": "gpu", "resourceClaimName": "too-big"}]}
-    })).await;
+    })).await.metadata.uid;
 
     let scheduler = spawn(client.clone(), Options::default());
 
@@ -155,34 +155,39 @@ async fn schedules_template_pods_reports_misfits_and_cleans_up() {
     );
 
     let events: Api<Event> = Api::namespaced(client.clone(), "default");
-    let messages = eventually("FailedScheduling events for greedy and too-big", || async {
+    let message = eventually("a FailedScheduling event on the pod greedy", || async {
         let list = events.list(&ListParams::default()).await.ok()?;
-        let about = |name: &str| {
-            list.items.iter().find(|e| {
-                e.involved_object.name.as_deref() == Some(name)
+        list.items
+            .iter()
+            .find(|e| {
+                e.involved_object.kind.as_deref() == Some("Pod")
+                    && e.involved_object.name.as_deref() == Some("greedy")
+                    && e.involved_object.uid == greedy_uid
                     && e.reason.as_deref() == Some("FailedScheduling")
                     && e.type_.as_deref() == Some("Warning")
-            })
-        };
-        Some((
-            about("greedy")?.message.clone()?,
-            about("too-big")?.message.clone()?,
-        ))
+            })?
+            .message
+            .clone()
     })
     .await;
     assert!(
-        messages
-            .0
-            .contains("insufficient memory on gpu-1: requested 48Gi, available 40Gi"),
-        "{}",
-        messages.0
+        message.starts_with("0/2 nodes are available: 2 cannot allocate all claims. "),
+        "{message}"
     );
+    for detail in [
+        "node-a: claim default/too-big: no devices are published for node node-a",
+        "insufficient memory on gpu-1: requested 48Gi, available 40Gi",
+    ] {
+        assert!(message.contains(detail), "{message}");
+    }
+    // kube-scheduler says nothing on the claim itself.
+    let all = events.list(&ListParams::default()).await.unwrap();
     assert!(
-        messages
-            .1
-            .contains("node-a: claim default/too-big: no devices are published for node node-a"),
-        "{}",
-        messages.1
+        !all.items
+            .iter()
+            .any(|e| e.involved_object.kind.as_deref() == Some("ResourceClaim")),
+        "{:?}",
+        all.items
     );
     let greedy = pods.get("greedy").await.unwrap();
     assert_eq!(greedy.spec.unwrap().node_name, None);

@@ -3,7 +3,11 @@
 
 mod pods;
 
-pub use pods::{claim_ready_for_pod, pick_version, pod_claim_names, retry_backoff, DraVersion};
+pub use pods::{
+    allocated_resources_status, claim_ready_for_pod, health_name, init_container_statuses,
+    pick_version, pod_claim_names, registration_retry_delay, resource_health, retry_backoff,
+    running_container_statuses, DraVersion, MAX_REGISTRATION_RETRY,
+};
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
@@ -12,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use gpupool_proto::{dra_v1, dra_v1beta1, health_v1alpha1, registration};
-use k8s_openapi::api::core::v1::{Event, Node, ObjectReference, Pod};
+use k8s_openapi::api::core::v1::{Event, Node, ObjectReference, Pod, ResourceHealth};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, Time};
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -21,10 +25,22 @@ use serde_json::json;
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 
-use crate::grpc::{connect_unix, connect_unix_lazy, GrpcError, KUBELET_CALL_TIMEOUT};
+use crate::grpc::path_authority::PathAuthorityConnection;
+use crate::grpc::{connect_unix_lazy, GrpcError, KUBELET_CALL_TIMEOUT};
+
+const GET_INFO: &str = "/pluginregistration.Registration/GetInfo";
+const NOTIFY_REGISTRATION_STATUS: &str =
+    "/pluginregistration.Registration/NotifyRegistrationStatus";
+/// Each registration call's deadline.
+const REGISTRATION_CALL_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Event reason the kubelet uses when a pod's claims cannot be prepared.
 pub const FAILED_PREPARE_REASON: &str = "FailedPrepareDynamicResources";
+
+/// How long the kubelet trusts a device health report that carries no
+/// `health_check_timeout_seconds`: after that the device shows `Unknown` until the plugin reports
+/// it again.
+pub const DEFAULT_HEALTH_TIMEOUT: Duration = Duration::from_secs(30);
 
 #[derive(Debug, thiserror::Error)]
 pub enum KubeletError {
@@ -64,6 +80,8 @@ pub struct KubeletConfig {
     pub register_node: bool,
     /// Watch pods bound to the node and prepare their claims; off when a real kubelet does that.
     pub manage_pods: bool,
+    /// How long a device health report counts when the plugin set no timeout of its own.
+    pub health_timeout: Duration,
 }
 
 impl KubeletConfig {
@@ -79,6 +97,7 @@ impl KubeletConfig {
             poll_interval: Duration::from_millis(100),
             register_node: true,
             manage_pods: true,
+            health_timeout: DEFAULT_HEALTH_TIMEOUT,
         }
     }
 }
@@ -165,6 +184,29 @@ pub struct DeviceHealthReport {
     pub message: String,
 }
 
+/// The registration handshakes the kubelet started with one registration socket path.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RegistrationAttempts {
+    /// When each handshake began, oldest first (the latest [`KEPT_ATTEMPTS`]).
+    pub started: Vec<Instant>,
+    /// Handshakes in a row that failed (no answer, or a plugin the kubelet refused); 0 once one
+    /// succeeds.
+    pub failures: u32,
+    /// Not before this instant is the socket tried again, while it is failing.
+    pub next_attempt: Option<Instant>,
+}
+
+/// How many handshake start times [`RegistrationAttempts`] keeps per socket.
+pub const KEPT_ATTEMPTS: usize = 64;
+
+/// A device health as the kubelet keeps it: the report, when it came, how long it counts.
+#[derive(Clone, Debug)]
+struct CachedHealth {
+    health: health_v1alpha1::HealthStatus,
+    received: Instant,
+    valid_for: Duration,
+}
+
 struct Plugin {
     registration: Registration,
     channel: Channel,
@@ -180,6 +222,10 @@ struct PodRecord {
     attempts: u32,
     next_attempt: Option<Instant>,
     last_error: Option<String>,
+    /// When the containers started, once they have.
+    started_at: Option<Time>,
+    /// `status.containerStatuses` as last written, to write again only what changed.
+    written_statuses: Option<serde_json::Value>,
 }
 
 /// A socket file re-created at the same path (a restarted plugin) has a new inode or mtime.
@@ -202,10 +248,18 @@ impl SocketId {
 struct State {
     /// Registry socket path -> identity of the socket last registered from there.
     seen_sockets: HashMap<PathBuf, SocketId>,
+    /// Registry socket path -> its handshakes. Keyed by path, not by socket identity, as the
+    /// kubelet's backoff is: a socket re-created at the same path waits out the backoff too.
+    attempts: HashMap<PathBuf, RegistrationAttempts>,
     plugins: BTreeMap<String, Plugin>,
     rejections: Vec<Rejection>,
     health: BTreeMap<String, Vec<DeviceHealthReport>>,
+    /// Driver -> (pool, device) -> health, merged over reports the way the kubelet's cache is, and
+    /// dropped when the driver's stream ends.
+    health_cache: BTreeMap<String, BTreeMap<(String, String), CachedHealth>>,
     prepared: BTreeMap<String, PreparedClaim>,
+    /// Claim UID -> driver -> the devices that driver prepared for it.
+    prepared_by_driver: BTreeMap<String, BTreeMap<String, Vec<PreparedDevice>>>,
     pods: BTreeMap<String, PodRecord>,
     registrations_accepted: u64,
 }
@@ -314,6 +368,17 @@ impl Kubelet {
 
     pub fn rejections(&self) -> Vec<Rejection> {
         self.inner.state.lock().unwrap().rejections.clone()
+    }
+
+    /// The registration handshakes started with the socket at `socket`, if any.
+    pub fn registration_attempts(&self, socket: &Path) -> Option<RegistrationAttempts> {
+        self.inner
+            .state
+            .lock()
+            .unwrap()
+            .attempts
+            .get(socket)
+            .cloned()
     }
 
     /// Claims (by UID) the kubelet believes prepared.
@@ -443,10 +508,53 @@ impl Inner {
             self.forget_socket(&path);
         }
         for (path, id) in present {
-            let known = self.state.lock().unwrap().seen_sockets.get(&path) == Some(&id);
-            if !known && self.register_socket(&path).await {
-                self.state.lock().unwrap().seen_sockets.insert(path, id);
+            if !self.start_attempt(&path, id) {
+                continue;
             }
+            let answered = self.register_socket(&path).await;
+            self.finish_attempt(path, id, answered);
+        }
+    }
+
+    /// Whether to handshake with the socket at `path` now: not when it is registered already, nor
+    /// while it waits out the backoff of earlier failures. Records the start when it is due.
+    fn start_attempt(&self, path: &Path, id: SocketId) -> bool {
+        let mut state = self.state.lock().unwrap();
+        if state.seen_sockets.get(path) == Some(&id) {
+            return false;
+        }
+        let attempts = state.attempts.entry(path.to_path_buf()).or_default();
+        let now = Instant::now();
+        if attempts.next_attempt.is_some_and(|at| now < at) {
+            return false;
+        }
+        if attempts.started.len() == KEPT_ATTEMPTS {
+            attempts.started.remove(0);
+        }
+        attempts.started.push(now);
+        true
+    }
+
+    /// Books a handshake's outcome. Like the kubelet, a plugin it refused is a failure too: it is
+    /// asked again after the backoff, and told again why.
+    fn finish_attempt(&self, path: PathBuf, id: SocketId, answered: bool) {
+        let mut state = self.state.lock().unwrap();
+        let registered = answered
+            && state
+                .plugins
+                .values()
+                .any(|p| p.registration.socket == path);
+        let attempts = state.attempts.entry(path.clone()).or_default();
+        if registered {
+            attempts.failures = 0;
+            attempts.next_attempt = None;
+            state.seen_sockets.insert(path, id);
+        } else {
+            attempts.failures += 1;
+            let delay = registration_retry_delay(attempts.failures);
+            attempts.next_attempt = Some(Instant::now() + delay);
+            tracing::debug!(socket = %path.display(), failures = attempts.failures,
+                "registration failed; next attempt in {delay:?}");
         }
     }
 
@@ -467,19 +575,33 @@ impl Inner {
                 }
             }
             state.health.remove(&driver);
+            state.health_cache.remove(&driver);
         }
     }
 
     /// Runs the registration handshake; `false` when the socket did not answer (tried again later).
     async fn register_socket(self: &Arc<Self>, socket: &Path) -> bool {
-        let Ok(channel) = connect_unix(socket, Duration::from_secs(5)).await else {
-            return false;
+        // As the kubelet's plugin watcher: grpc-go dialled with the bare path, so the requests
+        // carry the path as `:authority`.
+        let mut conn = match PathAuthorityConnection::connect(socket).await {
+            Ok(conn) => conn,
+            Err(err) => {
+                tracing::debug!(socket = %socket.display(), "dial failed: {err}");
+                return false;
+            }
         };
-        let mut client = registration::registration_client::RegistrationClient::new(channel);
-        let info = match client.get_info(registration::InfoRequest {}).await {
-            Ok(info) => info.into_inner(),
-            Err(status) => {
-                tracing::debug!(socket = %socket.display(), "GetInfo failed: {status}");
+        let info: registration::PluginInfo = match conn
+            .unary(
+                GET_INFO,
+                &registration::InfoRequest {},
+                REGISTRATION_CALL_TIMEOUT,
+            )
+            .await
+        {
+            Ok(info) => info,
+            Err(err) => {
+                tracing::debug!(socket = %socket.display(),
+                    "failed to get plugin info using RPC GetInfo: {err}");
                 return false;
             }
         };
@@ -488,14 +610,18 @@ impl Inner {
             Ok(_) => (true, String::new()),
             Err(error) => (false, error.clone()),
         };
-        let notified = client
-            .notify_registration_status(registration::RegistrationStatus {
-                plugin_registered: registered,
-                error: error.clone(),
-            })
+        let notified: Result<registration::RegistrationStatusResponse, _> = conn
+            .unary(
+                NOTIFY_REGISTRATION_STATUS,
+                &registration::RegistrationStatus {
+                    plugin_registered: registered,
+                    error: error.clone(),
+                },
+                REGISTRATION_CALL_TIMEOUT,
+            )
             .await;
-        if let Err(status) = notified {
-            tracing::warn!(socket = %socket.display(), "NotifyRegistrationStatus failed: {status}");
+        if let Err(err) = notified {
+            tracing::warn!(socket = %socket.display(), "NotifyRegistrationStatus failed: {err}");
         }
         match verdict {
             Ok(reg) => {
@@ -587,6 +713,7 @@ impl Inner {
             {
                 let mut stream = response.into_inner();
                 while let Ok(Some(update)) = stream.message().await {
+                    self.cache_health(&driver, &update);
                     let reports = update
                         .devices
                         .iter()
@@ -612,9 +739,80 @@ impl Inner {
                         .health
                         .insert(driver.clone(), reports);
                 }
+                // The kubelet forgets a driver's device health when its stream ends.
+                self.state.lock().unwrap().health_cache.remove(&driver);
             }
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
+    }
+
+    /// Merges one report into the health cache as the kubelet does: reported devices are fresh
+    /// as of now; devices missing from the report keep what they had until it times out.
+    fn cache_health(&self, driver: &str, update: &health_v1alpha1::NodeWatchResourcesResponse) {
+        let now = Instant::now();
+        let mut state = self.state.lock().unwrap();
+        let cache = state.health_cache.entry(driver.to_string()).or_default();
+        for device in &update.devices {
+            let Some(id) = &device.device else { continue };
+            let valid_for = u64::try_from(device.health_check_timeout_seconds)
+                .ok()
+                .filter(|s| *s > 0)
+                .map_or(self.config.health_timeout, Duration::from_secs);
+            cache.insert(
+                (id.pool_name.clone(), id.device_name.clone()),
+                CachedHealth {
+                    health: device.health(),
+                    received: now,
+                    valid_for,
+                },
+            );
+        }
+    }
+
+    /// The health the kubelet would show for a device now: `Unknown` when never reported or
+    /// when the last report is older than its timeout.
+    fn current_health(
+        &self,
+        state: &State,
+        driver: &str,
+        pool: &str,
+        device: &str,
+    ) -> health_v1alpha1::HealthStatus {
+        state
+            .health_cache
+            .get(driver)
+            .and_then(|devices| devices.get(&(pool.to_string(), device.to_string())))
+            .filter(|cached| cached.received.elapsed() <= cached.valid_for)
+            .map_or(health_v1alpha1::HealthStatus::Unknown, |cached| {
+                cached.health
+            })
+    }
+
+    /// The devices prepared for the claim `namespace/name` with their health, or `None` when the
+    /// kubelet has not prepared that claim.
+    fn claim_health(&self, namespace: &str, name: &str) -> Option<Vec<ResourceHealth>> {
+        let state = self.state.lock().unwrap();
+        let prepared = state
+            .prepared
+            .values()
+            .find(|p| p.claim.namespace == namespace && p.claim.name == name)?;
+        let by_driver = state.prepared_by_driver.get(&prepared.claim.uid)?;
+        Some(
+            by_driver
+                .iter()
+                .flat_map(|(driver, devices)| devices.iter().map(move |d| (driver.as_str(), d)))
+                .map(|(driver, d)| {
+                    let health = self.current_health(&state, driver, &d.pool_name, &d.device_name);
+                    resource_health(
+                        driver,
+                        &d.pool_name,
+                        &d.device_name,
+                        &d.cdi_device_ids,
+                        health,
+                    )
+                })
+                .collect(),
+        )
     }
 
     fn plugin_channel(&self, driver: &str) -> Result<(Channel, DraVersion), KubeletError> {
@@ -817,16 +1015,21 @@ impl Inner {
             if matches!(phase, Some("Succeeded") | Some("Failed")) {
                 continue;
             }
-            let due = {
+            let (due, running) = {
                 let state = self.state.lock().unwrap();
                 match state.pods.get(&uid) {
-                    Some(record) if record.running => false,
-                    Some(record) => record.next_attempt.is_none_or(|t| Instant::now() >= t),
-                    None => true,
+                    Some(record) if record.running => (false, true),
+                    Some(record) => (
+                        record.next_attempt.is_none_or(|t| Instant::now() >= t),
+                        false,
+                    ),
+                    None => (true, false),
                 }
             };
             if due {
                 self.start_pod(pod, &uid).await;
+            } else if running {
+                self.refresh_container_statuses(pod, &uid).await;
             }
         }
         let gone: Vec<String> = {
@@ -913,7 +1116,9 @@ impl Inner {
         }
 
         if errors.is_empty() {
-            if let Err(err) = self.mark_running(&namespace, &name).await {
+            let started_at = now_time();
+            let statuses = self.container_statuses(pod, &started_at);
+            if let Err(err) = self.mark_running(pod, &started_at, &statuses).await {
                 tracing::warn!(pod = %name, "marking pod running: {err}");
                 return;
             }
@@ -921,6 +1126,8 @@ impl Inner {
             if let Some(record) = state.pods.get_mut(pod_uid) {
                 record.running = true;
                 record.last_error = None;
+                record.started_at = Some(started_at);
+                record.written_statuses = Some(statuses);
             }
         } else {
             let message = errors.join("; ");
@@ -956,9 +1163,18 @@ impl Inner {
                 pod_uids: BTreeSet::new(),
                 drivers: BTreeSet::new(),
             });
-        entry.devices.extend(devices);
+        entry.devices.extend(devices.iter().cloned());
         entry.pod_uids.insert(pod_uid.to_string());
         entry.drivers.extend(driver.map(str::to_string));
+        if let Some(driver) = driver {
+            state
+                .prepared_by_driver
+                .entry(claim.uid.clone())
+                .or_default()
+                .entry(driver.to_string())
+                .or_default()
+                .extend(devices);
+        }
         if let Some(record) = state.pods.get_mut(pod_uid) {
             record.claim_uids.insert(claim.uid.clone());
         }
@@ -1014,29 +1230,109 @@ impl Inner {
             }
             if !failed {
                 // Pod sync is one sequential loop, so no pod took the claim up meanwhile.
-                self.state.lock().unwrap().prepared.remove(&claim.uid);
+                let mut state = self.state.lock().unwrap();
+                state.prepared.remove(&claim.uid);
+                state.prepared_by_driver.remove(&claim.uid);
             }
         }
     }
 
-    async fn mark_running(&self, namespace: &str, name: &str) -> Result<(), kube::Error> {
-        let api: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
-        let now = now_time();
-        let patch = json!({
-            "status": {
-                "phase": "Running",
-                "hostIP": "127.0.0.1",
-                "podIP": "127.0.0.1",
-                "startTime": now,
-                "conditions": [
-                    {"type": "Initialized", "status": "True", "lastTransitionTime": now},
-                    {"type": "ContainersReady", "status": "True", "lastTransitionTime": now},
-                    {"type": "Ready", "status": "True", "lastTransitionTime": now}
-                ]
+    /// `status.containerStatuses` of a running pod as JSON, with the device health of now.
+    fn container_statuses(&self, pod: &Pod, started_at: &Time) -> serde_json::Value {
+        let namespace = pod.metadata.namespace.as_deref().unwrap_or_default();
+        let lookup = |claim: &str| self.claim_health(namespace, claim);
+        serde_json::to_value(running_container_statuses(pod, started_at, &lookup))
+            .expect("container statuses serialize")
+    }
+
+    /// Writes the container statuses of a running pod again when they changed: device health
+    /// reported, changed, or timed out.
+    async fn refresh_container_statuses(&self, pod: &Pod, pod_uid: &str) {
+        let (started_at, written) = {
+            let state = self.state.lock().unwrap();
+            let Some(record) = state.pods.get(pod_uid) else {
+                return;
+            };
+            let Some(started_at) = record.started_at.clone() else {
+                return;
+            };
+            (started_at, record.written_statuses.clone())
+        };
+        let statuses = self.container_statuses(pod, &started_at);
+        if written.as_ref() == Some(&statuses) {
+            return;
+        }
+        let namespace = pod.metadata.namespace.clone().unwrap_or_default();
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        let patch = json!({"status": {"containerStatuses": statuses}});
+        match self.patch_pod_status(&namespace, &name, &patch).await {
+            Ok(()) => {
+                let mut state = self.state.lock().unwrap();
+                if let Some(record) = state.pods.get_mut(pod_uid) {
+                    record.written_statuses = Some(statuses);
+                }
             }
+            Err(err) => tracing::warn!(pod = %name, "updating container statuses: {err}"),
+        }
+    }
+
+    /// What the kubelet writes once a pod's containers run: phase, IPs, its own conditions (the
+    /// others, such as the scheduler's PodScheduled, are kept), and one status per container.
+    async fn mark_running(
+        &self,
+        pod: &Pod,
+        started_at: &Time,
+        container_statuses: &serde_json::Value,
+    ) -> Result<(), kube::Error> {
+        let namespace = pod.metadata.namespace.clone().unwrap_or_default();
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        const KUBELET_CONDITIONS: [&str; 4] = [
+            "PodReadyToStartContainers",
+            "Initialized",
+            "ContainersReady",
+            "Ready",
+        ];
+        let mut conditions: Vec<serde_json::Value> = pod
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .into_iter()
+            .flatten()
+            .filter(|c| !KUBELET_CONDITIONS.contains(&c.type_.as_str()))
+            .map(|c| serde_json::to_value(c).expect("a condition serializes"))
+            .collect();
+        conditions.extend(KUBELET_CONDITIONS.iter().map(|type_| {
+            json!({"type": type_, "status": "True", "lastProbeTime": null,
+                   "lastTransitionTime": started_at})
+        }));
+        let mut status = json!({
+            "phase": "Running",
+            "hostIP": "127.0.0.1",
+            "hostIPs": [{"ip": "127.0.0.1"}],
+            "podIP": "127.0.0.1",
+            "podIPs": [{"ip": "127.0.0.1"}],
+            "startTime": started_at,
+            "conditions": conditions,
+            "containerStatuses": container_statuses,
         });
+        let init = init_container_statuses(pod, started_at);
+        if !init.is_empty() {
+            status["initContainerStatuses"] =
+                serde_json::to_value(init).expect("container statuses serialize");
+        }
+        self.patch_pod_status(&namespace, &name, &json!({ "status": status }))
+            .await
+    }
+
+    async fn patch_pod_status(
+        &self,
+        namespace: &str,
+        name: &str,
+        patch: &serde_json::Value,
+    ) -> Result<(), kube::Error> {
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
         match api
-            .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .patch_status(name, &PatchParams::default(), &Patch::Merge(patch))
             .await
         {
             Ok(_) => Ok(()),
@@ -1044,7 +1340,7 @@ impl Inner {
             Err(err)
                 if is_not_found(&err) || matches!(&err, kube::Error::Api(s) if s.code == 405) =>
             {
-                api.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+                api.patch(name, &PatchParams::default(), &Patch::Merge(patch))
                     .await
                     .map(|_| ())
             }

@@ -1,9 +1,16 @@
 //! What the kubelet decides about a pod and its claims, without I/O.
 
 use std::collections::BTreeSet;
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Pod;
+use gpupool_proto::health_v1alpha1::HealthStatus;
+use k8s_openapi::api::core::v1::{
+    Container, ContainerState, ContainerStateRunning, ContainerStateTerminated, ContainerStatus,
+    Pod, ResourceHealth, ResourceStatus,
+};
 use k8s_openapi::api::resource::v1::ResourceClaim;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
 /// The DRA service versions the kubelet emulator can speak.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -113,6 +120,190 @@ pub fn retry_backoff(attempts: u32) -> std::time::Duration {
     std::time::Duration::from_millis(millis.min(10_000))
 }
 
+/// The longest wait between two registration attempts on one socket: the kubelet's plugin manager
+/// runs registrations through goroutinemap, whose exponential backoff stops at 2m2s.
+pub const MAX_REGISTRATION_RETRY: Duration = Duration::from_secs(122);
+
+/// How long the kubelet waits before handshaking again with a registration socket after
+/// `failures` failed handshakes in a row: 0.5 s, doubling, at most [`MAX_REGISTRATION_RETRY`].
+pub fn registration_retry_delay(failures: u32) -> Duration {
+    let doublings = failures.saturating_sub(1).min(16);
+    Duration::from_millis(500u64 << doublings).min(MAX_REGISTRATION_RETRY)
+}
+
+/// The kubelet's word for a device's health in `allocatedResourcesStatus`.
+pub fn health_name(health: HealthStatus) -> &'static str {
+    match health {
+        HealthStatus::Healthy => "Healthy",
+        HealthStatus::Unhealthy => "Unhealthy",
+        HealthStatus::Unknown => "Unknown",
+    }
+}
+
+/// The devices the kubelet prepared for one ResourceClaim and their health, as
+/// `allocatedResourcesStatus` lists them: the first CDI device id (or `driver/pool/device` when
+/// the plugin returned none) and the health the kubelet has for it.
+pub fn resource_health(
+    driver: &str,
+    pool: &str,
+    device: &str,
+    cdi_ids: &[String],
+    health: HealthStatus,
+) -> ResourceHealth {
+    ResourceHealth {
+        resource_id: cdi_ids
+            .first()
+            .cloned()
+            .unwrap_or_else(|| format!("{driver}/{pool}/{device}")),
+        health: Some(health_name(health).to_string()),
+    }
+}
+
+/// `allocatedResourcesStatus` of one container, as a v1.36 kubelet writes it: one entry per
+/// `resources.claims[]` entry, named `claim:<name>` (`claim:<name>/<request>` when the container
+/// asks for one request only). The v1.36 kubelet finds the ResourceClaim only through
+/// `status.resourceClaimStatuses`, so a pod claim that names its ResourceClaim directly
+/// (`resourceClaimName`) gets no entry; neither does a claim the kubelet has not prepared
+/// (`claim_health` answers `None`) or one without devices.
+pub fn allocated_resources_status(
+    pod: &Pod,
+    container: &Container,
+    claim_health: &dyn Fn(&str) -> Option<Vec<ResourceHealth>>,
+) -> Vec<ResourceStatus> {
+    let generated = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.resource_claim_statuses.as_ref());
+    let mut out: Vec<ResourceStatus> = Vec::new();
+    for claim in container
+        .resources
+        .as_ref()
+        .and_then(|r| r.claims.as_ref())
+        .into_iter()
+        .flatten()
+    {
+        let Some(claim_name) = generated
+            .into_iter()
+            .flatten()
+            .find(|s| s.name == claim.name)
+            .and_then(|s| s.resource_claim_name.as_deref())
+        else {
+            continue;
+        };
+        let Some(resources) = claim_health(claim_name) else {
+            continue;
+        };
+        let name = match claim.request.as_deref().filter(|r| !r.is_empty()) {
+            Some(request) => format!("claim:{}/{request}", claim.name),
+            None => format!("claim:{}", claim.name),
+        };
+        out.retain(|s| s.name != name);
+        if !resources.is_empty() {
+            out.push(ResourceStatus {
+                name,
+                resources: Some(resources),
+            });
+        }
+    }
+    out
+}
+
+/// 64 hex digits standing for a digest the runtime would report; the same input gives the same
+/// digits, so a status computed again compares equal.
+fn fake_digest(parts: &[&str]) -> String {
+    (0u8..4)
+        .map(|salt| {
+            let mut hasher = DefaultHasher::new();
+            salt.hash(&mut hasher);
+            parts.hash(&mut hasher);
+            format!("{:016x}", hasher.finish())
+        })
+        .collect()
+}
+
+fn base_status(pod_uid: &str, container: &Container) -> ContainerStatus {
+    let image = container.image.clone().unwrap_or_default();
+    ContainerStatus {
+        name: container.name.clone(),
+        image_id: format!("{image}@sha256:{}", fake_digest(&[&image])),
+        image,
+        container_id: Some(format!(
+            "containerd://{}",
+            fake_digest(&[pod_uid, &container.name])
+        )),
+        restart_count: 0,
+        ..Default::default()
+    }
+}
+
+/// `status.containerStatuses` of a pod whose containers all started at `started_at` and run
+/// without readiness trouble: ready, started, running, with the device health of their claims.
+pub fn running_container_statuses(
+    pod: &Pod,
+    started_at: &Time,
+    claim_health: &dyn Fn(&str) -> Option<Vec<ResourceHealth>>,
+) -> Vec<ContainerStatus> {
+    let uid = pod.metadata.uid.as_deref().unwrap_or_default();
+    pod.spec
+        .iter()
+        .flat_map(|s| s.containers.iter())
+        .map(|container| {
+            let resources = allocated_resources_status(pod, container, claim_health);
+            ContainerStatus {
+                ready: true,
+                started: Some(true),
+                state: Some(ContainerState {
+                    running: Some(ContainerStateRunning {
+                        started_at: Some(started_at.clone()),
+                    }),
+                    ..Default::default()
+                }),
+                allocated_resources_status: (!resources.is_empty()).then_some(resources),
+                ..base_status(uid, container)
+            }
+        })
+        .collect()
+}
+
+/// `status.initContainerStatuses` of a pod that got as far as its regular containers: each init
+/// container ran to completion, except sidecars (`restartPolicy: Always`), which keep running.
+pub fn init_container_statuses(pod: &Pod, started_at: &Time) -> Vec<ContainerStatus> {
+    let uid = pod.metadata.uid.as_deref().unwrap_or_default();
+    pod.spec
+        .iter()
+        .flat_map(|s| s.init_containers.iter().flatten())
+        .map(|container| {
+            let sidecar = container.restart_policy.as_deref() == Some("Always");
+            let state = if sidecar {
+                ContainerState {
+                    running: Some(ContainerStateRunning {
+                        started_at: Some(started_at.clone()),
+                    }),
+                    ..Default::default()
+                }
+            } else {
+                ContainerState {
+                    terminated: Some(ContainerStateTerminated {
+                        exit_code: 0,
+                        reason: Some("Completed".into()),
+                        started_at: Some(started_at.clone()),
+                        finished_at: Some(started_at.clone()),
+                        container_id: None,
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }
+            };
+            ContainerStatus {
+                ready: sidecar,
+                started: Some(sidecar),
+                state: Some(state),
+                ..base_status(uid, container)
+            }
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -214,6 +405,126 @@ mod tests {
         assert!(claim_ready_for_pod(&claim, "pod-1")
             .unwrap_err()
             .contains("not allocated"));
+    }
+
+    #[test]
+    fn registration_retries_double_from_half_a_second_to_the_kubelets_cap() {
+        let delays: Vec<u128> = (1..=10)
+            .map(|n| registration_retry_delay(n).as_millis())
+            .collect();
+        assert_eq!(
+            delays,
+            [500, 1000, 2000, 4000, 8000, 16_000, 32_000, 64_000, 122_000, 122_000]
+        );
+        assert_eq!(registration_retry_delay(u32::MAX), MAX_REGISTRATION_RETRY);
+    }
+
+    fn health_pod() -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": "p", "namespace": "default", "uid": "pod-uid"},
+            "spec": {
+                "initContainers": [
+                    {"name": "setup", "image": "busybox"},
+                    {"name": "sidecar", "image": "busybox", "restartPolicy": "Always"}
+                ],
+                "containers": [
+                    {"name": "main", "image": "cuda:12", "resources": {"claims": [
+                        {"name": "gpu"}, {"name": "direct"}, {"name": "pair", "request": "left"}
+                    ]}},
+                    {"name": "plain", "image": "busybox"}
+                ],
+                "resourceClaims": [
+                    {"name": "gpu", "resourceClaimTemplateName": "half"},
+                    {"name": "direct", "resourceClaimName": "shared"},
+                    {"name": "pair", "resourceClaimTemplateName": "two"}
+                ]
+            },
+            "status": {"resourceClaimStatuses": [
+                {"name": "gpu", "resourceClaimName": "p-gpu-x1"},
+                {"name": "pair", "resourceClaimName": "p-pair-x2"}
+            ]}
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn containers_run_ready_with_the_health_of_their_template_claims() {
+        let pod = health_pod();
+        let started = Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH);
+        let lookup = |claim: &str| -> Option<Vec<ResourceHealth>> {
+            match claim {
+                "p-gpu-x1" => Some(vec![resource_health(
+                    "gpupool.dev",
+                    "node-a",
+                    "gpu-0",
+                    &["gpupool.dev/claim=u1-gpu-0".to_string()],
+                    HealthStatus::Healthy,
+                )]),
+                "p-pair-x2" => Some(vec![resource_health(
+                    "gpupool.dev",
+                    "node-a",
+                    "gpu-1",
+                    &[],
+                    HealthStatus::Unknown,
+                )]),
+                "shared" => Some(vec![resource_health(
+                    "gpupool.dev",
+                    "node-a",
+                    "gpu-2",
+                    &[],
+                    HealthStatus::Healthy,
+                )]),
+                _ => None,
+            }
+        };
+        let statuses = running_container_statuses(&pod, &started, &lookup);
+        let json = serde_json::to_value(&statuses).unwrap();
+        assert_eq!(json[0]["name"], "main");
+        assert_eq!(json[0]["ready"], true);
+        assert_eq!(json[0]["started"], true);
+        assert_eq!(json[0]["restartCount"], 0);
+        assert_eq!(json[0]["image"], "cuda:12");
+        assert_eq!(
+            json[0]["state"]["running"]["startedAt"],
+            "1970-01-01T00:00:00Z"
+        );
+        // The v1.36 kubelet resolves claims through status.resourceClaimStatuses only: the
+        // directly named claim gets no entry.
+        assert_eq!(
+            json[0]["allocatedResourcesStatus"],
+            json!([
+                {"name": "claim:gpu", "resources": [
+                    {"resourceID": "gpupool.dev/claim=u1-gpu-0", "health": "Healthy"}]},
+                {"name": "claim:pair/left", "resources": [
+                    {"resourceID": "gpupool.dev/node-a/gpu-1", "health": "Unknown"}]}
+            ])
+        );
+        assert_eq!(json[1]["name"], "plain");
+        assert_eq!(json[1]["ready"], true);
+        assert!(json[1].get("allocatedResourcesStatus").is_none(), "{json}");
+        assert_ne!(json[0]["containerID"], json[1]["containerID"]);
+        // The same pod gives the same statuses: nothing is written again without a change.
+        assert_eq!(
+            statuses,
+            running_container_statuses(&pod, &started, &lookup)
+        );
+
+        let init = serde_json::to_value(init_container_statuses(&pod, &started)).unwrap();
+        assert_eq!(init[0]["state"]["terminated"]["reason"], "Completed");
+        assert_eq!(init[0]["ready"], false);
+        assert_eq!(
+            init[1]["state"]["running"]["startedAt"],
+            "1970-01-01T00:00:00Z"
+        );
+        assert_eq!(init[1]["ready"], true);
+    }
+
+    #[test]
+    fn a_claim_the_kubelet_did_not_prepare_has_no_entry() {
+        let pod = health_pod();
+        let container = &pod.spec.as_ref().unwrap().containers[0];
+        assert!(allocated_resources_status(&pod, container, &|_| None).is_empty());
+        assert!(allocated_resources_status(&pod, container, &|_| Some(Vec::new())).is_empty());
     }
 
     #[test]
