@@ -1,14 +1,24 @@
 //! DRA resource health (v1alpha1): a stream of the complete device list, sent when the kubelet opens
-//! it and again whenever the list changes. Every device present is reported HEALTHY.
+//! it, whenever the list changes, and every [`REFRESH_INTERVAL`] without a change: the kubelet
+//! marks a device `Unknown` once its last report is older than the report's
+//! `health_check_timeout_seconds` (30 s when 0), so a stream that only speaks on change turns every
+//! pod's device health to Unknown half a minute after it started. Every device present is
+//! reported HEALTHY.
 
 use std::pin::Pin;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures::Stream;
 use gpupool_proto::health_v1alpha1 as health;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
+
+/// How often the complete list is sent again when nothing changed.
+pub const REFRESH_INTERVAL: Duration = Duration::from_secs(10);
+/// How long the kubelet may go without a report before it shows the device `Unknown`: three
+/// refreshes, so one late report is not a flap.
+pub const HEALTH_CHECK_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Serves `v1alpha1.DRAResourceHealth` for the devices of one pool.
 #[derive(Clone)]
@@ -50,7 +60,7 @@ pub fn report(pool_name: &str, devices: &[String], now: i64) -> health::NodeWatc
                 }),
                 health: health::HealthStatus::Healthy as i32,
                 last_updated_time: now,
-                health_check_timeout_seconds: 0,
+                health_check_timeout_seconds: HEALTH_CHECK_TIMEOUT.as_secs() as i64,
                 message: String::new(),
             })
             .collect(),
@@ -79,16 +89,18 @@ impl health::dra_resource_health_server::DraResourceHealth for HealthService {
             self.pool_name.clone(),
             self.devices.clone(),
             self.stop.clone(),
+            REFRESH_INTERVAL,
         );
         Ok(Response::new(Box::pin(stream)))
     }
 }
 
-/// The current list at once, then one report per change, until `stop`.
+/// The current list at once, then one report per change or per `refresh`, until `stop`.
 fn reports(
     pool: String,
     devices: watch::Receiver<Vec<String>>,
     stop: CancellationToken,
+    refresh: Duration,
 ) -> impl Stream<Item = Result<health::NodeWatchResourcesResponse, Status>> + Send {
     // State: (receiver, first report still to send).
     futures::stream::unfold((devices, true), move |(mut devices, first)| {
@@ -99,6 +111,7 @@ fn reports(
                 tokio::select! {
                     _ = stop.cancelled() => return None,
                     changed = devices.changed() => changed.ok()?,
+                    _ = tokio::time::sleep(refresh) => {}
                 }
             }
             let current = devices.borrow_and_update().clone();
@@ -123,6 +136,32 @@ mod tests {
             );
             assert_eq!(d.health, health::HealthStatus::Healthy as i32);
             assert_eq!(d.last_updated_time, 1_700_000_000);
+            assert_eq!(d.health_check_timeout_seconds, 30);
         }
+    }
+
+    #[tokio::test]
+    async fn the_list_is_sent_again_before_the_kubelet_would_call_it_unknown() {
+        use futures::StreamExt;
+        // The real interval, scaled down 200 times.
+        let refresh = REFRESH_INTERVAL / 200;
+        let (tx, rx) = watch::channel(vec!["gpu-0".to_string()]);
+        let stop = CancellationToken::new();
+        let mut stream = Box::pin(reports("node-1".into(), rx, stop.clone(), refresh));
+        assert_eq!(stream.next().await.unwrap().unwrap().devices.len(), 1);
+        // Nothing changes: reports keep coming, one per interval.
+        let started = std::time::Instant::now();
+        for _ in 0..3 {
+            let report = stream.next().await.unwrap().unwrap();
+            assert_eq!(report.devices.len(), 1);
+        }
+        let elapsed = started.elapsed();
+        assert!(elapsed >= refresh * 3, "{elapsed:?}");
+        // A change is reported with the new list.
+        tx.send_replace(vec!["gpu-0".to_string(), "gpu-1".to_string()]);
+        assert_eq!(stream.next().await.unwrap().unwrap().devices.len(), 2);
+        stop.cancel();
+        assert!(stream.next().await.is_none());
+        assert!(REFRESH_INTERVAL * 3 <= HEALTH_CHECK_TIMEOUT);
     }
 }
