@@ -31,8 +31,9 @@ use crate::grpc::{connect_unix_lazy, GrpcError, KUBELET_CALL_TIMEOUT};
 const GET_INFO: &str = "/pluginregistration.Registration/GetInfo";
 const NOTIFY_REGISTRATION_STATUS: &str =
     "/pluginregistration.Registration/NotifyRegistrationStatus";
-/// Each registration call's deadline.
-const REGISTRATION_CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// Each registration call's deadline: the plugin watcher gives GetInfo one second; a plugin
+/// slower than that is retried with backoff, as there.
+const REGISTRATION_CALL_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Event reason the kubelet uses when a pod's claims cannot be prepared.
 pub const FAILED_PREPARE_REASON: &str = "FailedPrepareDynamicResources";
