@@ -7,6 +7,9 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand, ValueEnum};
 use gpupool_api::names::DRIVER_NAME;
 
+/// In the plugin folder, which every instance on the node mounts.
+pub const SERIALIZE_LOCK_FILE: &str = "serialize.lock";
+
 #[derive(Debug, Parser)]
 #[command(
     name = "gpupool-driver",
@@ -97,6 +100,38 @@ pub struct RunArgs {
     /// Address of the HTTP health endpoint (GET /healthz), e.g. 127.0.0.1:51515; off when absent.
     #[arg(long, env = "HEALTHZ_ADDR")]
     pub healthz_addr: Option<SocketAddr>,
+    /// UID of this driver's pod (the DaemonSet sets it from the downward API). With it the sockets
+    /// carry the UID, so that during a rolling update the new pod registers beside the old one and
+    /// the kubelet moves to it without a gap; both then take turns on the node's claims.
+    #[arg(long, env = "POD_UID", value_parser = parse_pod_uid)]
+    pub pod_uid: Option<String>,
+}
+
+/// The pod UID becomes part of two file names: only letters, digits and inner dashes (a UUID,
+/// a DNS-1123 label) can never name another folder or another plugin's socket.
+fn parse_pod_uid(value: &str) -> Result<String, String> {
+    const MAX: usize = 63;
+    let alphanumeric = |c: char| c.is_ascii_alphanumeric();
+    if value.is_empty() {
+        return Err(
+            "empty; expected the pod's UID, e.g. from the downward API (metadata.uid)".into(),
+        );
+    }
+    if value.len() > MAX {
+        return Err(format!(
+            "{} characters; a pod UID has at most {MAX}",
+            value.len()
+        ));
+    }
+    if let Some(bad) = value.chars().find(|c| !alphanumeric(*c) && *c != '-') {
+        return Err(format!(
+            "{bad:?} is not allowed; a pod UID has only letters, digits and dashes"
+        ));
+    }
+    if !value.starts_with(alphanumeric) || !value.ends_with(alphanumeric) {
+        return Err("a pod UID starts and ends with a letter or a digit".into());
+    }
+    Ok(value.to_string())
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -115,12 +150,30 @@ impl RunArgs {
         }
     }
 
+    /// `<registry-dir>/gpupool.dev-reg.sock`, or `gpupool.dev-<podUID>-reg.sock` with a pod UID.
     pub fn registration_socket(&self) -> PathBuf {
-        self.registry_dir.join(format!("{DRIVER_NAME}-reg.sock"))
+        match &self.pod_uid {
+            Some(uid) => self
+                .registry_dir
+                .join(format!("{DRIVER_NAME}-{uid}-reg.sock")),
+            None => self.registry_dir.join(format!("{DRIVER_NAME}-reg.sock")),
+        }
     }
 
+    /// `<plugin-dir>/dra.sock`, or `dra-<podUID>.sock` with a pod UID.
     pub fn dra_socket(&self) -> PathBuf {
-        self.plugin_dir.join("dra.sock")
+        match &self.pod_uid {
+            Some(uid) => self.plugin_dir.join(format!("dra-{uid}.sock")),
+            None => self.plugin_dir.join("dra.sock"),
+        }
+    }
+
+    /// The lock that instances sharing this node's folders (a rolling update with surge) hold
+    /// for each prepare and unprepare; none without a pod UID, where only one instance runs.
+    pub fn serialize_lock(&self) -> Option<PathBuf> {
+        self.pod_uid
+            .as_ref()
+            .map(|_| self.plugin_dir.join(SERIALIZE_LOCK_FILE))
     }
 }
 
@@ -199,5 +252,68 @@ mod tests {
         assert_eq!(args.run_dir, PathBuf::from("/u"));
         assert_eq!(args.log_format, LogFormat::Json);
         assert_eq!(args.healthz_addr.unwrap().port(), 51515);
+    }
+
+    fn run_args(extra: &[&str]) -> Result<RunArgs, clap::Error> {
+        let mut argv = vec!["gpupool-driver", "run", "--node-name", "n1"];
+        argv.extend_from_slice(extra);
+        let Command::Run(args) = Cli::try_parse_from(argv)?.command else {
+            panic!("not run")
+        };
+        Ok(*args)
+    }
+
+    #[test]
+    fn without_a_pod_uid_the_sockets_keep_their_names_and_nothing_is_serialized() {
+        let args = run_args(&["--registry-dir", "/r", "--plugin-dir", "/p"]).unwrap();
+        assert_eq!(args.pod_uid, None);
+        assert_eq!(
+            args.registration_socket(),
+            PathBuf::from("/r/gpupool.dev-reg.sock")
+        );
+        assert_eq!(args.dra_socket(), PathBuf::from("/p/dra.sock"));
+        assert_eq!(args.serialize_lock(), None);
+    }
+
+    #[test]
+    fn a_pod_uid_names_both_sockets_and_the_shared_lock() {
+        let uid = "0b7c4a49-6f1e-4a52-9d0e-6d1f3f7a5b10";
+        let args = run_args(&[
+            "--registry-dir",
+            "/r",
+            "--plugin-dir",
+            "/p",
+            "--pod-uid",
+            uid,
+        ])
+        .unwrap();
+        assert_eq!(
+            args.registration_socket(),
+            PathBuf::from(format!("/r/gpupool.dev-{uid}-reg.sock"))
+        );
+        assert_eq!(
+            args.dra_socket(),
+            PathBuf::from(format!("/p/dra-{uid}.sock"))
+        );
+        assert_eq!(
+            args.serialize_lock(),
+            Some(PathBuf::from("/p/serialize.lock"))
+        );
+    }
+
+    #[test]
+    fn a_pod_uid_that_could_leave_its_folder_is_refused_naming_the_flag() {
+        for bad in ["", "../x", "a/b", "-a", "a-", "a.b", "a b", &"a".repeat(64)] {
+            let arg = format!("--pod-uid={bad}");
+            let err = run_args(&[&arg]).expect_err(bad).to_string();
+            assert!(err.contains("--pod-uid"), "{bad:?}: {err}");
+        }
+        assert_eq!(
+            run_args(&["--pod-uid", "Pod-1"])
+                .unwrap()
+                .pod_uid
+                .as_deref(),
+            Some("Pod-1")
+        );
     }
 }

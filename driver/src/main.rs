@@ -13,7 +13,7 @@ use gpupool_driver::config::{Cli, Command, InspectArgs, LogFormat, RunArgs};
 use gpupool_driver::inventory::{self, Inventory};
 use gpupool_driver::plugin::health::HealthService;
 use gpupool_driver::plugin::registration::RegistrationService;
-use gpupool_driver::plugin::{server, Preparer};
+use gpupool_driver::plugin::{server, stale, Preparer};
 use gpupool_driver::prepare::{ClaimPreparer, PrepareOptions};
 use gpupool_driver::publisher::SlicePublisher;
 use gpupool_driver::slices::{build_slices, SliceMode};
@@ -224,6 +224,14 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         stop.clone(),
     ));
 
+    if let Some(pod_uid) = &args.pod_uid {
+        tracing::info!(
+            pod_uid,
+            registration = %args.registration_socket().display(),
+            dra = %args.dra_socket().display(),
+            "taking turns on this node's claims with any other instance (rolling update)"
+        );
+    }
     // Start-up reconciliation of claims happens before the kubelet can reach us.
     let preparer = ClaimPreparer::new(
         PrepareOptions {
@@ -234,6 +242,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             vgpu_lib_dir: args.vgpu_lib_dir.clone(),
             fake_gpus: args.fake_gpus.is_some(),
             driver_libraries: args.driver_libraries(),
+            serialize_lock: args.serialize_lock(),
         },
         inventory.clone(),
         client.clone(),
@@ -251,6 +260,18 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             .map(|g| device_name(g.index))
             .collect(),
     );
+    if args.pod_uid.is_some() {
+        let (registry, plugin) = (args.registry_dir.clone(), args.plugin_dir.clone());
+        let own = vec![args.registration_socket(), args.dra_socket()];
+        let removed = tokio::task::spawn_blocking(move || {
+            stale::remove_dead_sockets(&registry, &plugin, &own)
+        })
+        .await
+        .unwrap_or_default();
+        for path in removed {
+            tracing::info!(path = %path.display(), "removed the socket of a driver that is gone");
+        }
+    }
     let health = HealthService::new(node.clone(), devices_rx, stop.clone());
     let dra = server::serve_dra(
         &args.dra_socket(),

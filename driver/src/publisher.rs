@@ -416,6 +416,31 @@ mod tests {
     }
 
     #[test]
+    fn two_instances_of_one_node_agree_on_what_the_other_published() {
+        // A rolling update runs the old and the new driver pod side by side: each finds the
+        // slices the other wrote (owner set, stored by the API) and writes nothing, so the pool's
+        // generation stays where it is.
+        let inv = fake_inventory("a100-40gb:2,v100-32gb:1", "n1").unwrap();
+        let w = BTreeMap::from([("A100-SXM4-40GB".to_string(), 312)]);
+        let first = plan(&[], &inv, "n1", &w, SliceMode::Shared).unwrap();
+        let mut have = stored(first.create);
+        for slice in &mut have {
+            slice.metadata.owner_references = Some(vec![OwnerReference {
+                api_version: "v1".into(),
+                kind: "Node".into(),
+                name: "n1".into(),
+                uid: "node-uid".into(),
+                controller: Some(true),
+                block_owner_deletion: None,
+            }]);
+            slice.metadata.uid = Some("slice-uid".into());
+        }
+        let second = plan(&have, &inv, "n1", &w, SliceMode::Shared).unwrap();
+        assert!(second.is_empty(), "{second:?}");
+        assert_eq!(second.generation, 1);
+    }
+
+    #[test]
     fn a_changed_weight_updates_with_the_next_generation() {
         let inv = fake_inventory("a100-40gb:2", "n1").unwrap();
         let have =

@@ -10,6 +10,7 @@ fn driver() -> Command {
         "KUBECONFIG",
         "LOG_FORMAT",
         "HEALTHZ_ADDR",
+        "POD_UID",
     ] {
         cmd.env_remove(var);
     }

@@ -185,7 +185,14 @@ fn wait_until(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
 
 fn run_driver(dir: &Path, kubeconfig: &Path, healthz: SocketAddr) -> Driver {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_gpupool-driver"));
-    for var in ["FAKE_GPUS", "NODE_NAME", "LOG_FORMAT", "HEALTHZ_ADDR"] {
+    // POD_UID too: these checks are of the sockets' names without one.
+    for var in [
+        "FAKE_GPUS",
+        "NODE_NAME",
+        "LOG_FORMAT",
+        "HEALTHZ_ADDR",
+        "POD_UID",
+    ] {
         cmd.env_remove(var);
     }
     cmd.args([

@@ -280,6 +280,8 @@ fn driver_daemonset_mounts_exactly_what_it_needs() {
             "{dir}"
         );
 
+        assert_surge_upgrade(ds, dir);
+
         // Probes hit the driver's own health endpoint on the port it listens on.
         let healthz =
             flag(driver, "--healthz-addr").unwrap_or_else(|| panic!("{dir}: --healthz-addr"));
@@ -357,6 +359,34 @@ fn driver_daemonset_mounts_exactly_what_it_needs() {
             "{dir}: runtimeClassName"
         );
     }
+}
+
+/// A node's new driver pod starts before the old one stops, and each names its sockets after its
+/// own pod UID, so the kubelet always has a registered driver to call.
+fn assert_surge_upgrade(ds: &Value, origin: &str) {
+    let strategy = &ds["spec"]["updateStrategy"];
+    assert_eq!(strategy["type"], "RollingUpdate", "{origin}: {strategy}");
+    assert_eq!(
+        strategy["rollingUpdate"]["maxSurge"], 1,
+        "{origin}: a new pod starts beside the old one: {strategy}"
+    );
+    assert_eq!(
+        strategy["rollingUpdate"]["maxUnavailable"], 0,
+        "{origin}: the old pod stays until the new one is ready: {strategy}"
+    );
+    let driver = container(ds, "driver");
+    let pod_uid = driver["env"]
+        .as_array()
+        .and_then(|env| env.iter().find(|e| e["name"] == "POD_UID"))
+        .unwrap_or_else(|| panic!("{origin}: no POD_UID in {}", driver["env"]));
+    assert_eq!(
+        pod_uid["valueFrom"]["fieldRef"]["fieldPath"], "metadata.uid",
+        "{origin}: POD_UID from the downward API"
+    );
+    assert!(
+        flag(driver, "--pod-uid").is_none(),
+        "{origin}: the env, not a fixed flag, carries the pod UID"
+    );
 }
 
 /// (apiGroup, resource) -> verbs, over all rules of a role.
@@ -895,6 +925,11 @@ fn helm_chart_renders_the_kustomize_objects() {
                 .collect(),
         );
         let rendered = by_key(helm_template(sets));
+        let daemonset = rendered
+            .values()
+            .find(|o| o["kind"] == "DaemonSet")
+            .unwrap_or_else(|| panic!("helm {sets:?} renders no DaemonSet"));
+        assert_surge_upgrade(daemonset, &format!("helm {sets:?}"));
         assert_eq!(
             rendered.keys().collect::<Vec<_>>(),
             kustomized.keys().collect::<Vec<_>>(),

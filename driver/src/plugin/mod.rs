@@ -5,6 +5,7 @@ pub mod dra;
 pub mod health;
 pub mod registration;
 pub mod server;
+pub mod stale;
 
 use crate::prepare::{ClaimRef, PreparedDevice};
 

@@ -665,6 +665,16 @@ impl Store {
         self.write_compacted(&mut state)
     }
 
+    /// Make the in-memory copy what the files hold, when another process wrote them since this
+    /// one last did (blocking). For drivers that share the files and take turns: called at the
+    /// start of a turn, it shows the claims the other prepared or unprepared meanwhile.
+    pub fn refresh(&self) -> Result<(), CheckpointError> {
+        let _lock = CheckpointLock::in_dir(&self.dir)?;
+        let mut state = self.writer.lock().expect("only the writer takes it");
+        self.catch_up(&mut state);
+        Ok(())
+    }
+
     /// Under the lock: make the in-memory copy what the files hold when someone else wrote
     /// them (or nothing is known of them yet). Returns the copy it replaced.
     fn catch_up(&self, state: &mut WriterState) -> Option<CheckpointData> {
@@ -1025,6 +1035,30 @@ mod tests {
             ["memory-only", "ours2", "theirs"]
         );
         assert_eq!(claim_uids(dir.path()), ["ours2", "theirs"]);
+    }
+
+    #[test]
+    fn a_refresh_shows_what_another_store_committed_and_keeps_ours_when_nobody_did() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (store_in(dir.path()), store_in(dir.path()));
+        a.commit(Change::Put("by-a".into(), entry("a"))).unwrap();
+        b.refresh().unwrap();
+        let uids = |s: &Store| s.read(|d| d.claims.keys().cloned().collect::<Vec<_>>());
+        assert_eq!(uids(&b), ["by-a"]);
+        b.commit(Change::Put("by-b".into(), entry("b"))).unwrap();
+        b.commit(Change::Remove("by-a".into())).unwrap();
+        a.refresh().unwrap();
+        assert_eq!(uids(&a), ["by-b"]);
+
+        // Nothing written since a's refresh: an entry planted only in a's memory stays, so a
+        // refresh with no news costs no read.
+        a.data
+            .lock()
+            .unwrap()
+            .claims
+            .insert("memory-only".into(), *entry("m"));
+        a.refresh().unwrap();
+        assert_eq!(uids(&a), ["by-b", "memory-only"]);
     }
 
     #[test]

@@ -73,6 +73,11 @@ pub struct PrepareOptions {
     pub fake_gpus: bool,
     /// Where real GPUs' driver libraries come from (ignored with fake GPUs, which have none).
     pub driver_libraries: DriverLibraries,
+    /// A lock file when other driver instances share these folders (a rolling update with surge):
+    /// each prepare, unprepare and the start-up reconciliation then hold it, and each call starts
+    /// from the checkpoint as the files hold it. `None`: this process is alone and its in-memory
+    /// checkpoint stays authoritative.
+    pub serialize_lock: Option<PathBuf>,
 }
 
 #[derive(Debug, Error)]
@@ -134,6 +139,41 @@ pub struct ClaimPreparer {
     status_writes: StatusQueue,
     written_status: WrittenStatus,
     warned_missing_lib: AtomicBool,
+    /// Taken before the lock file, so that this process's own calls queue here rather than each
+    /// holding a blocking thread in `flock` (the threads the call holding the lock needs).
+    turn: Arc<tokio::sync::Mutex<()>>,
+}
+
+/// This instance's turn on the node's shared folders; released on drop.
+struct Turn {
+    _file: std::fs::File,
+    _local: tokio::sync::OwnedMutexGuard<()>,
+}
+
+/// Wait (blocking) for the exclusive `flock` on `path`, creating the file and its folder.
+fn lock_shared_folders(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    if let Some(dir) = path.parent() {
+        fs::create_dir_all(dir)?;
+    }
+    let file = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .open(path)?;
+    loop {
+        // SAFETY: flock on a descriptor we own; the kernel drops the lock when it is closed,
+        // also when the process dies, so a killed instance never leaves it taken.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } == 0 {
+            return Ok(file);
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
 }
 
 /// Per claim UID: the resourceVersion our last status write left the claim at, and the other
@@ -248,9 +288,24 @@ impl ClaimPreparer {
         let (data, corrupt) = {
             let opts = opts.clone();
             let layout = layout.clone();
-            tokio::task::spawn_blocking(move || reconcile(&opts, &layout, &boot_id))
-                .await
-                .expect("reconciliation does not panic")?
+            tokio::task::spawn_blocking(move || {
+                // Another instance may be preparing a claim right now: its spec would look like
+                // an orphan to the sweep.
+                let _turn = match &opts.serialize_lock {
+                    Some(path) => {
+                        Some(
+                            lock_shared_folders(path).map_err(|source| PrepareError::Io {
+                                path: path.clone(),
+                                source,
+                            })?,
+                        )
+                    }
+                    None => None,
+                };
+                reconcile(&opts, &layout, &boot_id)
+            })
+            .await
+            .expect("reconciliation does not panic")?
         };
         if let Some(message) = corrupt {
             let event = status::node_event(
@@ -279,7 +334,31 @@ impl ClaimPreparer {
             status_writes: StatusQueue::default(),
             written_status: WrittenStatus::default(),
             warned_missing_lib: AtomicBool::new(false),
+            turn: Arc::default(),
         })
+    }
+
+    /// With other instances on the node: wait for this one's turn and catch up with what they
+    /// changed. `Ok(None)` when this process is alone.
+    async fn take_turn(&self) -> Result<Option<Turn>, String> {
+        let Some(path) = self.opts.serialize_lock.clone() else {
+            return Ok(None);
+        };
+        let local = self.turn.clone().lock_owned().await;
+        let checkpoint = self.checkpoint.clone();
+        let file = run_blocking(move || {
+            let file = lock_shared_folders(&path)
+                .map_err(|e| format!("taking the lock {}: {e}", path.display()))?;
+            checkpoint
+                .refresh()
+                .map_err(|e| format!("reading the checkpoint: {e}"))?;
+            Ok(file)
+        })
+        .await?;
+        Ok(Some(Turn {
+            _file: file,
+            _local: local,
+        }))
     }
 
     /// Prepare every claim concurrently; each gets its own answer.
@@ -287,12 +366,20 @@ impl ClaimPreparer {
         &self,
         claims: Vec<ClaimRef>,
     ) -> Vec<(ClaimRef, Result<Vec<PreparedDevice>, String>)> {
+        let _turn = match self.take_turn().await {
+            Ok(turn) => turn,
+            Err(e) => return fail_all(claims, &e),
+        };
         let answers = futures::future::join_all(claims.iter().map(|c| self.prepare_claim(c))).await;
         claims.into_iter().zip(answers).collect()
     }
 
     /// Unprepare every claim concurrently; a claim this driver does not know is already unprepared.
     pub async fn unprepare(&self, claims: Vec<ClaimRef>) -> Vec<(ClaimRef, Result<(), String>)> {
+        let _turn = match self.take_turn().await {
+            Ok(turn) => turn,
+            Err(e) => return fail_all(claims, &e),
+        };
         let answers =
             futures::future::join_all(claims.iter().map(|c| self.unprepare_claim(c))).await;
         claims.into_iter().zip(answers).collect()
@@ -613,6 +700,14 @@ impl ClaimPreparer {
         }
         Ok(())
     }
+}
+
+/// The same error for every claim of a call that could not start.
+fn fail_all<T>(claims: Vec<ClaimRef>, error: &str) -> Vec<(ClaimRef, Result<T, String>)> {
+    claims
+        .into_iter()
+        .map(|c| (c, Err(error.to_string())))
+        .collect()
 }
 
 /// Run a blocking step (file system calls, a `flock` another driver process may hold for a

@@ -241,6 +241,7 @@ fn opts_under(top: &Path) -> PrepareOptions {
         vgpu_lib_dir: top.join("usr/local/vgpu"),
         fake_gpus: true,
         driver_libraries: DriverLibraries::None,
+        serialize_lock: None,
     }
 }
 
@@ -1188,4 +1189,100 @@ async fn real_gpu_driver_libraries_come_from_the_nvidia_cdi_spec() {
             assert!(error.contains("nvidia-ctk cdi generate"), "{error}");
         }
     }
+}
+
+/// Two instances on one node's folders, as a rolling update with surge runs them.
+async fn two_instances(node: &mut Node) -> (Arc<ClaimPreparer>, Arc<ClaimPreparer>) {
+    node.opts.serialize_lock = Some(node.top.join("plugins/serialize.lock"));
+    let old = node.start().await;
+    let new = node.start().await;
+    (old, new)
+}
+
+#[tokio::test]
+async fn either_instance_serves_a_claim_the_other_prepared() {
+    let mut node = Node::new();
+    node.api.add("train", fractional(UID_A));
+    node.api.add("infer", fractional(UID_B));
+    let (old, new) = two_instances(&mut node).await;
+
+    let first = old.prepare(vec![r("train", UID_A)]).await[0]
+        .1
+        .clone()
+        .unwrap();
+    let gets = node.api.gets.load(Ordering::SeqCst);
+    let again = new.prepare(vec![r("train", UID_A)]).await[0]
+        .1
+        .clone()
+        .unwrap();
+    assert_eq!(again, first, "the same answer from the other instance");
+    assert_eq!(
+        node.api.gets.load(Ordering::SeqCst),
+        gets,
+        "from the checkpoint, not a new prepare"
+    );
+
+    new.prepare(vec![r("infer", UID_B)]).await[0]
+        .1
+        .clone()
+        .unwrap();
+    let unprepared = new.unprepare(vec![r("train", UID_A)]).await;
+    assert!(unprepared[0].1.is_ok(), "{unprepared:?}");
+    assert!(!node.spec_path(UID_A).exists(), "its spec is gone");
+    assert!(!node.opts.run_dir.join("vgpu-cache").join(UID_A).exists());
+    assert_eq!(
+        node.cdi_files(),
+        BTreeSet::from([gpupool_api::names::cdi_spec_file_name(UID_B)]),
+        "one spec per prepared claim"
+    );
+
+    // The old instance learns of both changes at its next call.
+    let from_old = old.prepare(vec![r("infer", UID_B)]).await[0]
+        .1
+        .clone()
+        .unwrap();
+    assert_eq!(Some(from_old), new.prepared(UID_B).await);
+    assert_eq!(old.prepared(UID_A).await, None);
+    old.unprepare(vec![r("infer", UID_B)]).await[0]
+        .1
+        .clone()
+        .unwrap();
+    assert!(node.cdi_files().is_empty());
+    let saved = checkpoint::load(&node.opts.state_dir).unwrap().unwrap();
+    assert!(saved.claims.is_empty(), "{:?}", saved.claims.keys());
+}
+
+#[tokio::test]
+async fn an_instance_starting_beside_one_mid_prepare_keeps_its_files() {
+    let mut node = Node::new();
+    node.api.add("train", fractional(UID_A));
+    let (old, _) = two_instances(&mut node).await;
+    // The old instance's prepare waits on the API server while holding its turn.
+    let gate = Arc::new(Notify::new());
+    *node.api.gate.lock().unwrap() = Some(("train".into(), gate.clone()));
+    let preparing = tokio::spawn({
+        let old = old.clone();
+        async move { old.prepare(vec![r("train", UID_A)]).await }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    let starting = tokio::spawn({
+        let (opts, api) = (node.opts.clone(), node.api.clone());
+        async move {
+            let (_tx, rx) = watch::channel(BTreeMap::new());
+            ClaimPreparer::with_api(opts, Arc::new(inventory()), api, rx, "boot-1".into()).await
+        }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    assert!(
+        !starting.is_finished(),
+        "start-up waits for the other instance's call"
+    );
+    gate.notify_one();
+    let devices = preparing.await.unwrap()[0].1.clone().unwrap();
+    let started = starting.await.unwrap().unwrap();
+    assert!(
+        node.spec_path(UID_A).exists(),
+        "the sweep left the new claim's spec"
+    );
+    assert_eq!(started.prepared(UID_A).await, Some(devices));
 }
