@@ -210,8 +210,22 @@ fn serve_plugin_with_health(
     plugin: FakePlugin,
     health: Option<FakeHealth>,
 ) {
-    let reg_listener = UnixListener::bind(registry.join("fake.gpupool.dev-reg.sock")).unwrap();
-    let dra_listener = UnixListener::bind(plugin_dir.join("dra.sock")).unwrap();
+    serve_named_plugin(
+        &registry.join("fake.gpupool.dev-reg.sock"),
+        &plugin_dir.join("dra.sock"),
+        plugin,
+        health,
+    )
+}
+
+fn serve_named_plugin(
+    registration_socket: &Path,
+    dra_socket: &Path,
+    plugin: FakePlugin,
+    health: Option<FakeHealth>,
+) {
+    let reg_listener = UnixListener::bind(registration_socket).unwrap();
+    let dra_listener = UnixListener::bind(dra_socket).unwrap();
     tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(registration::registration_server::RegistrationServer::new(
@@ -330,6 +344,79 @@ async fn registers_with_v1_and_prepares_per_claim() {
         .as_ref()
         .unwrap_err()
         .contains("default/bad"));
+}
+
+/// A rolling update's two instances: the kubelet calls the newest, and when the newest goes
+/// away first (a failed upgrade), it falls back to the older one still serving.
+#[tokio::test]
+async fn the_newest_registration_wins_and_an_older_one_takes_over_when_it_goes() {
+    let dir = tempfile::tempdir().unwrap();
+    let registry = dir.path().join("registry");
+    std::fs::create_dir_all(&registry).unwrap();
+    let instance = |name: &str| {
+        let plugin_dir = dir.path().join(name);
+        std::fs::create_dir_all(&plugin_dir).unwrap();
+        let socket = registry.join(format!("fake.gpupool.dev-{name}-reg.sock"));
+        let endpoint = plugin_dir.join(format!("dra-{name}.sock"));
+        serve_named_plugin(
+            &socket,
+            &endpoint,
+            FakePlugin {
+                plugin_type: "DRAPlugin".into(),
+                endpoint: endpoint.clone(),
+                versions: BOTH.iter().map(|s| s.to_string()).collect(),
+                notified: Arc::new(Mutex::new(Vec::new())),
+            },
+            None,
+        );
+        (socket, endpoint)
+    };
+    let (socket_a, endpoint_a) = instance("a");
+    let kubelet = Kubelet::start(
+        offline_client(),
+        offline_kubelet_config(&registry, &["v1.DRAPlugin"]),
+    )
+    .await
+    .unwrap();
+    let first = kubelet
+        .wait_for_registration("fake.gpupool.dev", Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert_eq!(first.socket, socket_a);
+
+    let (socket_b, endpoint_b) = instance("b");
+    let registered = |socket: PathBuf| {
+        let kubelet = &kubelet;
+        async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+            loop {
+                let current = kubelet.registration("fake.gpupool.dev");
+                if current.as_ref().is_some_and(|r| r.socket == socket) {
+                    return current.unwrap();
+                }
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "still {current:?}, want {}",
+                    socket.display()
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    assert_eq!(registered(socket_b.clone()).await.endpoint, endpoint_b);
+
+    // B stops first: its socket goes, A's registration is used again, without A registering anew.
+    std::fs::remove_file(&socket_b).unwrap();
+    let back = registered(socket_a.clone()).await;
+    assert_eq!(back.endpoint, endpoint_a);
+    assert_eq!(back.sequence, first.sequence);
+    let claim = ClaimRef {
+        namespace: "default".into(),
+        name: "after-fallback".into(),
+        uid: "uid-after-fallback".into(),
+    };
+    let outcome = kubelet.prepare("fake.gpupool.dev", &[claim]).await.unwrap();
+    assert!(outcome["uid-after-fallback"].is_ok(), "{outcome:?}");
 }
 
 #[tokio::test]

@@ -252,7 +252,11 @@ struct State {
     /// Registry socket path -> its handshakes. Keyed by path, not by socket identity, as the
     /// kubelet's backoff is: a socket re-created at the same path waits out the backoff too.
     attempts: HashMap<PathBuf, RegistrationAttempts>,
+    /// The registration the kubelet calls, per driver: the newest.
     plugins: BTreeMap<String, Plugin>,
+    /// Older registrations of a driver still serving (a rolling update's old instance): when the
+    /// newest one's socket goes, the kubelet falls back to the newest of these.
+    standby: Vec<Registration>,
     rejections: Vec<Rejection>,
     health: BTreeMap<String, Vec<DeviceHealthReport>>,
     /// Driver -> (pool, device) -> health, merged over reports the way the kubelet's cache is, and
@@ -559,7 +563,7 @@ impl Inner {
         }
     }
 
-    fn forget_socket(&self, socket: &Path) {
+    fn forget_socket(self: &Arc<Self>, socket: &Path) {
         let mut state = self.state.lock().unwrap();
         state.seen_sockets.remove(socket);
         let drivers: Vec<String> = state
@@ -568,6 +572,7 @@ impl Inner {
             .filter(|(_, p)| p.registration.socket == socket)
             .map(|(d, _)| d.clone())
             .collect();
+        state.standby.retain(|r| r.socket != socket);
         for driver in drivers {
             if let Some(mut plugin) = state.plugins.remove(&driver) {
                 tracing::info!(node = %self.config.node_name, %driver, "plugin deregistered");
@@ -577,6 +582,35 @@ impl Inner {
             }
             state.health.remove(&driver);
             state.health_cache.remove(&driver);
+            let fallback = state
+                .standby
+                .iter()
+                .filter(|r| r.driver == driver)
+                .max_by_key(|r| r.sequence)
+                .cloned();
+            if let Some(reg) = fallback {
+                state.standby.retain(|r| r.socket != reg.socket);
+                tracing::info!(node = %self.config.node_name, %driver,
+                    socket = %reg.socket.display(), "falling back to an older registration");
+                let plugin = self.plugin_for(reg);
+                state.plugins.insert(driver, plugin);
+            }
+        }
+    }
+
+    /// The channel (and health stream, when advertised) of an accepted registration.
+    fn plugin_for(self: &Arc<Self>, registration: Registration) -> Plugin {
+        let channel = connect_unix_lazy(&registration.endpoint, self.config.call_timeout);
+        let health_task = registration.health_advertised.then(|| {
+            let inner = self.clone();
+            let driver = registration.driver.clone();
+            let endpoint = registration.endpoint.clone();
+            tokio::spawn(async move { inner.watch_health(driver, endpoint).await })
+        });
+        Plugin {
+            registration,
+            channel,
+            health_task,
         }
     }
 
@@ -628,27 +662,22 @@ impl Inner {
             Ok(reg) => {
                 tracing::info!(node = %self.config.node_name, driver = %reg.driver,
                     version = reg.version.short_name(), "plugin registered");
-                let channel = connect_unix_lazy(&reg.endpoint, self.config.call_timeout);
-                let health_task = reg.health_advertised.then(|| {
-                    let inner = self.clone();
-                    let driver = reg.driver.clone();
-                    let endpoint = reg.endpoint.clone();
-                    tokio::spawn(async move { inner.watch_health(driver, endpoint).await })
-                });
                 let mut state = self.state.lock().unwrap();
                 state.registrations_accepted += 1;
                 let mut reg = reg;
                 reg.sequence = state.registrations_accepted;
-                if let Some(mut old) = state.plugins.insert(
-                    reg.driver.clone(),
-                    Plugin {
-                        registration: reg,
-                        channel,
-                        health_task,
-                    },
-                ) {
+                state.standby.retain(|r| r.socket != reg.socket);
+                let plugin = self.plugin_for(reg);
+                if let Some(mut old) = state
+                    .plugins
+                    .insert(plugin.registration.driver.clone(), plugin)
+                {
                     if let Some(task) = old.health_task.take() {
                         task.abort();
+                    }
+                    let replaced_by = &state.plugins[&old.registration.driver].registration;
+                    if old.registration.socket != replaced_by.socket {
+                        state.standby.push(old.registration);
                     }
                 }
             }
