@@ -634,7 +634,12 @@ async fn a_rolling_update_hands_every_claim_over_without_a_gap() {
         wait_for(
             &format!("{pod}'s claim to be unprepared"),
             TIMEOUT,
-            || async { (!node.cdi_spec_path(&uid).exists()).then_some(()) },
+            // The spec goes first, the checkpoint entry last: the unprepare is over when both are.
+            || async {
+                let done = !node.cdi_spec_path(&uid).exists()
+                    && !checkpointed(&node.dirs.state).contains_key(&uid);
+                done.then_some(())
+            },
         )
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", new_pod.log()));
@@ -660,7 +665,12 @@ async fn a_rolling_update_hands_every_claim_over_without_a_gap() {
         wait_for(
             &format!("{pod}'s claim to be unprepared"),
             TIMEOUT,
-            || async { (!node.cdi_spec_path(&uid).exists()).then_some(()) },
+            // The spec goes first, the checkpoint entry last: the unprepare is over when both are.
+            || async {
+                let done = !node.cdi_spec_path(&uid).exists()
+                    && !checkpointed(&node.dirs.state).contains_key(&uid);
+                done.then_some(())
+            },
         )
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", new_pod.log()));
