@@ -1,10 +1,10 @@
-//! The prepare path's only window on the API server: fetch a claim, write its device status, post
-//! an Event. A trait so that unit tests run against an in-memory fake and the binary against kube.
+//! The prepare path's only window on the API server: fetch a claim (from the watch cache or with a
+//! quorum read), write its device status, post an Event. A trait so that unit tests run against an in-memory fake and the binary against kube.
 
 use futures::future::BoxFuture;
 use k8s_openapi::api::core::v1::Event;
 use k8s_openapi::api::resource::v1::{AllocatedDeviceStatus, ResourceClaim};
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::api::{Api, GetParams, Patch, PatchParams, PostParams};
 use thiserror::Error;
 
 #[derive(Debug, Error)]
@@ -18,11 +18,22 @@ pub enum ApiError {
     Other(String),
 }
 
+/// Where a read is served from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClaimRead {
+    /// The API server's watch cache (`resourceVersion=0`): about half the cost of a quorum read,
+    /// and possibly behind. See `claim::cached_copy_problem` for when such a copy is used.
+    Cached,
+    /// The current object, read through etcd.
+    Quorum,
+}
+
 pub trait ClaimApi: Send + Sync {
     fn get_claim<'a>(
         &'a self,
         namespace: &'a str,
         name: &'a str,
+        read: ClaimRead,
     ) -> BoxFuture<'a, Result<ResourceClaim, ApiError>>;
 
     /// Replace `status.devices` of the claim (the caller keeps other drivers' entries in the list),
@@ -63,10 +74,15 @@ impl ClaimApi for KubeClaimApi {
         &'a self,
         namespace: &'a str,
         name: &'a str,
+        read: ClaimRead,
     ) -> BoxFuture<'a, Result<ResourceClaim, ApiError>> {
         Box::pin(async move {
+            let params = match read {
+                ClaimRead::Cached => GetParams::any(),
+                ClaimRead::Quorum => GetParams::default(),
+            };
             Api::<ResourceClaim>::namespaced(self.client.clone(), namespace)
-                .get(name)
+                .get_with(name, &params)
                 .await
                 .map_err(api_error)
         })

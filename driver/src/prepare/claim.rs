@@ -208,6 +208,85 @@ pub fn check_claim(
     })
 }
 
+/// What identifies one allocation of a claim on this node: its devices with their share ids, in
+/// order. Allocations of consumable capacity get fresh share ids, so two allocations of one claim
+/// differ here even on the same devices.
+pub type AllocationId = Vec<(String, String, Option<String>)>;
+
+/// This driver's results for `pool` in the claim's allocation, as an [`AllocationId`].
+pub fn allocation_id(claim: &ResourceClaim, pool: &str) -> AllocationId {
+    claim
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .and_then(|a| a.devices.as_ref())
+        .and_then(|d| d.results.as_deref())
+        .unwrap_or(&[])
+        .iter()
+        .filter(|r| r.driver == DRIVER_NAME && r.pool == pool)
+        .map(|r| {
+            (
+                r.pool.clone(),
+                r.device.clone(),
+                r.share_id.clone().filter(|s| !s.is_empty()),
+            )
+        })
+        .collect()
+}
+
+/// Why a copy of the claim from the API server's watch cache must not be prepared from (the
+/// caller then reads it with quorum), or `None` when it may be.
+///
+/// The kubelet calls NodePrepareResources only after it has itself read the claim and found it
+/// allocated and reserved for a pod of this node. A cached copy is never newer than the object,
+/// and an allocation cannot change while it is set (the API server refuses such updates): it can
+/// only be removed, and a new one written later. So a cached copy that is allocated either holds
+/// the allocation the kubelet saw, or an earlier allocation of the same claim that has since been
+/// removed. The checks below refuse every copy that cannot be the kubelet's:
+/// - another UID: the claim was deleted and re-created under the same name;
+/// - being deleted, not allocated, or not reserved for anyone: the kubelet would not have called;
+/// - no result of this driver in this node's pool: an allocation for another node;
+/// - an allocation this driver has prepared and unprepared before (`unprepared`, the allocations
+///   of this claim unprepared since the driver started): a removed one, by its share ids.
+///
+/// What remains is an earlier allocation of this claim on this node that was reserved, never
+/// prepared here, then removed and replaced by another one on this node, all within the cache's
+/// delay (normally milliseconds, while that sequence takes a pod deletion, a deallocation and a
+/// scheduling cycle). That case is caught after the answer, not before: the status write that
+/// follows each prepare is conditional on the copy's resourceVersion, a stale copy makes it fail,
+/// and the quorum read that follows compares the allocations (see `ClaimPreparer`).
+pub fn cached_copy_problem(
+    claim_ref: &ClaimRef,
+    claim: &ResourceClaim,
+    pool: &str,
+    unprepared: &[AllocationId],
+) -> Option<&'static str> {
+    if claim.metadata.uid.as_deref() != Some(claim_ref.uid.as_str()) {
+        return Some("another UID");
+    }
+    if claim.metadata.deletion_timestamp.is_some() {
+        return Some("being deleted");
+    }
+    let status = claim.status.as_ref();
+    if status.and_then(|s| s.allocation.as_ref()).is_none() {
+        return Some("not allocated");
+    }
+    if status
+        .and_then(|s| s.reserved_for.as_ref())
+        .is_none_or(|r| r.is_empty())
+    {
+        return Some("not reserved");
+    }
+    let id = allocation_id(claim, pool);
+    if id.is_empty() {
+        return Some("no device of this node");
+    }
+    if unprepared.contains(&id) {
+        return Some("an allocation already unprepared");
+    }
+    None
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -259,7 +338,12 @@ pub(crate) mod tests {
             "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
             "metadata": {"name": "train", "namespace": "team-a", "uid": uid, "generation": 1},
             "spec": {"devices": {"requests": []}},
-            "status": {"allocation": {"devices": {"results": results, "config": config}}},
+            "status": {
+                "allocation": {"devices": {"results": results, "config": config}},
+                // The kubelet calls only for claims reserved for a pod of its node.
+                "reservedFor": [{"resource": "pods", "name": "train-0",
+                                 "uid": "9f1c2d3e-4b5a-4c6d-8e7f-000000000001"}],
+            },
         }))
         .unwrap()
     }
@@ -382,6 +466,80 @@ pub(crate) mod tests {
         assert_eq!(
             e.to_string(),
             "claim team-a/train: status.allocation.devices.config[1].opaque.parameters.memoryLimt: unknown field"
+        );
+    }
+
+    #[test]
+    fn a_cached_copy_is_used_only_when_it_can_be_the_allocation_the_kubelet_saw() {
+        let results: &[ResultSpec<'_>] = &[(
+            "gpu",
+            "node-a",
+            "gpu-0",
+            Some("3aef7919-0000-4000-8000-000000000001"),
+            Some("8Gi"),
+            Some("50"),
+        )];
+        let claim = allocated_claim(UID, results, json!(null));
+        let ours = claim_ref(UID);
+        assert_eq!(cached_copy_problem(&ours, &claim, "node-a", &[]), None);
+
+        assert_eq!(
+            cached_copy_problem(
+                &claim_ref("1c8d5b5a-7a2f-4b63-8e1f-7e2a4a8b6c21"),
+                &claim,
+                "node-a",
+                &[]
+            ),
+            Some("another UID")
+        );
+        assert_eq!(
+            cached_copy_problem(&ours, &claim, "node-b", &[]),
+            Some("no device of this node")
+        );
+        let mut unreserved = claim.clone();
+        unreserved.status.as_mut().unwrap().reserved_for = None;
+        assert_eq!(
+            cached_copy_problem(&ours, &unreserved, "node-a", &[]),
+            Some("not reserved")
+        );
+        let mut unallocated = claim.clone();
+        unallocated.status.as_mut().unwrap().allocation = None;
+        assert_eq!(
+            cached_copy_problem(&ours, &unallocated, "node-a", &[]),
+            Some("not allocated")
+        );
+        let mut deleting = claim.clone();
+        deleting.metadata.deletion_timestamp =
+            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                "2026-01-01T00:00:00Z".parse().unwrap(),
+            ));
+        assert_eq!(
+            cached_copy_problem(&ours, &deleting, "node-a", &[]),
+            Some("being deleted")
+        );
+
+        // An allocation prepared and unprepared before is a removed one, even on the same device:
+        // the next allocation has another share id.
+        let earlier = allocation_id(&claim, "node-a");
+        assert_eq!(
+            cached_copy_problem(&ours, &claim, "node-a", std::slice::from_ref(&earlier)),
+            Some("an allocation already unprepared")
+        );
+        let next = allocated_claim(
+            UID,
+            &[(
+                "gpu",
+                "node-a",
+                "gpu-0",
+                Some("3aef7919-0000-4000-8000-000000000002"),
+                Some("8Gi"),
+                Some("50"),
+            )],
+            json!(null),
+        );
+        assert_eq!(
+            cached_copy_problem(&ours, &next, "node-a", &[earlier]),
+            None
         );
     }
 }

@@ -34,9 +34,10 @@ use k8s_openapi::jiff::Timestamp;
 use thiserror::Error;
 use tokio::sync::watch;
 
-use self::api::{ApiError, ClaimApi, KubeClaimApi};
+use self::api::{ApiError, ClaimApi, ClaimRead, KubeClaimApi};
 use self::cdi::{HostLayout, SpecDevice};
 use self::checkpoint::{Change, CheckpointData, ClaimEntry, ClaimState};
+use self::claim::AllocationId;
 use self::fault::fault_point;
 pub use self::nvidia_cdi::DriverLibraries;
 
@@ -137,7 +138,7 @@ pub struct ClaimPreparer {
     checkpoint: Arc<checkpoint::Store>,
     claim_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     status_writes: StatusQueue,
-    written_status: WrittenStatus,
+    unprepared: UnpreparedAllocations,
     warned_missing_lib: AtomicBool,
     /// Taken before the lock file, so that this process's own calls queue here rather than each
     /// holding a blocking thread in `flock` (the threads the call holding the lock needs).
@@ -176,34 +177,35 @@ fn lock_shared_folders(path: &Path) -> std::io::Result<std::fs::File> {
     }
 }
 
-/// Per claim UID: the resourceVersion our last status write left the claim at, and the other
-/// drivers' entries of the list it wrote (usually none). While nobody else writes the claim,
-/// unprepare writes those back with one request instead of reading the claim first.
-#[derive(Default, Clone)]
-struct WrittenStatus(Arc<Mutex<HashMap<String, StatusWrite>>>);
+/// The allocations unprepared since start, newest last, so that a watch-cache copy still showing
+/// one of them is recognised as stale (see [`claim::cached_copy_problem`]). Bounded: a claim is
+/// re-allocated within seconds of its unprepare, if ever, and the cache is behind by far less.
+#[derive(Default)]
+struct UnpreparedAllocations(Mutex<std::collections::VecDeque<(String, AllocationId)>>);
 
-/// A claim's resourceVersion after our write, and the `status.devices` entries not ours in it.
-type StatusWrite = (String, Vec<AllocatedDeviceStatus>);
+const UNPREPARED_KEPT: usize = 1024;
 
-impl WrittenStatus {
-    fn record(&self, uid: &str, version: String, others: Vec<AllocatedDeviceStatus>) {
-        self.0
-            .lock()
-            .expect("written status is never poisoned")
-            .insert(uid.to_string(), (version, others));
+impl UnpreparedAllocations {
+    fn record(&self, uid: &str, id: AllocationId) {
+        let mut list = self.0.lock().expect("never poisoned");
+        if list.len() == UNPREPARED_KEPT {
+            list.pop_front();
+        }
+        list.push_back((uid.to_string(), id));
     }
 
-    fn take(&self, uid: &str) -> Option<StatusWrite> {
-        self.0
-            .lock()
-            .expect("written status is never poisoned")
-            .remove(uid)
+    fn of(&self, uid: &str) -> Vec<AllocationId> {
+        let list = self.0.lock().expect("never poisoned");
+        list.iter()
+            .filter(|(u, _)| u == uid)
+            .map(|(_, id)| id.clone())
+            .collect()
     }
 }
 
 /// The claims' `status.devices` writes, off the kubelet's critical path: each claim's writes run
-/// in spawned tasks chained one after the other, so a later unprepare's clear never gets
-/// overtaken by an earlier prepare's write of the same claim. Claims do not wait for each other.
+/// in spawned tasks chained one after the other, so a re-prepare's write never gets overtaken by
+/// an earlier one of the same claim. Claims do not wait for each other.
 /// The last write queued for a claim: its sequence number and task.
 type QueueTail = (u64, tokio::task::JoinHandle<()>);
 
@@ -332,7 +334,7 @@ impl ClaimPreparer {
             checkpoint,
             claim_locks: Mutex::new(HashMap::new()),
             status_writes: StatusQueue::default(),
-            written_status: WrittenStatus::default(),
+            unprepared: UnpreparedAllocations::default(),
             warned_missing_lib: AtomicBool::new(false),
             turn: Arc::default(),
         })
@@ -496,27 +498,7 @@ impl ClaimPreparer {
 
     async fn prepare_fresh(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, String> {
         let claim_name = format!("{}/{}", claim.namespace, claim.name);
-        let object = match tokio::time::timeout(
-            API_READ_TIMEOUT,
-            self.api.get_claim(&claim.namespace, &claim.name),
-        )
-        .await
-        {
-            Ok(Ok(object)) => object,
-            Ok(Err(ApiError::NotFound)) => {
-                return Err(format!("claim {claim_name}: not found in the API server"))
-            }
-            Ok(Err(e)) => {
-                return Err(format!(
-                    "claim {claim_name}: cannot read it from the API server: {e}"
-                ))
-            }
-            Err(_) => {
-                return Err(format!(
-                    "claim {claim_name}: reading it from the API server timed out"
-                ))
-            }
-        };
+        let object = self.read_claim(claim, &claim_name).await?;
         let pool = self.opts.node_name.as_str();
         let allocation =
             claim::check_claim(claim, &object, pool, &self.inventory).map_err(|e| e.to_string())?;
@@ -630,32 +612,64 @@ impl ClaimPreparer {
                 )
             })
             .collect();
-        let list = status::merge_device_status(&allocation.device_status, pool, ours);
-        let others = status::merge_device_status(&list, pool, Vec::new());
-        let (api, namespace, name, written) = (
-            self.api.clone(),
-            claim.namespace.clone(),
-            claim.name.clone(),
-            self.written_status.clone(),
-        );
-        let status_uid = uid.clone();
-        self.status_writes.push(&uid, async move {
-            match tokio::time::timeout(
-                API_WRITE_TIMEOUT,
-                api.write_device_status(&namespace, &name, list, None),
-            )
-            .await
-            {
-                Ok(Ok(version)) => written.record(&status_uid, version, others),
-                Ok(Err(e)) => {
-                    tracing::warn!(claim = %claim_name, error = %e, "prepared, but writing the claim's device status failed")
-                }
-                Err(_) => {
-                    tracing::warn!(claim = %claim_name, "prepared, but writing the claim's device status timed out")
+        let write = StatusWrite {
+            api: self.api.clone(),
+            checkpoint: self.checkpoint.clone(),
+            claim: claim.clone(),
+            pool: pool.to_string(),
+            ours,
+            prepared_from: claim::allocation_id(&object, pool),
+            existing: allocation.device_status,
+            based_on: object.metadata.resource_version.clone(),
+        };
+        self.status_writes.push(&uid, write.run());
+        Ok(devices)
+    }
+
+    /// The claim as the API server has it: from its watch cache when that copy can only be the
+    /// allocation the kubelet saw (see [`claim::cached_copy_problem`]), else with a quorum read.
+    async fn read_claim(
+        &self,
+        claim: &ClaimRef,
+        claim_name: &str,
+    ) -> Result<k8s_openapi::api::resource::v1::ResourceClaim, String> {
+        let pool = self.opts.node_name.as_str();
+        match self.get_claim(claim, ClaimRead::Cached).await {
+            Ok(copy) => {
+                let problem =
+                    claim::cached_copy_problem(claim, &copy, pool, &self.unprepared.of(&claim.uid));
+                match problem {
+                    None => return Ok(copy),
+                    Some(why) => {
+                        tracing::debug!(claim = %claim_name, why, "cached copy not usable; reading with quorum")
+                    }
                 }
             }
-        });
-        Ok(devices)
+            Err(e) => {
+                tracing::debug!(claim = %claim_name, error = %e, "no cached copy; reading with quorum")
+            }
+        }
+        self.get_claim(claim, ClaimRead::Quorum)
+            .await
+            .map_err(|e| format!("claim {claim_name}: {e}"))
+    }
+
+    async fn get_claim(
+        &self,
+        claim: &ClaimRef,
+        read: ClaimRead,
+    ) -> Result<k8s_openapi::api::resource::v1::ResourceClaim, String> {
+        match tokio::time::timeout(
+            API_READ_TIMEOUT,
+            self.api.get_claim(&claim.namespace, &claim.name, read),
+        )
+        .await
+        {
+            Ok(Ok(object)) => Ok(object),
+            Ok(Err(ApiError::NotFound)) => Err("not found in the API server".to_string()),
+            Ok(Err(e)) => Err(format!("cannot read it from the API server: {e}")),
+            Err(_) => Err("reading it from the API server timed out".to_string()),
+        }
     }
 
     /// What prepare and unprepare write for one claim.
@@ -678,27 +692,39 @@ impl ClaimPreparer {
         result
     }
 
+    /// Files and checkpoint entry only: no API request. The claim's `status.devices` entries go
+    /// with its allocation (the API server drops them when the allocation is removed), and an
+    /// unprepare must work while the API server is away.
     async fn unprepare_locked(&self, claim: &ClaimRef) -> Result<(), String> {
-        let known = self
+        let entry = self
             .checkpoint
-            .read(|data| data.claims.contains_key(&claim.uid));
+            .read(|data| data.claims.get(&claim.uid).cloned());
+        let known = entry.is_some();
 
         let files = self.claim_files(&claim.uid);
         run_blocking(move || files.unprepare(known))
             .await
             .map_err(|e| format!("claim {}/{}: {e}", claim.namespace, claim.name))?;
-        if known {
-            self.status_writes.push(
-                &claim.uid,
-                clear_device_status(
-                    self.api.clone(),
-                    self.opts.node_name.clone(),
-                    claim.clone(),
-                    self.written_status.clone(),
-                ),
-            );
+        if let Some(entry) = entry.filter(|e| !e.devices.is_empty()) {
+            let id = entry
+                .devices
+                .iter()
+                .map(|d| {
+                    (
+                        d.pool_name.clone(),
+                        d.device_name.clone(),
+                        d.share_id.clone(),
+                    )
+                })
+                .collect();
+            self.unprepared.record(&claim.uid, id);
         }
         Ok(())
+    }
+
+    /// Reads the checkpoint as this instance holds it (metrics, computed at scrape time).
+    pub fn read_checkpoint<R>(&self, f: impl FnOnce(&CheckpointData) -> R) -> R {
+        self.checkpoint.read(f)
     }
 }
 
@@ -791,45 +817,99 @@ impl ClaimFiles {
     }
 }
 
-/// Best effort: unprepare must work while the API server is away.
-async fn clear_device_status(
+/// The one `status.devices` write of a prepare, after the kubelet has its answer.
+struct StatusWrite {
     api: Arc<dyn ClaimApi>,
-    pool: String,
+    checkpoint: Arc<checkpoint::Store>,
     claim: ClaimRef,
-    written: WrittenStatus,
-) {
-    let work = async {
-        // Taken here, behind the claim's earlier status writes: the prepare's write is done.
-        if let Some((version, others)) = written.take(&claim.uid) {
-            match api
-                .write_device_status(&claim.namespace, &claim.name, others, Some(version))
-                .await
-            {
-                Err(ApiError::Conflict) => {} // Someone else wrote it since: read it first.
-                other => return other.map(|_| ()),
+    pool: String,
+    ours: Vec<AllocatedDeviceStatus>,
+    /// The allocation the devices were prepared from.
+    prepared_from: AllocationId,
+    /// `status.devices` of the copy prepared from (other drivers' entries are kept).
+    existing: Vec<AllocatedDeviceStatus>,
+    /// That copy's resourceVersion: the write is conditional on it.
+    based_on: Option<String>,
+}
+
+impl StatusWrite {
+    /// Best effort, within [`API_WRITE_TIMEOUT`]. Conditional on the copy prepared from being
+    /// current, which also checks a copy taken from the watch cache: a stale one fails the write,
+    /// the claim is read with quorum, and its allocation compared with the one prepared.
+    async fn run(self) {
+        let name = format!("{}/{}", self.claim.namespace, self.claim.name);
+        match tokio::time::timeout(API_WRITE_TIMEOUT, self.write()).await {
+            Ok(Ok(())) | Ok(Err(ApiError::NotFound)) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(claim = %name, error = %e, "prepared, but writing the claim's device status failed")
+            }
+            Err(_) => {
+                tracing::warn!(claim = %name, "prepared, but writing the claim's device status timed out")
             }
         }
-        let object = api.get_claim(&claim.namespace, &claim.name).await?;
-        if object.metadata.uid.as_deref() != Some(claim.uid.as_str()) {
+    }
+
+    fn still_prepared(&self) -> bool {
+        self.checkpoint.read(|data| {
+            data.claims
+                .get(&self.claim.uid)
+                .is_some_and(|e| e.state == ClaimState::PrepareCompleted)
+        })
+    }
+
+    async fn write(self) -> Result<(), ApiError> {
+        // Unprepared meanwhile (a pod deleted at once): nothing to tell, and no request spent.
+        if !self.still_prepared() {
             return Ok(());
         }
-        let existing = object.status.and_then(|s| s.devices).unwrap_or_default();
-        if !status::has_our_entries(&existing, &pool) {
+        let (namespace, name) = (&self.claim.namespace, &self.claim.name);
+        let list = status::merge_device_status(&self.existing, &self.pool, self.ours.clone());
+        match self
+            .api
+            .write_device_status(namespace, name, list, self.based_on.clone())
+            .await
+        {
+            Err(ApiError::Conflict) => {}
+            other => return other.map(|_| ()),
+        }
+        // The claim changed since the copy prepared from (its reservations, another driver's
+        // status, or the copy came from a cache that was behind).
+        let current = self
+            .api
+            .get_claim(namespace, name, ClaimRead::Quorum)
+            .await?;
+        if current.metadata.uid.as_deref() != Some(self.claim.uid.as_str()) {
             return Ok(());
         }
-        let list = status::merge_device_status(&existing, &pool, Vec::new());
-        api.write_device_status(&claim.namespace, &claim.name, list, None)
+        let now = claim::allocation_id(&current, &self.pool);
+        if now.is_empty() {
+            return Ok(()); // Deallocated: nothing to report on.
+        }
+        if now != self.prepared_from {
+            tracing::error!(
+                claim = %format!("{namespace}/{name}"),
+                prepared = ?self.prepared_from,
+                current = ?now,
+                "the claim was prepared from a copy that was not current: its allocation has \
+                 changed; delete the pod so that the kubelet prepares the claim again"
+            );
+            return Err(ApiError::Other(
+                "prepared from an allocation that is no longer the claim's".into(),
+            ));
+        }
+        if !self.still_prepared() {
+            return Ok(());
+        }
+        let existing = current
+            .status
+            .as_ref()
+            .and_then(|s| s.devices.clone())
+            .unwrap_or_default();
+        let list = status::merge_device_status(&existing, &self.pool, self.ours);
+        self.api
+            .write_device_status(namespace, name, list, current.metadata.resource_version)
             .await
             .map(|_| ())
-    };
-    match tokio::time::timeout(API_WRITE_TIMEOUT, work).await {
-        Ok(Ok(())) | Ok(Err(ApiError::NotFound)) => {}
-        Ok(Err(e)) => {
-            tracing::info!(uid = %claim.uid, error = %e, "could not clear the claim's device status")
-        }
-        Err(_) => {
-            tracing::info!(uid = %claim.uid, "clearing the claim's device status timed out")
-        }
     }
 }
 

@@ -11,7 +11,7 @@ use k8s_openapi::api::resource::v1::{AllocatedDeviceStatus, ResourceClaim};
 use serde_json::json;
 use tokio::sync::{watch, Notify};
 
-use super::api::{ApiError, ClaimApi};
+use super::api::{ApiError, ClaimApi, ClaimRead};
 use super::checkpoint::{self, ClaimState};
 use super::claim::tests::{allocated_claim, inventory};
 use super::*;
@@ -29,7 +29,12 @@ struct FakeApi {
     fail_status_writes: AtomicBool,
     /// Milliseconds each status write waits before it lands (a slow API server).
     status_write_delay_ms: std::sync::atomic::AtomicU64,
+    /// Reads of any kind, and of those the quorum reads.
     gets: AtomicUsize,
+    quorum_gets: AtomicUsize,
+    status_writes: AtomicUsize,
+    /// What the watch cache serves instead of the current object, when set (a cache behind).
+    cache: Mutex<HashMap<(String, String), ResourceClaim>>,
     events: Mutex<Vec<Event>>,
     /// A claim name whose read waits until notified.
     gate: Mutex<Option<(String, Arc<Notify>)>>,
@@ -39,6 +44,14 @@ impl FakeApi {
     fn add(&self, name: &str, claim: ResourceClaim) {
         let mut claim = claim;
         claim.metadata.name = Some(name.into());
+        let previous = self
+            .claims
+            .lock()
+            .unwrap()
+            .get(&("team-a".to_string(), name.to_string()))
+            .and_then(|c| c.metadata.resource_version.clone());
+        claim.metadata.resource_version = previous;
+        FakeApi::bump_version(&mut claim);
         self.claims
             .lock()
             .unwrap()
@@ -101,6 +114,7 @@ impl ClaimApi for FakeApi {
         &'a self,
         namespace: &'a str,
         name: &'a str,
+        read: ClaimRead,
     ) -> BoxFuture<'a, Result<ResourceClaim, ApiError>> {
         Box::pin(async move {
             let gate = self.gate.lock().unwrap().clone();
@@ -113,10 +127,16 @@ impl ClaimApi for FakeApi {
                 return Err(ApiError::Other("connection refused".into()));
             }
             self.gets.fetch_add(1, Ordering::SeqCst);
+            let key = (namespace.to_string(), name.to_string());
+            if read == ClaimRead::Quorum {
+                self.quorum_gets.fetch_add(1, Ordering::SeqCst);
+            } else if let Some(stale) = self.cache.lock().unwrap().get(&key) {
+                return Ok(stale.clone());
+            }
             self.claims
                 .lock()
                 .unwrap()
-                .get(&(namespace.to_string(), name.to_string()))
+                .get(&key)
                 .cloned()
                 .ok_or(ApiError::NotFound)
         })
@@ -137,6 +157,7 @@ impl ClaimApi for FakeApi {
             if self.down.load(Ordering::SeqCst) || self.fail_status_writes.load(Ordering::SeqCst) {
                 return Err(ApiError::Other("connection refused".into()));
             }
+            self.status_writes.fetch_add(1, Ordering::SeqCst);
             let mut claims = self.claims.lock().unwrap();
             let claim = claims
                 .get_mut(&(namespace.to_string(), name.to_string()))
@@ -629,9 +650,10 @@ async fn unprepare_removes_everything_and_works_without_the_api() {
     assert!(!node.spec_path(UID_A).exists());
     assert!(!cache_a.exists());
     preparer.flush_status_writes().await;
-    assert!(
-        node.api.device_status("train").is_empty(),
-        "our status entries are cleared"
+    assert_eq!(
+        node.api.device_status("train").len(),
+        1,
+        "the status stays until the API server drops it with the allocation"
     );
     assert!(preparer.prepared(UID_A).await.is_none());
 
@@ -658,42 +680,146 @@ async fn unprepare_removes_everything_and_works_without_the_api() {
 }
 
 #[tokio::test]
-async fn unprepare_clears_the_status_without_reading_the_claim_unless_it_changed() {
+async fn a_claim_lifecycle_costs_one_cached_read_and_one_status_write() {
     let node = Node::new();
     let preparer = two_prepared_claims(&node).await;
     preparer.flush_status_writes().await;
     assert_eq!(node.api.device_status("train").len(), 1);
-    assert_eq!(
-        node.api.gets.load(Ordering::SeqCst),
-        2,
-        "one read per prepare"
-    );
+    let reads = |api: &FakeApi| {
+        (
+            api.gets.load(Ordering::SeqCst),
+            api.quorum_gets.load(Ordering::SeqCst),
+        )
+    };
+    assert_eq!(reads(&node.api), (2, 0), "one cached read per prepare");
+    assert_eq!(node.api.status_writes.load(Ordering::SeqCst), 2);
 
-    // Nobody else wrote the claim since our status: cleared in one write, no read.
-    preparer.unprepare(vec![r("train", UID_A)]).await[0]
-        .1
-        .clone()
-        .unwrap();
+    // Unprepare asks nothing of the API server.
+    for (name, uid) in [("train", UID_A), ("other", UID_B)] {
+        preparer.unprepare(vec![r(name, uid)]).await[0]
+            .1
+            .clone()
+            .unwrap();
+    }
     preparer.flush_status_writes().await;
-    assert!(node.api.device_status("train").is_empty());
-    assert_eq!(node.api.gets.load(Ordering::SeqCst), 2);
+    assert_eq!(reads(&node.api), (2, 0));
+    assert_eq!(node.api.status_writes.load(Ordering::SeqCst), 2);
+}
 
-    // Another driver added its entry since: our write based on the old version is refused, the
-    // claim is read, and only our entry goes.
+#[tokio::test]
+async fn a_status_write_that_finds_the_claim_changed_reads_it_and_keeps_other_entries() {
+    let node = Node::new();
+    node.api.add("train", fractional(UID_A));
+    // Another driver wrote its entry after the copy the prepare reads was taken.
+    let copy =
+        node.api.claims.lock().unwrap()[&("team-a".to_string(), "train".to_string())].clone();
+    node.api
+        .cache
+        .lock()
+        .unwrap()
+        .insert(("team-a".into(), "train".into()), copy);
     let foreign = AllocatedDeviceStatus {
         driver: "other.example.com".into(),
         pool: "node-a".into(),
         device: "nic-0".into(),
         ..Default::default()
     };
-    node.api.add_foreign_status("other", foreign.clone());
-    preparer.unprepare(vec![r("other", UID_B)]).await[0]
+    node.api.add_foreign_status("train", foreign.clone());
+    let preparer = node.start().await;
+    assert!(preparer.prepare(vec![r("train", UID_A)]).await[0].1.is_ok());
+    preparer.flush_status_writes().await;
+    let status = node.api.device_status("train");
+    assert_eq!(status.len(), 2, "{status:?}");
+    assert!(status.contains(&foreign));
+    assert_eq!(node.api.quorum_gets.load(Ordering::SeqCst), 1);
+    assert_eq!(node.api.status_writes.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn a_cached_copy_of_an_allocation_already_unprepared_is_read_again_with_quorum() {
+    let node = Node::new();
+    node.api.add("train", fractional(UID_A));
+    let preparer = node.start().await;
+    let first = preparer.prepare(vec![r("train", UID_A)]).await[0]
+        .1
+        .clone()
+        .unwrap();
+    preparer.unprepare(vec![r("train", UID_A)]).await[0]
         .1
         .clone()
         .unwrap();
     preparer.flush_status_writes().await;
-    assert_eq!(node.api.device_status("other"), vec![foreign]);
-    assert_eq!(node.api.gets.load(Ordering::SeqCst), 3);
+
+    // The claim was deallocated and allocated again on this node: same device, new share. The
+    // watch cache still serves the old allocation.
+    let old = node.api.claims.lock().unwrap()[&("team-a".to_string(), "train".to_string())].clone();
+    node.api
+        .cache
+        .lock()
+        .unwrap()
+        .insert(("team-a".into(), "train".into()), old);
+    node.api.add(
+        "train",
+        allocated_claim(
+            UID_A,
+            &[("gpu", NODE, "gpu-0", Some("c3d4"), Some("4Gi"), Some("25"))],
+            json!([]),
+        ),
+    );
+    let quorum_before = node.api.quorum_gets.load(Ordering::SeqCst);
+    let second = preparer.prepare(vec![r("train", UID_A)]).await[0]
+        .1
+        .clone()
+        .unwrap();
+    assert_eq!(
+        node.api.quorum_gets.load(Ordering::SeqCst),
+        quorum_before + 1
+    );
+    assert_eq!(first[0].share_id.as_deref(), Some("a1b2"));
+    assert_eq!(
+        second[0].share_id.as_deref(),
+        Some("c3d4"),
+        "the current allocation"
+    );
+    let env = &node.spec(UID_A).devices[0].container_edits.env;
+    assert!(
+        env.contains(&"CUDA_DEVICE_MEMORY_LIMIT_0=4096m".to_string()),
+        "{env:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_stale_copy_the_rule_cannot_see_is_caught_by_the_status_write() {
+    let node = Node::new();
+    // Reserved and allocated on this node, never prepared here, since replaced by another
+    // allocation of this node: the one case a cached copy can pass for the current one.
+    let mut earlier = allocated_claim(
+        UID_A,
+        &[("gpu", NODE, "gpu-0", Some("e1e1"), Some("8Gi"), Some("50"))],
+        json!([]),
+    );
+    earlier.metadata.resource_version = Some("1".into());
+    node.api.add("train", fractional(UID_A));
+    node.api
+        .cache
+        .lock()
+        .unwrap()
+        .insert(("team-a".into(), "train".into()), earlier);
+    FakeApi::bump_version(
+        node.api
+            .claims
+            .lock()
+            .unwrap()
+            .get_mut(&("team-a".to_string(), "train".to_string()))
+            .unwrap(),
+    );
+    let preparer = node.start().await;
+    assert!(preparer.prepare(vec![r("train", UID_A)]).await[0].1.is_ok());
+    preparer.flush_status_writes().await;
+    // The conditional write failed, the quorum read showed another allocation: no status that
+    // would claim the claim is ready on devices it was not prepared for.
+    assert!(node.api.device_status("train").is_empty());
+    assert_eq!(node.api.quorum_gets.load(Ordering::SeqCst), 1);
 }
 
 #[tokio::test]
@@ -733,7 +859,7 @@ async fn a_failing_status_write_does_not_fail_the_prepare() {
 }
 
 #[tokio::test]
-async fn the_answer_does_not_wait_for_the_status_and_a_quick_unprepare_still_clears_it() {
+async fn the_answer_does_not_wait_for_the_status_and_a_quick_unprepare_writes_nothing() {
     let node = Node::new();
     node.api.add("train", fractional(UID_A));
     node.api.status_write_delay_ms.store(300, Ordering::SeqCst);
@@ -745,12 +871,11 @@ async fn the_answer_does_not_wait_for_the_status_and_a_quick_unprepare_still_cle
         "prepare waited for the status write: {:?}",
         started.elapsed()
     );
-    // The prepare's write is still in flight: the clear must come after it, not before.
     assert!(preparer.unprepare(vec![r("train", UID_A)]).await[0]
         .1
         .is_ok());
     preparer.flush_status_writes().await;
-    assert!(node.api.device_status("train").is_empty());
+    assert!(node.api.status_writes.load(Ordering::SeqCst) <= 1);
 
     node.api.status_write_delay_ms.store(0, Ordering::SeqCst);
     assert!(preparer.prepare(vec![r("train", UID_A)]).await[0].1.is_ok());

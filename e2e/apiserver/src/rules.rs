@@ -179,6 +179,30 @@ fn device_key(value: &Value) -> (String, String, String, Option<String>) {
     )
 }
 
+/// What the real server does to a claim update before validating it: `status.devices` entries of
+/// devices the update deallocates are dropped, so a driver's status disappears with its allocation
+/// without any write of the driver's.
+pub fn drop_deallocated_status_devices(old: &Value, new: &mut Value) {
+    let results = |claim: &Value| -> BTreeSet<_> {
+        claim
+            .pointer("/status/allocation/devices/results")
+            .and_then(Value::as_array)
+            .map(|results| results.iter().map(device_key).collect())
+            .unwrap_or_default()
+    };
+    let (before, after) = (results(old), results(new));
+    let gone: BTreeSet<_> = before.difference(&after).collect();
+    if gone.is_empty() {
+        return;
+    }
+    if let Some(devices) = new
+        .pointer_mut("/status/devices")
+        .and_then(Value::as_array_mut)
+    {
+        devices.retain(|d| !gone.contains(&device_key(d)));
+    }
+}
+
 /// What a ResourceClaim's status may hold, given the status before the write (None on create).
 pub fn validate_claim_status(old: Option<&Value>, new: &Value) -> Causes {
     let mut causes = Vec::new();
@@ -445,6 +469,28 @@ mod tests {
             fields(validate_claim_status(None, &claim)),
             ["status.devices[0]"]
         );
+    }
+
+    #[test]
+    fn deallocation_drops_the_status_of_the_deallocated_devices_only() {
+        let mut old = allocated_claim();
+        old["status"]["devices"] = json!([
+            {"driver": "gpupool.dev", "pool": "node-a", "device": "gpu-0", "shareID": "s1"},
+            {"driver": "other.dev", "pool": "node-a", "device": "nic-0"}]);
+        let mut new = old.clone();
+        new["status"]["allocation"] = Value::Null;
+        new["status"]["reservedFor"] = json!([]);
+        drop_deallocated_status_devices(&old, &mut new);
+        // The other driver's entry names no device of the allocation: validation still refuses it,
+        // as the real server does.
+        assert_eq!(
+            new["status"]["devices"],
+            json!([{"driver": "other.dev", "pool": "node-a", "device": "nic-0"}])
+        );
+        let mut unchanged = old.clone();
+        unchanged["status"]["reservedFor"] = json!([{"resource": "pods", "name": "p", "uid": "u"}]);
+        drop_deallocated_status_devices(&old, &mut unchanged);
+        assert_eq!(unchanged["status"]["devices"], old["status"]["devices"]);
     }
 
     #[test]

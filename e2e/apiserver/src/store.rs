@@ -740,6 +740,7 @@ impl Store {
             Vec::new()
         };
         if def.group == "resource.k8s.io" && def.kind == "ResourceClaim" {
+            rules::drop_deallocated_status_devices(&existing, &mut updated);
             causes.extend(rules::validate_claim_status(Some(&existing), &updated));
         }
         causes.extend(rules::validate_finalizers(&existing, &updated));
