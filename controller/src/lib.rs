@@ -6,6 +6,7 @@
 pub mod crds;
 pub mod duration;
 pub mod leader;
+pub mod metrics;
 pub mod models;
 pub mod plan;
 pub mod profiles;

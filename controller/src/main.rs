@@ -6,6 +6,7 @@ use anyhow::Context;
 use clap::{ArgAction, Parser, Subcommand, ValueEnum};
 use gpupool_controller::duration::parse_duration;
 use gpupool_controller::leader::{LeaderElector, Leadership, LeaseConfig};
+use gpupool_controller::metrics::{self, ControllerMetrics};
 use gpupool_controller::reconcile::{self, Reconciler, Settings};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use tracing::info;
@@ -71,6 +72,10 @@ struct RunArgs {
     install_crds: bool,
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
+    /// Address of the Prometheus endpoint (GET /metrics): `host:port`, `:port` for every address,
+    /// or empty to turn it off.
+    #[arg(long, env = "METRICS_ADDR", default_value = ":9465", value_parser = metrics::parse_listen_addr)]
+    metrics_addr: metrics::ListenAddr,
 }
 
 fn init_logging(format: LogFormat) {
@@ -141,6 +146,10 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     init_logging(args.log_format);
     let identity = args.identity.clone().unwrap_or_else(default_identity);
     let client = client(args.kubeconfig.as_ref(), &identity).await?;
+    let metrics_listener = match args.metrics_addr.0 {
+        Some(addr) => Some(metrics::bind(addr).await?),
+        None => None,
+    };
     if args.install_crds {
         reconcile::install_crds(&client).await?;
     }
@@ -168,15 +177,26 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     } else {
         (Leadership::always(), None)
     };
-    let reconciler = Arc::new(Reconciler::new(
-        client,
-        leadership,
-        Settings {
-            extended_resources: args.extended_resources,
-            resync: args.resync,
-            ..Settings::default()
-        },
-    ));
+    let controller_metrics = Arc::new(ControllerMetrics::new());
+    let metrics_task = metrics_listener.map(|listener| {
+        tokio::spawn(metrics::serve(
+            listener,
+            controller_metrics.clone(),
+            stopped.clone(),
+        ))
+    });
+    let reconciler = Arc::new(
+        Reconciler::new(
+            client,
+            leadership,
+            Settings {
+                extended_resources: args.extended_resources,
+                resync: args.resync,
+                ..Settings::default()
+            },
+        )
+        .with_metrics(controller_metrics),
+    );
     let controller = tokio::spawn(reconciler.run(stopped));
 
     shutdown_signal().await;
@@ -185,6 +205,11 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let _ = controller.await;
     if let Some(elector) = elector {
         let _ = elector.await;
+    }
+    if let Some(task) = metrics_task {
+        if let Ok(Err(e)) = task.await {
+            tracing::warn!(error = format!("{e:#}"), "metrics endpoint");
+        }
     }
     Ok(())
 }

@@ -27,6 +27,7 @@ use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use crate::leader::Leadership;
+use crate::metrics::ControllerMetrics;
 use crate::models::{self, ClassOptions, PublishedDevice};
 use crate::plan::{self, ClassAction, TemplateAction};
 use crate::profiles::{self, NamespaceInfo, ServableModel};
@@ -109,6 +110,7 @@ pub struct Reconciler {
     settings: Settings,
     extended_resources: AtomicBool,
     writes: Arc<AtomicU64>,
+    metrics: Option<Arc<ControllerMetrics>>,
 }
 
 fn patch_params() -> PatchParams {
@@ -140,7 +142,14 @@ impl Reconciler {
             extended_resources: AtomicBool::new(settings.extended_resources),
             settings,
             writes: Arc::new(AtomicU64::new(0)),
+            metrics: None,
         }
+    }
+
+    /// Count passes and export the pool per model there.
+    pub fn with_metrics(mut self, metrics: Arc<ControllerMetrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
     }
 
     /// Count of writes to the API server (objects and statuses), for tests and logs.
@@ -179,6 +188,9 @@ impl Reconciler {
         let templates: Vec<ResourceClaimTemplate> = list(client, "resourceclaimtemplates").await?;
 
         let devices: Vec<PublishedDevice> = models::published_devices(&slices);
+        if let Some(metrics) = &self.metrics {
+            metrics.set_pools(crate::metrics::pool_by_model(&devices));
+        }
         let options = ClassOptions {
             extended_resources: self.extended_resources.load(Ordering::SeqCst),
         };
@@ -484,10 +496,18 @@ impl Reconciler {
                 break;
             }
             if !self.leadership.is_leader() {
+                // Only the leader's figures are current; a follower shows none rather than old ones.
+                if let Some(metrics) = &self.metrics {
+                    metrics.set_pools(Default::default());
+                }
                 next_pass = Instant::now() + self.settings.resync;
                 continue;
             }
-            match self.pass().await {
+            let outcome = self.pass().await;
+            if let Some(metrics) = &self.metrics {
+                metrics.pass_done(!matches!(&outcome, Ok(report) if report.failures.is_empty()));
+            }
+            match outcome {
                 Ok(report) if report.failures.is_empty() => {
                     if report.writes > 0 {
                         debug!(writes = report.writes, "pass done");

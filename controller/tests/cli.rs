@@ -95,6 +95,8 @@ async fn run_manages_classes_and_releases_the_lease_on_sigterm() {
         .arg("--kubeconfig")
         .arg(&kubeconfig)
         .args(["--log-format", "json"])
+        // Another run of this test may hold the default port.
+        .args(["--metrics-addr", "127.0.0.1:0"])
         .stderr(std::fs::File::create(&log).unwrap())
         .kill_on_drop(true)
         .spawn()

@@ -100,6 +100,15 @@ pub struct RunArgs {
     /// Address of the HTTP health endpoint (GET /healthz), e.g. 127.0.0.1:51515; off when absent.
     #[arg(long, env = "HEALTHZ_ADDR")]
     pub healthz_addr: Option<SocketAddr>,
+    /// Address of the Prometheus endpoint (GET /metrics): `host:port`, `:port` for every address,
+    /// or empty to turn it off.
+    #[arg(
+        long,
+        env = "METRICS_ADDR",
+        default_value = ":9464",
+        value_parser = crate::metrics::parse_listen_addr
+    )]
+    pub metrics_addr: crate::metrics::ListenAddr,
     /// UID of this driver's pod (the DaemonSet sets it from the downward API). With it the sockets
     /// carry the UID, so that during a rolling update the new pod registers beside the old one and
     /// the kubelet moves to it without a gap; both then take turns on the node's claims.
@@ -209,6 +218,10 @@ mod tests {
         assert_eq!(args.run_dir, PathBuf::from("/var/run/gpupool"));
         assert_eq!(args.vgpu_lib_dir, PathBuf::from("/usr/local/vgpu"));
         assert_eq!(args.log_format, LogFormat::Text);
+        assert_eq!(
+            args.metrics_addr.0,
+            Some(SocketAddr::from(([0, 0, 0, 0], 9464)))
+        );
     }
 
     #[test]
@@ -238,6 +251,8 @@ mod tests {
             "json",
             "--healthz-addr",
             "127.0.0.1:51515",
+            "--metrics-addr",
+            "127.0.0.1:0",
         ])
         .unwrap();
         let Command::Run(args) = cli.command else {
@@ -252,6 +267,12 @@ mod tests {
         assert_eq!(args.run_dir, PathBuf::from("/u"));
         assert_eq!(args.log_format, LogFormat::Json);
         assert_eq!(args.healthz_addr.unwrap().port(), 51515);
+        assert_eq!(args.metrics_addr.0, Some("127.0.0.1:0".parse().unwrap()));
+    }
+
+    #[test]
+    fn an_empty_metrics_address_turns_the_endpoint_off() {
+        assert_eq!(run_args(&["--metrics-addr="]).unwrap().metrics_addr.0, None);
     }
 
     fn run_args(extra: &[&str]) -> Result<RunArgs, clap::Error> {

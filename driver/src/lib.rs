@@ -1,9 +1,11 @@
 //! gpupool's node agent. The path a GPU takes, one module per step:
 //! NVML or fake profile -> [`inventory`] -> [`slices`] (pure) -> [`publisher`] (API) ->
-//! [`plugin`] (kubelet sockets) -> [`prepare`] (claim -> limits -> CDI spec + checkpoint).
+//! [`plugin`] (kubelet sockets) -> [`prepare`] (claim -> limits -> CDI spec + checkpoint);
+//! [`metrics`] shows all of it to Prometheus.
 
 pub mod config;
 pub mod inventory;
+pub mod metrics;
 pub mod plugin;
 pub mod prepare;
 pub mod publisher;

@@ -11,6 +11,7 @@ use gpupool_api::crd::GpuModel;
 use gpupool_api::names::device_name;
 use gpupool_driver::config::{Cli, Command, InspectArgs, LogFormat, RunArgs};
 use gpupool_driver::inventory::{self, Inventory};
+use gpupool_driver::metrics::{self, DriverMetrics, InstrumentedPreparer};
 use gpupool_driver::plugin::health::HealthService;
 use gpupool_driver::plugin::registration::RegistrationService;
 use gpupool_driver::plugin::{server, stale, Preparer};
@@ -123,7 +124,7 @@ fn inspect(args: InspectArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn kube_client(args: &RunArgs) -> anyhow::Result<Client> {
+async fn kube_client(args: &RunArgs, metrics: &DriverMetrics) -> anyhow::Result<Client> {
     let config = match &args.kubeconfig {
         Some(path) => {
             let kubeconfig = Kubeconfig::read_from(path)
@@ -136,7 +137,10 @@ async fn kube_client(args: &RunArgs) -> anyhow::Result<Client> {
             "no --kubeconfig given and no in-cluster service account found (KUBERNETES_SERVICE_HOST)",
         )?,
     };
-    Client::try_from(config).context("building the Kubernetes client")
+    Ok(kube::client::ClientBuilder::try_from(config)
+        .context("building the Kubernetes client")?
+        .with_layer(&metrics.api_layer())
+        .build())
 }
 
 /// SIGTERM or SIGINT, handled from the start so that a stop during start-up is also clean.
@@ -207,9 +211,14 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         models = ?inventory.gpus.iter().map(|g| g.model.as_str()).collect::<Vec<_>>(),
         "discovered GPUs"
     );
-    let client = kube_client(&args).await?;
+    let mut driver_metrics = DriverMetrics::new();
+    let client = kube_client(&args, &driver_metrics).await?;
     let healthz_listener = match args.healthz_addr {
         Some(addr) => Some(bind_healthz(addr).await?),
+        None => None,
+    };
+    let metrics_listener = match args.metrics_addr.0 {
+        Some(addr) => Some(metrics::bind(addr).await?),
         None => None,
     };
     let stop = CancellationToken::new();
@@ -252,6 +261,22 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     .context("reconciling prepared claims at start")?;
     let preparer = Arc::new(preparer);
     let status_writer = preparer.clone();
+    driver_metrics.register_node(
+        inventory.clone(),
+        {
+            let (preparer, inventory) = (preparer.clone(), inventory.clone());
+            move || preparer.read_checkpoint(|data| metrics::node_state(&inventory, data))
+        },
+        client.clone(),
+    );
+    let driver_metrics = Arc::new(driver_metrics);
+    let metrics_task = metrics_listener.map(|listener| {
+        tokio::spawn(metrics::serve(
+            listener,
+            driver_metrics.clone(),
+            stop.clone(),
+        ))
+    });
 
     let (_devices_tx, devices_rx) = watch::channel(
         inventory
@@ -275,7 +300,10 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let health = HealthService::new(node.clone(), devices_rx, stop.clone());
     let dra = server::serve_dra(
         &args.dra_socket(),
-        preparer as Arc<dyn Preparer>,
+        Arc::new(InstrumentedPreparer::new(
+            preparer as Arc<dyn Preparer>,
+            &driver_metrics,
+        )),
         health,
         stop.clone(),
     )?;
@@ -355,6 +383,11 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     if let Some(task) = healthz {
         if let Ok(Err(e)) = task.await {
             tracing::warn!(error = format!("{e:#}"), "health endpoint");
+        }
+    }
+    if let Some(task) = metrics_task {
+        if let Ok(Err(e)) = task.await {
+            tracing::warn!(error = format!("{e:#}"), "metrics endpoint");
         }
     }
     tracing::info!("stopped");

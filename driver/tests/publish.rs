@@ -216,6 +216,9 @@ fn run_driver(dir: &Path, kubeconfig: &Path, healthz: SocketAddr) -> Driver {
     .arg(dir.join("vgpu"))
     .arg("--healthz-addr")
     .arg(healthz.to_string())
+    // Tests run side by side: the default :9464 would be taken by the first one.
+    .arg("--metrics-addr")
+    .arg("127.0.0.1:0")
     .stdout(Stdio::null())
     .stderr(std::fs::File::create(dir.join("driver.log")).unwrap());
     Driver(cmd.spawn().unwrap(), dir.join("driver.log"))

@@ -209,6 +209,21 @@ pub fn pod_uses_claim(pod: &Pod, namespace: &str, claim: &str) -> bool {
         && crate::kubelet::pod_claim_names(pod).is_ok_and(|names| names.iter().any(|n| n == claim))
 }
 
+/// Where each process of the cluster serves Prometheus metrics, as `(what, url)`: the drivers
+/// and the controller bind free loopback ports, which their logs announce.
+pub fn metrics_endpoints(cluster: &TestCluster) -> Vec<(String, String)> {
+    let url = |addr: std::net::SocketAddr| format!("http://{addr}/metrics");
+    let mut endpoints: Vec<(String, String)> = cluster
+        .nodes()
+        .iter()
+        .filter_map(|n| Some((format!("driver on {}", n.name), url(n.metrics_addr()?))))
+        .collect();
+    if let Some(addr) = cluster.controller_metrics_addr() {
+        endpoints.push(("controller".to_string(), url(addr)));
+    }
+    endpoints
+}
+
 /// The text the sandbox prints.
 pub fn render(report: &Report) -> String {
     let mut out = String::new();

@@ -1340,3 +1340,169 @@ fn helm_values_move_flags_and_mounts_together() {
         );
     }
 }
+
+/// The port of a `--metrics-addr=:<port>` flag.
+fn metrics_port(container: &Value) -> u64 {
+    let value = flag(container, "--metrics-addr").expect("--metrics-addr is set");
+    value
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("--metrics-addr={value} names no port"))
+}
+
+/// The workload's port named `metrics` is where its binary serves, and a Service in its namespace
+/// selects its pods and sends `metrics` there.
+fn assert_metrics_exposed(
+    objects: &[Value],
+    kind: &str,
+    name: &str,
+    container_name: &str,
+    origin: &str,
+) {
+    let workload = find(objects, kind, name);
+    let c = container(workload, container_name);
+    let port = metrics_port(c);
+    let declared = c["ports"]
+        .as_array()
+        .and_then(|ports| ports.iter().find(|p| p["name"] == "metrics"))
+        .unwrap_or_else(|| panic!("{origin}: {name} declares no port named metrics"));
+    assert_eq!(declared["containerPort"], port, "{origin}: {name}");
+    let pod_labels = workload["spec"]["template"]["metadata"]["labels"]
+        .as_object()
+        .cloned()
+        .unwrap_or_default();
+    let service = of_kind(objects, "Service")
+        .into_iter()
+        .find(|s| {
+            s["metadata"]["namespace"] == workload["metadata"]["namespace"]
+                && s["spec"]["selector"]
+                    .as_object()
+                    .is_some_and(|sel| sel.iter().all(|(k, v)| pod_labels.get(k) == Some(v)))
+        })
+        .unwrap_or_else(|| panic!("{origin}: no Service selects the pods of {name}"));
+    let target = service["spec"]["ports"]
+        .as_array()
+        .and_then(|ports| ports.iter().find(|p| p["name"] == "metrics"))
+        .unwrap_or_else(|| panic!("{origin}: the Service of {name} has no metrics port"));
+    assert!(
+        target["targetPort"] == "metrics" || target["targetPort"] == port,
+        "{origin}: the Service of {name} sends metrics to {}",
+        target["targetPort"]
+    );
+    // Headless: Prometheus scrapes every pod, not one behind a virtual IP.
+    assert_eq!(service["spec"]["clusterIP"], "None", "{origin}: {name}");
+}
+
+#[test]
+fn metrics_ports_are_served_and_exposed_by_headless_services() {
+    if kubectl_missing("metrics_ports_are_served_and_exposed_by_headless_services") {
+        return;
+    }
+    for dir in RENDERED {
+        let objects = kustomize(dir);
+        assert_metrics_exposed(&objects, "DaemonSet", "gpupool-driver", "driver", dir);
+        assert_metrics_exposed(
+            &objects,
+            "Deployment",
+            "gpupool-controller",
+            "controller",
+            dir,
+        );
+        assert!(of_kind(&objects, "ServiceMonitor").is_empty(), "{dir}");
+    }
+}
+
+#[test]
+fn helm_service_monitors_are_optional_and_select_the_metrics_services() {
+    if go_missing("helm_service_monitors_are_optional_and_select_the_metrics_services") {
+        return;
+    }
+    assert!(of_kind(&helm_template(&[]), "ServiceMonitor").is_empty());
+    let objects = helm_template(&[
+        "metrics.serviceMonitor.enabled=true",
+        "metrics.serviceMonitor.interval=15s",
+        "driver.metricsPort=9100",
+        "controller.metricsPort=9101",
+    ]);
+    assert_metrics_exposed(&objects, "DaemonSet", "gpupool-driver", "driver", "helm");
+    assert_metrics_exposed(
+        &objects,
+        "Deployment",
+        "gpupool-controller",
+        "controller",
+        "helm",
+    );
+    assert_eq!(
+        metrics_port(container(
+            find(&objects, "DaemonSet", "gpupool-driver"),
+            "driver"
+        )),
+        9100
+    );
+    let monitors = of_kind(&objects, "ServiceMonitor");
+    assert_eq!(monitors.len(), 2);
+    for monitor in monitors {
+        let selector = monitor["spec"]["selector"]["matchLabels"]
+            .as_object()
+            .expect("matchLabels");
+        let service = of_kind(&objects, "Service")
+            .into_iter()
+            .find(|s| {
+                s["metadata"]["labels"]
+                    .as_object()
+                    .is_some_and(|l| selector.iter().all(|(k, v)| l.get(k) == Some(v)))
+            })
+            .unwrap_or_else(|| panic!("{} selects no Service", monitor["metadata"]["name"]));
+        let endpoint = &monitor["spec"]["endpoints"][0];
+        assert_eq!(endpoint["port"], "metrics");
+        assert_eq!(endpoint["path"], "/metrics");
+        assert_eq!(endpoint["interval"], "15s");
+        assert!(service["spec"]["ports"]
+            .as_array()
+            .is_some_and(|ports| ports.iter().any(|p| p["name"] == "metrics")));
+    }
+}
+
+#[test]
+fn the_grafana_dashboard_queries_only_metrics_the_binaries_export() {
+    let path = deploy_dir().join("grafana/gpupool.json");
+    let dashboard: Value = serde_json::from_str(&read(&path))
+        .unwrap_or_else(|e| panic!("{}: not JSON: {e}", path.display()));
+    let sources = [
+        read(&repo_root().join("driver/src/metrics/mod.rs")),
+        read(&repo_root().join("controller/src/metrics.rs")),
+    ]
+    .join("\n");
+    let mut exprs = Vec::new();
+    fn collect(value: &Value, out: &mut Vec<String>) {
+        match value {
+            Value::Object(map) => {
+                if let Some(Value::String(expr)) = map.get("expr") {
+                    out.push(expr.clone());
+                }
+                map.values().for_each(|v| collect(v, out));
+            }
+            Value::Array(items) => items.iter().for_each(|v| collect(v, out)),
+            _ => {}
+        }
+    }
+    collect(&dashboard, &mut exprs);
+    assert!(exprs.len() >= 5, "{exprs:?}");
+    for expr in &exprs {
+        for name in expr
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .filter(|w| w.starts_with("gpupool_"))
+        {
+            // A family is registered under its name without the suffixes the exposition adds.
+            let family = ["_total", "_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| name.strip_suffix(s))
+                .unwrap_or(name);
+            assert!(
+                sources.contains(&format!("\"{family}\"")),
+                "the dashboard queries {name}, which no binary exports: {expr}"
+            );
+        }
+    }
+}

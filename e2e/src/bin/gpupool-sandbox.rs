@@ -156,6 +156,11 @@ async fn run(args: Args) -> Result<(), String> {
         }
     }
 
+    println!("Prometheus metrics (curl them, or point a scrape config at them):");
+    for (what, url) in sandbox::metrics_endpoints(&cluster) {
+        println!("  {what:<20} {url}");
+    }
+
     let report = match settle(&cluster, Duration::from_secs(args.settle_seconds)).await {
         Ok(report) => report,
         Err(err) => {

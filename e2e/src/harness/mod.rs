@@ -207,10 +207,29 @@ impl NodeDirs {
             fake_gpus,
             "--vgpu-lib-dir",
             &path(vgpu_lib_dir),
+            // Many drivers run side by side: each takes a free port and logs it (`metrics_addr`).
+            "--metrics-addr",
+            "127.0.0.1:0",
         ]
         .map(String::from)
         .to_vec()
     }
+}
+
+/// The address a driver or controller started with `--metrics-addr 127.0.0.1:0` serves
+/// `/metrics` on: the last `metrics_addr=` its log announced (a restart announces a new one).
+pub fn metrics_addr_in_log(log: &str) -> Option<std::net::SocketAddr> {
+    log.lines()
+        .filter(|l| l.contains("serving GET /metrics"))
+        .filter_map(|l| {
+            let value = l.split("metrics_addr").nth(1)?;
+            let value = value.trim_start_matches(['=', '"', ':', ' ']);
+            let end = value
+                .find(|c: char| c.is_whitespace() || c == '"' || c == ',')
+                .unwrap_or(value.len());
+            value[..end].parse().ok()
+        })
+        .next_back()
 }
 
 /// A node: its folders, kubelet emulator and driver process.
@@ -235,6 +254,12 @@ impl TestNode {
 
     pub fn driver_log(&self) -> String {
         self.driver().log()
+    }
+
+    /// Where the node's driver serves `/metrics` (None before it has bound, or with a real kubelet
+    /// whose driver the harness did not start).
+    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        metrics_addr_in_log(&self.driver_log())
     }
 
     /// Path of the CDI spec the driver writes for a claim.
@@ -484,6 +509,8 @@ impl TestCluster {
                 "run".into(),
                 "--kubeconfig".into(),
                 self.kubeconfig.display().to_string(),
+                "--metrics-addr".into(),
+                "127.0.0.1:0".into(),
             ],
             self.workdir.join("controller.log"),
         )?;
@@ -592,6 +619,13 @@ impl TestCluster {
         self.controller
             .as_ref()
             .map(|c| c.lock().unwrap_or_else(|e| e.into_inner()).log())
+    }
+
+    /// Where the controller serves `/metrics`, once it has bound.
+    pub fn controller_metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        self.controller_log()
+            .as_deref()
+            .and_then(metrics_addr_in_log)
     }
 
     /// SIGKILL the node's driver (a crash).

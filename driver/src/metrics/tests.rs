@@ -1,0 +1,381 @@
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use gpupool_api::config::Enforcement;
+
+use super::*;
+use crate::inventory::fake::fake_inventory;
+use crate::prepare::cdi::{self, HostLayout, SpecDevice};
+use crate::prepare::checkpoint::ClaimEntry;
+use crate::prepare::claim::AllocatedDevice;
+use crate::prepare::limits::DeviceLimits;
+use crate::prepare::PreparedDevice;
+
+const GIB: u64 = 1 << 30;
+
+#[test]
+fn the_metrics_address_takes_a_port_alone_a_full_address_or_nothing() {
+    assert_eq!(
+        parse_listen_addr(":9464").unwrap().0,
+        Some("0.0.0.0:9464".parse().unwrap())
+    );
+    assert_eq!(
+        parse_listen_addr("127.0.0.1:0").unwrap().0,
+        Some("127.0.0.1:0".parse().unwrap())
+    );
+    assert_eq!(parse_listen_addr("").unwrap().0, None);
+    let err = parse_listen_addr("metrics").unwrap_err();
+    assert!(err.contains("host:port"), "{err}");
+}
+
+#[test]
+fn api_requests_are_named_by_their_kubernetes_verb() {
+    use http::Method;
+    let cases = [
+        (
+            Method::GET,
+            "/apis/resource.k8s.io/v1/namespaces/ml/resourceclaims/c1",
+            "get",
+        ),
+        (
+            Method::GET,
+            "/apis/resource.k8s.io/v1/resourceslices?labelSelector=x",
+            "list",
+        ),
+        (
+            Method::GET,
+            "/apis/gpupool.dev/v1alpha1/gpumodels?watch=true&resourceVersion=5",
+            "watch",
+        ),
+        (Method::GET, "/api/v1/namespaces/ml", "get"),
+        (Method::GET, "/api/v1/namespaces", "list"),
+        (Method::GET, "/api/v1/namespaces/ml/pods", "list"),
+        (
+            Method::POST,
+            "/apis/resource.k8s.io/v1/resourceslices",
+            "create",
+        ),
+        (
+            Method::PUT,
+            "/apis/resource.k8s.io/v1/namespaces/ml/resourceclaims/c1/status",
+            "update",
+        ),
+        (
+            Method::PATCH,
+            "/apis/resource.k8s.io/v1/namespaces/ml/resourceclaims/c1/status",
+            "patch",
+        ),
+        (
+            Method::DELETE,
+            "/apis/resource.k8s.io/v1/resourceslices/s1",
+            "delete",
+        ),
+        (
+            Method::DELETE,
+            "/apis/resource.k8s.io/v1/resourceslices?fieldSelector=x",
+            "deletecollection",
+        ),
+    ];
+    for (method, uri, verb) in cases {
+        let uri: http::Uri = uri.parse().unwrap();
+        assert_eq!(api_verb(&method, &uri), verb, "{method} {uri}");
+    }
+}
+
+/// A prepared claim's checkpoint entry with the CDI spec the driver really renders for it.
+fn prepared_entry(
+    inventory: &Inventory,
+    uid: &str,
+    name: &str,
+    devices: &[(&str, u64, u32, Enforcement)],
+) -> ClaimEntry {
+    let allocated: Vec<AllocatedDevice> = devices
+        .iter()
+        .map(|(device, _, _, _)| AllocatedDevice {
+            request: "gpu".into(),
+            pool: "node-1".into(),
+            device: device.to_string(),
+            share_id: Some(format!("share-{name}")),
+            consumed: BTreeMap::new(),
+        })
+        .collect();
+    let limits: Vec<DeviceLimits> = devices
+        .iter()
+        .enumerate()
+        .map(|(i, (_, memory, cores, enforcement))| DeviceLimits {
+            ordinal: i,
+            memory_bytes: *memory,
+            cores: *cores,
+            enforcement: *enforcement,
+            priority: None,
+        })
+        .collect();
+    let spec_devices: Vec<SpecDevice> = allocated
+        .iter()
+        .zip(&limits)
+        .map(|(a, l)| SpecDevice {
+            allocated: a,
+            gpu: inventory.gpu(&a.device).unwrap(),
+            limits: l,
+        })
+        .collect();
+    let layout = HostLayout {
+        vgpu_lib: PathBuf::from("/nonexistent/libvgpu.so"),
+        preload_file: PathBuf::from("/nonexistent/ld.so.preload"),
+        vgpu_lock_dir: PathBuf::from("/nonexistent/vgpulock"),
+        cache_root: PathBuf::from("/run/gpupool/vgpu-cache"),
+        fake_gpus: true,
+    };
+    let rendered = cdi::render(uid, &spec_devices, &layout, &|_| false).unwrap();
+    ClaimEntry {
+        state: ClaimState::PrepareCompleted,
+        namespace: "ml".into(),
+        name: name.into(),
+        devices: allocated
+            .iter()
+            .zip(&rendered.cdi_ids)
+            .map(|(a, id)| PreparedDevice {
+                request_names: vec![a.request.clone()],
+                pool_name: a.pool.clone(),
+                device_name: a.device.clone(),
+                cdi_device_ids: vec![id.clone()],
+                share_id: a.share_id.clone(),
+            })
+            .collect(),
+        spec: Some(rendered.spec),
+        warning: rendered.warning,
+        recovered: false,
+    }
+}
+
+#[test]
+fn allocation_per_gpu_sums_the_limits_of_the_prepared_shares() {
+    let inventory = fake_inventory("a100-40gb:2,v100-32gb:1", "node-1").unwrap();
+    let mut data = CheckpointData::default();
+    let hami = Enforcement::HamiCore;
+    data.claims.insert(
+        "u1".into(),
+        prepared_entry(&inventory, "u1", "half", &[("gpu-0", 20 * GIB, 50, hami)]),
+    );
+    data.claims.insert(
+        "u2".into(),
+        prepared_entry(
+            &inventory,
+            "u2",
+            "quarter",
+            &[("gpu-0", 10 * GIB, 25, hami)],
+        ),
+    );
+    // Two cards in one claim: each limit lands on its own card.
+    data.claims.insert(
+        "u3".into(),
+        prepared_entry(
+            &inventory,
+            "u3",
+            "pair",
+            &[("gpu-1", 4 * GIB, 0, hami), ("gpu-2", 8 * GIB, 70, hami)],
+        ),
+    );
+    // Not enforced: a share without limits.
+    data.claims.insert(
+        "u4".into(),
+        prepared_entry(
+            &inventory,
+            "u4",
+            "free",
+            &[("gpu-1", GIB, 10, Enforcement::None)],
+        ),
+    );
+    // Started but not finished, and rebuilt after a lost checkpoint: not prepared for the kubelet.
+    let mut started = prepared_entry(&inventory, "u5", "started", &[("gpu-2", GIB, 5, hami)]);
+    started.state = ClaimState::PrepareStarted;
+    data.claims.insert("u5".into(), started);
+    let mut recovered = prepared_entry(&inventory, "u6", "recovered", &[("gpu-2", GIB, 5, hami)]);
+    recovered.recovered = true;
+    data.claims.insert("u6".into(), recovered);
+
+    let state = node_state(&inventory, &data);
+    assert_eq!(state.prepared_claims, 4);
+    let alloc = |memory: u64, cores: u64, shares: u64| GpuAllocation {
+        memory_bytes: memory,
+        cores_percent: cores,
+        shares,
+    };
+    assert_eq!(
+        state.gpus,
+        BTreeMap::from([
+            ("gpu-0".to_string(), alloc(30 * GIB, 75, 2)),
+            ("gpu-1".to_string(), alloc(4 * GIB, 0, 2)),
+            ("gpu-2".to_string(), alloc(8 * GIB, 70, 1)),
+        ])
+    );
+    let free = state.shares.iter().find(|s| s.claim == "free").unwrap();
+    assert_eq!((free.memory_bytes, free.cores_percent), (None, None));
+    let pair = state.claims.iter().find(|c| c.name == "pair").unwrap();
+    assert_eq!(pair.gpus, ["gpu-1", "gpu-2"]);
+}
+
+#[test]
+fn every_gpu_is_reported_even_with_nothing_prepared() {
+    let inventory = fake_inventory("a100-40gb:2", "node-1").unwrap();
+    let state = node_state(&inventory, &CheckpointData::default());
+    assert_eq!(state.prepared_claims, 0);
+    assert_eq!(state.gpus.len(), 2);
+    assert!(state.gpus.values().all(|a| *a == GpuAllocation::default()));
+}
+
+struct Scripted;
+
+#[tonic::async_trait]
+impl Preparer for Scripted {
+    async fn prepare(&self, claims: Vec<ClaimRef>) -> PrepareResults {
+        claims
+            .into_iter()
+            .map(|c| {
+                let r = if c.name.starts_with("bad") {
+                    Err("no".to_string())
+                } else {
+                    Ok(vec![])
+                };
+                (c, r)
+            })
+            .collect()
+    }
+
+    async fn unprepare(&self, claims: Vec<ClaimRef>) -> UnprepareResults {
+        claims.into_iter().map(|c| (c, Ok(()))).collect()
+    }
+}
+
+fn claim(name: &str) -> ClaimRef {
+    ClaimRef {
+        namespace: "ml".into(),
+        name: name.into(),
+        uid: format!("uid-{name}"),
+    }
+}
+
+/// The value of one sample line (`name{labels} value`) of the text exposition.
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
+#[tokio::test]
+async fn kubelet_calls_are_counted_per_claim_result_and_timed_per_call() {
+    let inventory = Arc::new(fake_inventory("a100-40gb:1", "node-1").unwrap());
+    let mut metrics = DriverMetrics::new();
+    let inv = inventory.clone();
+    metrics.register_node(
+        inventory,
+        move || node_state(&inv, &CheckpointData::default()),
+        kube::Client::new(
+            tower::service_fn(|_: http::Request<kube::client::Body>| async {
+                Err::<http::Response<kube::client::Body>, _>(std::io::Error::other("offline"))
+            }),
+            "default",
+        ),
+    );
+    let preparer = InstrumentedPreparer::new(Arc::new(Scripted), &metrics);
+    preparer
+        .prepare(vec![claim("a"), claim("bad-1"), claim("b")])
+        .await;
+    preparer.prepare(vec![claim("c")]).await;
+    preparer.unprepare(vec![claim("a")]).await;
+
+    let text = metrics.render(false).await;
+    assert_eq!(
+        sample(&text, "gpupool_prepare_requests_total{result=\"success\"}"),
+        Some(3.0),
+        "{text}"
+    );
+    assert_eq!(
+        sample(&text, "gpupool_prepare_requests_total{result=\"error\"}"),
+        Some(1.0)
+    );
+    assert_eq!(
+        sample(
+            &text,
+            "gpupool_unprepare_requests_total{result=\"success\"}"
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        sample(&text, "gpupool_unprepare_requests_total{result=\"error\"}"),
+        Some(0.0)
+    );
+    assert_eq!(
+        sample(&text, "gpupool_prepare_duration_seconds_count"),
+        Some(2.0)
+    );
+    assert_eq!(
+        sample(
+            &text,
+            "gpupool_prepare_duration_seconds_bucket{le=\"45.0\"}"
+        ),
+        Some(2.0)
+    );
+    assert_eq!(sample(&text, "gpupool_prepared_claims"), Some(0.0));
+    let uuid = &fake_inventory("a100-40gb:1", "node-1").unwrap().gpus[0].uuid;
+    assert_eq!(
+        sample(
+            &text,
+            &format!("gpupool_gpu_info{{gpu=\"gpu-0\",uuid=\"{uuid}\",model=\"A100-SXM4-40GB\"}}")
+        ),
+        Some(1.0)
+    );
+}
+
+#[test]
+fn the_text_format_names_counters_by_their_series_and_has_no_openmetrics_lines() {
+    let openmetrics = "# HELP a_requests Requests.\n# TYPE a_requests counter\na_requests_total{r=\"x\"} 1\n\
+                       # HELP b_seconds Time.\n# TYPE b_seconds histogram\n# UNIT b_seconds seconds\nb_seconds_count 0\n\
+                       # HELP c Gauge.\n# TYPE c gauge\nc 2\n# EOF\n";
+    assert_eq!(
+        openmetrics_to_text(openmetrics),
+        "# HELP a_requests_total Requests.\n# TYPE a_requests_total counter\na_requests_total{r=\"x\"} 1\n\
+         # HELP b_seconds Time.\n# TYPE b_seconds histogram\nb_seconds_count 0\n\
+         # HELP c Gauge.\n# TYPE c gauge\nc 2\n"
+    );
+}
+
+#[tokio::test]
+async fn the_api_layer_counts_each_request_by_verb_and_status() {
+    use tower::{Layer, Service, ServiceExt};
+    let metrics = DriverMetrics::new();
+    let inner = tower::service_fn(|req: http::Request<()>| async move {
+        let status = if req.uri().path().ends_with("/missing") {
+            404
+        } else {
+            200
+        };
+        Ok::<_, std::convert::Infallible>(
+            http::Response::builder().status(status).body(()).unwrap(),
+        )
+    });
+    let mut service = metrics.api_layer().layer(inner);
+    for path in [
+        "/apis/resource.k8s.io/v1/namespaces/ml/resourceclaims/c1",
+        "/apis/resource.k8s.io/v1/namespaces/ml/resourceclaims/missing",
+        "/apis/resource.k8s.io/v1/namespaces/ml/resourceclaims/c2",
+    ] {
+        let request = http::Request::get(path).body(()).unwrap();
+        service.ready().await.unwrap().call(request).await.unwrap();
+    }
+    let text = metrics.render(false).await;
+    assert_eq!(
+        sample(
+            &text,
+            "gpupool_api_requests_total{verb=\"get\",code=\"200\"}"
+        ),
+        Some(2.0),
+        "{text}"
+    );
+    assert_eq!(
+        sample(
+            &text,
+            "gpupool_api_requests_total{verb=\"get\",code=\"404\"}"
+        ),
+        Some(1.0)
+    );
+}
