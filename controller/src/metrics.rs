@@ -5,7 +5,6 @@
 //! Prometheus asks for OpenMetrics and gets it; anything else gets the classic text format 0.0.4.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
 use prometheus_client::collector::Collector;
@@ -17,27 +16,7 @@ use prometheus_client::registry::Registry;
 
 use crate::models::PublishedDevice;
 
-pub const OPENMETRICS_CONTENT_TYPE: &str =
-    "application/openmetrics-text; version=1.0.0; charset=utf-8";
-pub const TEXT_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
-
-/// `--metrics-addr`: `host:port`, `:port` for every address, or empty for no endpoint.
-pub fn parse_listen_addr(value: &str) -> Result<ListenAddr, String> {
-    let value = value.trim();
-    if value.is_empty() {
-        return Ok(ListenAddr(None));
-    }
-    let full = match value.strip_prefix(':') {
-        Some(port) => format!("0.0.0.0:{port}"),
-        None => value.to_string(),
-    };
-    full.parse::<SocketAddr>()
-        .map(|a| ListenAddr(Some(a)))
-        .map_err(|e| format!("{value:?}: {e}; expected host:port, :port, or empty to turn it off"))
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ListenAddr(pub Option<SocketAddr>);
+pub use gpupool_telemetry::{bind, parse_listen_addr, ListenAddr};
 
 /// Devices and memory per model.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -144,55 +123,8 @@ impl ControllerMetrics {
 
     /// The exposition: OpenMetrics when asked for, else the classic text format.
     pub fn render(&self, openmetrics: bool) -> String {
-        let mut text = String::new();
-        if let Err(e) = prometheus_client::encoding::text::encode(&mut text, &self.registry) {
-            tracing::warn!(error = %e, "encoding the metrics");
-        }
-        if openmetrics {
-            text
-        } else {
-            openmetrics_to_text(&text)
-        }
+        gpupool_telemetry::encode(&self.registry, openmetrics)
     }
-}
-
-/// OpenMetrics as `prometheus-client` writes it, in the classic text format 0.0.4: a counter's
-/// HELP and TYPE name the `_total` series, and there is no UNIT or EOF line.
-pub fn openmetrics_to_text(openmetrics: &str) -> String {
-    let counters: std::collections::HashSet<&str> = openmetrics
-        .lines()
-        .filter_map(|l| l.strip_prefix("# TYPE "))
-        .filter_map(|l| l.strip_suffix(" counter"))
-        .collect();
-    let mut out = String::with_capacity(openmetrics.len());
-    for line in openmetrics.lines() {
-        if line == "# EOF" || line.starts_with("# UNIT ") {
-            continue;
-        }
-        let renamed = ["# HELP ", "# TYPE "].iter().find_map(|prefix| {
-            let rest = line.strip_prefix(prefix)?;
-            let (name, tail) = rest.split_once(' ')?;
-            counters
-                .contains(name)
-                .then(|| format!("{prefix}{name}_total {tail}"))
-        });
-        out.push_str(renamed.as_deref().unwrap_or(line));
-        out.push('\n');
-    }
-    out
-}
-
-/// Binds the metrics endpoint, so that a taken port fails the start rather than going unnoticed.
-pub async fn bind(addr: SocketAddr) -> anyhow::Result<tokio::net::TcpListener> {
-    use anyhow::Context;
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("binding the metrics endpoint {addr} (--metrics-addr)"))?;
-    // The harness and the sandbox read the bound port from this line (`--metrics-addr 127.0.0.1:0`).
-    if let Ok(bound) = listener.local_addr() {
-        tracing::info!(metrics_addr = %bound, "serving GET /metrics");
-    }
-    Ok(listener)
 }
 
 /// GET /metrics until `stop` turns true.
@@ -201,35 +133,14 @@ pub async fn serve(
     metrics: Arc<ControllerMetrics>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
-    use anyhow::Context;
-    let app = axum::Router::new().route(
-        "/metrics",
-        axum::routing::get(move |headers: axum::http::HeaderMap| {
-            let metrics = metrics.clone();
-            async move {
-                let openmetrics = headers
-                    .get_all(axum::http::header::ACCEPT)
-                    .iter()
-                    .filter_map(|v| v.to_str().ok())
-                    .any(|v| v.contains("application/openmetrics-text"));
-                let content_type = if openmetrics {
-                    OPENMETRICS_CONTENT_TYPE
-                } else {
-                    TEXT_CONTENT_TYPE
-                };
-                (
-                    [(axum::http::header::CONTENT_TYPE, content_type)],
-                    metrics.render(openmetrics),
-                )
-            }
-        }),
-    );
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            let _ = stop.wait_for(|s| *s).await;
-        })
-        .await
-        .context("metrics endpoint")
+    let render = move |openmetrics| {
+        let metrics = metrics.clone();
+        async move { metrics.render(openmetrics) }
+    };
+    let shutdown = async move {
+        let _ = stop.wait_for(|s| *s).await;
+    };
+    gpupool_telemetry::serve(listener, render, shutdown).await
 }
 
 #[cfg(test)]
@@ -302,15 +213,5 @@ mod tests {
         }
         assert!(!text.contains("# EOF"), "{text}");
         assert!(metrics.render(true).ends_with("# EOF\n"));
-    }
-
-    #[test]
-    fn the_metrics_address_takes_a_port_alone_a_full_address_or_nothing() {
-        assert_eq!(
-            parse_listen_addr(":9465").unwrap().0,
-            Some("0.0.0.0:9465".parse().unwrap())
-        );
-        assert_eq!(parse_listen_addr("").unwrap().0, None);
-        assert!(parse_listen_addr("nine").is_err());
     }
 }

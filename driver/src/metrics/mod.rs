@@ -11,7 +11,6 @@ pub mod usage;
 
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
@@ -40,10 +39,6 @@ pub const DURATION_BUCKETS: [f64; 18] = [
     5.0, 10.0, 20.0, 45.0,
 ];
 
-pub const OPENMETRICS_CONTENT_TYPE: &str =
-    "application/openmetrics-text; version=1.0.0; charset=utf-8";
-pub const TEXT_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
-
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ResultLabels {
     result: String,
@@ -61,23 +56,7 @@ struct XidLabels {
     xid: String,
 }
 
-/// `--metrics-addr`: `host:port`, `:port` for every address, or empty for no endpoint.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ListenAddr(pub Option<SocketAddr>);
-
-pub fn parse_listen_addr(value: &str) -> Result<ListenAddr, String> {
-    let value = value.trim();
-    if value.is_empty() {
-        return Ok(ListenAddr(None));
-    }
-    let full = match value.strip_prefix(':') {
-        Some(port) => format!("0.0.0.0:{port}"),
-        None => value.to_string(),
-    };
-    full.parse::<SocketAddr>()
-        .map(|a| ListenAddr(Some(a)))
-        .map_err(|e| format!("{value:?}: {e}; expected host:port, :port, or empty to turn it off"))
-}
+pub use gpupool_telemetry::{bind, parse_listen_addr, ListenAddr};
 
 /// The kubelet's calls: per claim result, and how long each call took.
 #[derive(Clone)]
@@ -639,66 +618,8 @@ impl DriverMetrics {
     /// The exposition: OpenMetrics when asked for, else the classic text format.
     pub async fn render(&self, openmetrics: bool) -> String {
         self.refresh_usage().await;
-        let mut text = String::new();
-        if let Err(e) = prometheus_client::encoding::text::encode(&mut text, &self.registry) {
-            tracing::warn!(error = %e, "encoding the metrics");
-        }
-        if openmetrics {
-            text
-        } else {
-            openmetrics_to_text(&text)
-        }
+        gpupool_telemetry::encode(&self.registry, openmetrics)
     }
-}
-
-/// OpenMetrics as `prometheus-client` writes it, in the classic text format 0.0.4: a counter's
-/// HELP and TYPE name the `_total` series, and there is no UNIT or EOF line.
-pub fn openmetrics_to_text(openmetrics: &str) -> String {
-    let counters: std::collections::HashSet<&str> = openmetrics
-        .lines()
-        .filter_map(|l| l.strip_prefix("# TYPE "))
-        .filter_map(|l| l.strip_suffix(" counter"))
-        .collect();
-    let mut out = String::with_capacity(openmetrics.len());
-    for line in openmetrics.lines() {
-        if line == "# EOF" || line.starts_with("# UNIT ") {
-            continue;
-        }
-        let renamed = ["# HELP ", "# TYPE "].iter().find_map(|prefix| {
-            let rest = line.strip_prefix(prefix)?;
-            let (name, tail) = rest.split_once(' ')?;
-            counters
-                .contains(name)
-                .then(|| format!("{prefix}{name}_total {tail}"))
-        });
-        match renamed {
-            Some(line) => out.push_str(&line),
-            None => out.push_str(line),
-        }
-        out.push('\n');
-    }
-    out
-}
-
-/// Binds the metrics endpoint, so that a taken port fails the start rather than going unnoticed.
-pub async fn bind(addr: SocketAddr) -> anyhow::Result<tokio::net::TcpListener> {
-    use anyhow::Context;
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("binding the metrics endpoint {addr} (--metrics-addr)"))?;
-    // The harness and the sandbox read the bound port from this line (`--metrics-addr 127.0.0.1:0`).
-    if let Ok(bound) = listener.local_addr() {
-        tracing::info!(metrics_addr = %bound, "serving GET /metrics");
-    }
-    Ok(listener)
-}
-
-fn wants_openmetrics(headers: &axum::http::HeaderMap) -> bool {
-    headers
-        .get_all(axum::http::header::ACCEPT)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .any(|v| v.contains("application/openmetrics-text"))
 }
 
 /// GET /metrics until `stop`.
@@ -707,27 +628,11 @@ pub async fn serve(
     metrics: Arc<DriverMetrics>,
     stop: CancellationToken,
 ) -> anyhow::Result<()> {
-    use anyhow::Context;
-    let app = axum::Router::new().route(
-        "/metrics",
-        axum::routing::get(move |headers: axum::http::HeaderMap| {
-            let metrics = metrics.clone();
-            async move {
-                let openmetrics = wants_openmetrics(&headers);
-                let body = metrics.render(openmetrics).await;
-                let content_type = if openmetrics {
-                    OPENMETRICS_CONTENT_TYPE
-                } else {
-                    TEXT_CONTENT_TYPE
-                };
-                ([(axum::http::header::CONTENT_TYPE, content_type)], body)
-            }
-        }),
-    );
-    axum::serve(listener, app)
-        .with_graceful_shutdown(stop.cancelled_owned())
-        .await
-        .context("metrics endpoint")
+    let render = move |openmetrics| {
+        let metrics = metrics.clone();
+        async move { metrics.render(openmetrics).await }
+    };
+    gpupool_telemetry::serve(listener, render, stop.cancelled_owned()).await
 }
 
 #[cfg(test)]

@@ -14,21 +14,6 @@ use crate::prepare::PreparedDevice;
 const GIB: u64 = 1 << 30;
 
 #[test]
-fn the_metrics_address_takes_a_port_alone_a_full_address_or_nothing() {
-    assert_eq!(
-        parse_listen_addr(":9464").unwrap().0,
-        Some("0.0.0.0:9464".parse().unwrap())
-    );
-    assert_eq!(
-        parse_listen_addr("127.0.0.1:0").unwrap().0,
-        Some("127.0.0.1:0".parse().unwrap())
-    );
-    assert_eq!(parse_listen_addr("").unwrap().0, None);
-    let err = parse_listen_addr("metrics").unwrap_err();
-    assert!(err.contains("host:port"), "{err}");
-}
-
-#[test]
 fn api_requests_are_named_by_their_kubernetes_verb() {
     use http::Method;
     let cases = [
@@ -323,19 +308,6 @@ async fn kubelet_calls_are_counted_per_claim_result_and_timed_per_call() {
             &format!("gpupool_gpu_info{{gpu=\"gpu-0\",uuid=\"{uuid}\",model=\"A100-SXM4-40GB\"}}")
         ),
         Some(1.0)
-    );
-}
-
-#[test]
-fn the_text_format_names_counters_by_their_series_and_has_no_openmetrics_lines() {
-    let openmetrics = "# HELP a_requests Requests.\n# TYPE a_requests counter\na_requests_total{r=\"x\"} 1\n\
-                       # HELP b_seconds Time.\n# TYPE b_seconds histogram\n# UNIT b_seconds seconds\nb_seconds_count 0\n\
-                       # HELP c Gauge.\n# TYPE c gauge\nc 2\n# EOF\n";
-    assert_eq!(
-        openmetrics_to_text(openmetrics),
-        "# HELP a_requests_total Requests.\n# TYPE a_requests_total counter\na_requests_total{r=\"x\"} 1\n\
-         # HELP b_seconds Time.\n# TYPE b_seconds histogram\nb_seconds_count 0\n\
-         # HELP c Gauge.\n# TYPE c gauge\nc 2\n"
     );
 }
 
