@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 use common::*;
 use gpupool_e2e::grpc::connect_unix;
 use gpupool_e2e::harness::objects::{claim_yaml, device_class_yaml, pod_yaml, Request};
-use gpupool_e2e::harness::{find_binary, wait_for, Backend, ClusterSpec, NodeSpec, TestCluster};
+use gpupool_e2e::harness::{
+    find_binary, wait_for, Backend, ClusterSpec, NodeSpec, TestCluster, TestNode,
+};
 use gpupool_e2e::kubelet::ClaimRef;
 use gpupool_proto::dra_v1;
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -365,6 +367,31 @@ fn assert_files_match(
     );
 }
 
+/// Deletes the pod and waits until its claim is unprepared; returns the claim's UID. The spec goes
+/// first, the checkpoint entry last: the unprepare is over when both are gone.
+async fn delete_and_wait_unprepared(
+    cluster: &TestCluster,
+    ns: &str,
+    pod: &str,
+    node: &TestNode,
+    driver: &NewPod,
+) -> String {
+    let uid = claim(cluster, ns, pod).await.metadata.uid.unwrap();
+    delete_pod(cluster, ns, pod).await;
+    wait_for(
+        &format!("{pod}'s claim to be unprepared"),
+        TIMEOUT,
+        || async {
+            let done = !node.cdi_spec_path(&uid).exists()
+                && !checkpointed(&node.dirs.state).contains_key(&uid);
+            done.then_some(())
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", driver.log()));
+    uid
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rolling_update_hands_every_claim_over_without_a_gap() {
     let (uid_a, uid_b) = (
@@ -629,20 +656,7 @@ async fn a_rolling_update_hands_every_claim_over_without_a_gap() {
         believed.insert(uid.clone(), prepared(node, &uid).await.cdi_device_ids());
     }
     for pod in &old_pods {
-        let uid = claim(&cluster, &ns, pod).await.metadata.uid.unwrap();
-        delete_pod(&cluster, &ns, pod).await;
-        wait_for(
-            &format!("{pod}'s claim to be unprepared"),
-            TIMEOUT,
-            // The spec goes first, the checkpoint entry last: the unprepare is over when both are.
-            || async {
-                let done = !node.cdi_spec_path(&uid).exists()
-                    && !checkpointed(&node.dirs.state).contains_key(&uid);
-                done.then_some(())
-            },
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e}\n{}", new_pod.log()));
+        let uid = delete_and_wait_unprepared(&cluster, &ns, pod, node, &new_pod).await;
         believed.remove(&uid);
     }
     assert_files_match(&node.dirs, &believed, "after the new pod took over");
@@ -660,20 +674,7 @@ async fn a_rolling_update_hands_every_claim_over_without_a_gap() {
     }
     for i in 0..2 {
         let pod = format!("new-{i}");
-        let uid = claim(&cluster, &ns, &pod).await.metadata.uid.unwrap();
-        delete_pod(&cluster, &ns, &pod).await;
-        wait_for(
-            &format!("{pod}'s claim to be unprepared"),
-            TIMEOUT,
-            // The spec goes first, the checkpoint entry last: the unprepare is over when both are.
-            || async {
-                let done = !node.cdi_spec_path(&uid).exists()
-                    && !checkpointed(&node.dirs.state).contains_key(&uid);
-                done.then_some(())
-            },
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e}\n{}", new_pod.log()));
+        let uid = delete_and_wait_unprepared(&cluster, &ns, &pod, node, &new_pod).await;
         believed.remove(&uid);
     }
     assert!(believed.is_empty());
