@@ -86,10 +86,22 @@ impl FakeApi {
         FakeApi::bump_version(claim);
     }
 
+    /// From now on the watch cache serves `claim` for `name`, whatever the object becomes.
+    fn cache_serves(&self, name: &str, claim: ResourceClaim) {
+        self.cache
+            .lock()
+            .unwrap()
+            .insert(("team-a".into(), name.into()), claim);
+    }
+
+    /// The object as it is now.
+    fn current(&self, name: &str) -> ResourceClaim {
+        self.claims.lock().unwrap()[&("team-a".to_string(), name.to_string())].clone()
+    }
+
     fn device_status(&self, name: &str) -> Vec<AllocatedDeviceStatus> {
-        self.claims.lock().unwrap()[&("team-a".to_string(), name.to_string())]
+        self.current(name)
             .status
-            .clone()
             .and_then(|s| s.devices)
             .unwrap_or_default()
     }
@@ -711,13 +723,7 @@ async fn a_status_write_that_finds_the_claim_changed_reads_it_and_keeps_other_en
     let node = Node::new();
     node.api.add("train", fractional(UID_A));
     // Another driver wrote its entry after the copy the prepare reads was taken.
-    let copy =
-        node.api.claims.lock().unwrap()[&("team-a".to_string(), "train".to_string())].clone();
-    node.api
-        .cache
-        .lock()
-        .unwrap()
-        .insert(("team-a".into(), "train".into()), copy);
+    node.api.cache_serves("train", node.api.current("train"));
     let foreign = AllocatedDeviceStatus {
         driver: "other.example.com".into(),
         pool: "node-a".into(),
@@ -752,12 +758,7 @@ async fn a_cached_copy_of_an_allocation_already_unprepared_is_read_again_with_qu
 
     // The claim was deallocated and allocated again on this node: same device, new share. The
     // watch cache still serves the old allocation.
-    let old = node.api.claims.lock().unwrap()[&("team-a".to_string(), "train".to_string())].clone();
-    node.api
-        .cache
-        .lock()
-        .unwrap()
-        .insert(("team-a".into(), "train".into()), old);
+    node.api.cache_serves("train", node.api.current("train"));
     node.api.add(
         "train",
         allocated_claim(
@@ -800,11 +801,7 @@ async fn a_stale_copy_the_rule_cannot_see_is_caught_by_the_status_write() {
     );
     earlier.metadata.resource_version = Some("1".into());
     node.api.add("train", fractional(UID_A));
-    node.api
-        .cache
-        .lock()
-        .unwrap()
-        .insert(("team-a".into(), "train".into()), earlier);
+    node.api.cache_serves("train", earlier);
     FakeApi::bump_version(
         node.api
             .claims
