@@ -15,6 +15,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::discovery;
+use crate::latency::{self, Latency};
 use crate::openapi;
 use crate::protobuf;
 use crate::resources::ResourceDef;
@@ -24,6 +25,7 @@ use crate::store::{
     EventType, FieldValidation, PatchType, Preconditions, Store, StoredEvent, WriteOptions,
 };
 use crate::table;
+use crate::watchcache::{CachedObject, WatchCache};
 
 /// One request as the emulator received it; tests count writes with these.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,16 +43,25 @@ pub struct Shared {
     pub server_address: String,
     /// Milliseconds between BOOKMARK events on watches that allow them.
     pub bookmark_interval_ms: std::sync::atomic::AtomicU64,
+    pub latency: Latency,
+    /// Locked after `store` where both are held.
+    pub watch_cache: Option<Mutex<WatchCache>>,
 }
 
 impl Shared {
-    pub fn new(server_address: String) -> Self {
+    /// With a latency profile, and a watch cache lagging `cache_lag` behind writes (none for zero).
+    pub fn with_latency(server_address: String, latency: Latency, cache_lag: Duration) -> Self {
+        let store = Store::new();
+        let watch_cache =
+            (!cache_lag.is_zero()).then(|| Mutex::new(WatchCache::new(cache_lag, &store)));
         Shared {
-            store: Mutex::new(Store::new()),
+            store: Mutex::new(store),
             changes: tokio::sync::watch::channel(0).0,
             requests: Mutex::new(Vec::new()),
             server_address,
             bookmark_interval_ms: std::sync::atomic::AtomicU64::new(10_000),
+            latency,
+            watch_cache,
         }
     }
 
@@ -69,7 +80,37 @@ impl Shared {
     }
 
     fn notify(&self, store: &Store) {
+        if let Some(cache) = &self.watch_cache {
+            cache
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .observe(store, std::time::Instant::now());
+        }
         self.changes.send_replace(store.current_rv());
+    }
+
+    /// A GET of one object with `resourceVersion=0`: from the watch cache, which may lag.
+    fn cached_get(
+        &self,
+        def: &ResourceDef,
+        namespace: Option<&str>,
+        name: &str,
+    ) -> Result<Value, ApiError> {
+        let store = self.store();
+        let Some(cache) = &self.watch_cache else {
+            return store.get(def, namespace, name);
+        };
+        let cached = cache.lock().unwrap_or_else(|p| p.into_inner()).get(
+            def,
+            namespace,
+            name,
+            std::time::Instant::now(),
+        );
+        match cached {
+            CachedObject::Current => store.get(def, namespace, name),
+            CachedObject::Stale(Some(object)) => Ok(Store::present(def, &object)),
+            CachedObject::Stale(None) => Err(ApiError::not_found(def, name)),
+        }
     }
 }
 
@@ -237,6 +278,8 @@ pub async fn handle(
         .map(percent_decode)
         .collect();
     let segments: Vec<&str> = segments.iter().map(String::as_str).collect();
+    let cost = latency::classify(ctx.method.as_str(), &segments, &ctx.query);
+    shared.latency.charge(cost).await;
     match route(&shared, &ctx, &segments) {
         Ok(response) => response,
         Err(error) => error_response(&error),
@@ -461,7 +504,11 @@ fn resource_request(
             ))
         }
         (Some(name), None | Some("status"), Method::GET) => {
-            let object = shared.store().get(def, ns, name)?;
+            let object = if ctx.param("resourceVersion") == Some("0") {
+                shared.cached_get(def, ns, name)?
+            } else {
+                shared.store().get(def, ns, name)?
+            };
             if ctx.wants_table() {
                 let rv = object
                     .pointer("/metadata/resourceVersion")

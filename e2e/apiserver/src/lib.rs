@@ -14,6 +14,7 @@ pub mod clock;
 pub mod discovery;
 pub mod events;
 mod http;
+pub mod latency;
 pub mod openapi;
 pub mod patch;
 pub mod protobuf;
@@ -24,6 +25,7 @@ pub mod selectors;
 pub mod status;
 pub mod store;
 pub mod table;
+pub mod watchcache;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -37,6 +39,7 @@ use tokio::task::{AbortHandle, JoinHandle};
 
 pub use http::RequestRecord;
 use http::Shared;
+pub use latency::ApiProfile;
 
 /// The context name in the generated kubeconfig.
 pub const CONTEXT_NAME: &str = "gpupool-emulator";
@@ -62,6 +65,48 @@ impl Serving {
             connection.abort();
         }
         accept
+    }
+}
+
+/// How to start an [`ApiServer`]; the default is what [`ApiServer::start`] does: an ephemeral port,
+/// no latency, a watch cache that is always current.
+#[derive(Clone, Debug, Default)]
+pub struct ApiServerOptions {
+    /// 0 for an ephemeral port.
+    pub port: u16,
+    pub profile: ApiProfile,
+    /// Seeds the delays, so that runs with the same requests in the same order draw the same ones.
+    pub seed: u64,
+    /// How far `resourceVersion=0` GETs of one object lag behind writes; `None` for the profile's
+    /// own ([`ApiProfile::default_cache_lag`]).
+    pub cache_lag: Option<std::time::Duration>,
+}
+
+impl ApiServerOptions {
+    pub fn port(mut self, port: u16) -> Self {
+        self.port = port;
+        self
+    }
+
+    pub fn profile(mut self, profile: ApiProfile) -> Self {
+        self.profile = profile;
+        self
+    }
+
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    pub fn cache_lag(mut self, lag: std::time::Duration) -> Self {
+        self.cache_lag = Some(lag);
+        self
+    }
+
+    /// The lag the watch cache will have.
+    pub fn effective_cache_lag(&self) -> std::time::Duration {
+        self.cache_lag
+            .unwrap_or_else(|| self.profile.default_cache_lag())
     }
 }
 
@@ -115,11 +160,21 @@ impl ApiServer {
 
     /// Starts on 127.0.0.1:`port` (0 for an ephemeral one).
     pub async fn start_on(port: u16) -> anyhow::Result<ApiServer> {
+        Self::start_with(ApiServerOptions::default().port(port)).await
+    }
+
+    /// Starts on 127.0.0.1 with a latency profile and watch cache lag.
+    pub async fn start_with(options: ApiServerOptions) -> anyhow::Result<ApiServer> {
+        let port = options.port;
         let listener = TcpListener::bind(("127.0.0.1", port))
             .await
             .with_context(|| format!("binding 127.0.0.1:{port}"))?;
         let addr = listener.local_addr()?;
-        let shared = Arc::new(Shared::new(addr.to_string()));
+        let shared = Arc::new(Shared::with_latency(
+            addr.to_string(),
+            latency::Latency::new(options.profile, options.seed),
+            options.effective_cache_lag(),
+        ));
         let serving = Serving::default();
         let accept = spawn_accept_loop(
             listener,
@@ -225,5 +280,127 @@ impl Drop for ApiServer {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .abort_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use k8s_openapi::api::core::v1::ConfigMap;
+    use kube::api::{GetParams, Patch, PatchParams, PostParams};
+    use kube::{Api, Client, Config};
+
+    use super::*;
+
+    async fn client(server: &ApiServer) -> Client {
+        let config = Config::new(server.url().parse().unwrap());
+        Client::try_from(config).unwrap()
+    }
+
+    fn data(map: &ConfigMap) -> &str {
+        map.data.as_ref().unwrap()["v"].as_str()
+    }
+
+    #[tokio::test]
+    async fn cached_gets_lag_and_quorum_gets_do_not() {
+        let lag = Duration::from_millis(400);
+        let server = ApiServer::start_with(ApiServerOptions::default().cache_lag(lag))
+            .await
+            .unwrap();
+        let api: Api<ConfigMap> = Api::namespaced(client(&server).await, "default");
+        let map: ConfigMap = serde_json::from_value(
+            serde_json::json!({"metadata": {"name": "cm"}, "data": {"v": "one"}}),
+        )
+        .unwrap();
+        api.create(&PostParams::default(), &map).await.unwrap();
+        let written = Instant::now();
+        let cached = api.get_with("cm", &GetParams::any()).await;
+        if written.elapsed() < lag {
+            let error = cached.expect_err("created within the lag");
+            assert!(
+                matches!(&error, kube::Error::Api(s) if s.code == 404),
+                "{error}"
+            );
+        }
+        tokio::time::sleep(lag).await;
+        assert_eq!(
+            data(&api.get_with("cm", &GetParams::any()).await.unwrap()),
+            "one"
+        );
+
+        let patch = serde_json::json!({"data": {"v": "two"}});
+        api.patch("cm", &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .unwrap();
+        let written = Instant::now();
+        let cached = api.get_with("cm", &GetParams::any()).await.unwrap();
+        let quorum = api.get("cm").await.unwrap();
+        if written.elapsed() < lag {
+            assert_eq!(data(&cached), "one");
+        }
+        assert_eq!(data(&quorum), "two");
+        tokio::time::sleep(lag).await;
+        assert_eq!(
+            data(&api.get_with("cm", &GetParams::any()).await.unwrap()),
+            "two"
+        );
+
+        api.delete("cm", &Default::default()).await.unwrap();
+        let deleted = Instant::now();
+        let cached = api.get_with("cm", &GetParams::any()).await;
+        assert!(api.get("cm").await.is_err());
+        if deleted.elapsed() < lag {
+            assert_eq!(data(&cached.unwrap()), "two");
+        }
+        tokio::time::sleep(lag).await;
+        assert!(api.get_with("cm", &GetParams::any()).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn the_real_profile_charges_quorum_reads_more_than_cached_ones() {
+        let server = ApiServer::start_with(
+            ApiServerOptions::default()
+                .profile(ApiProfile::Real)
+                .seed(5),
+        )
+        .await
+        .unwrap();
+        let api: Api<ConfigMap> = Api::namespaced(client(&server).await, "default");
+        let map: ConfigMap =
+            serde_json::from_value(serde_json::json!({"metadata": {"name": "cm"}})).unwrap();
+        let start = Instant::now();
+        api.create(&PostParams::default(), &map).await.unwrap();
+        // A write alone is never faster than the fastest draw of its distribution.
+        assert!(start.elapsed() >= Duration::from_micros(500));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let median = |params: GetParams| {
+            let api = api.clone();
+            async move {
+                let mut samples = Vec::new();
+                for _ in 0..15 {
+                    let t = Instant::now();
+                    api.get_with("cm", &params).await.unwrap();
+                    samples.push(t.elapsed());
+                }
+                samples.sort_unstable();
+                samples[7]
+            }
+        };
+        let quorum = median(GetParams::default()).await;
+        let cached = median(GetParams::any()).await;
+        assert!(quorum >= Duration::from_millis(1), "quorum {quorum:?}");
+        assert!(cached >= Duration::from_micros(400), "cached {cached:?}");
+        assert!(cached < quorum, "cached {cached:?}, quorum {quorum:?}");
+    }
+
+    #[tokio::test]
+    async fn the_default_profile_charges_nothing_and_caches_nothing() {
+        let server = ApiServer::start().await.unwrap();
+        let api: Api<ConfigMap> = Api::namespaced(client(&server).await, "default");
+        let map: ConfigMap =
+            serde_json::from_value(serde_json::json!({"metadata": {"name": "cm"}})).unwrap();
+        api.create(&PostParams::default(), &map).await.unwrap();
+        api.get_with("cm", &GetParams::any()).await.unwrap();
     }
 }

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use gpupool_apiserver::ApiServer;
+use gpupool_apiserver::{ApiServer, ApiServerOptions};
 use gpupool_e2e::harness::{ManagedProcess, NodeDirs};
 use gpupool_e2e::kubelet::{ClaimRef, Kubelet, KubeletConfig};
 use k8s_openapi::api::core::v1::{Namespace, Node};
@@ -91,7 +91,7 @@ pub fn allocation_result(kind: ClaimKind, pool: &str, device: &str) -> Value {
 }
 
 impl Bench {
-    pub async fn start(driver_bin: PathBuf) -> anyhow::Result<Bench> {
+    pub async fn start(driver_bin: PathBuf, api: ApiServerOptions) -> anyhow::Result<Bench> {
         let workdir = tempfile::Builder::new()
             .prefix("gpupool-bench-")
             .tempdir()
@@ -106,7 +106,7 @@ impl Bench {
                 .tempdir()
                 .context("creating the run folder")?,
         };
-        let apiserver = ApiServer::start()
+        let apiserver = ApiServer::start_with(api)
             .await
             .context("starting the API server emulator")?;
         let kubeconfig = workdir.path().join("kubeconfig");
@@ -317,7 +317,12 @@ impl Bench {
             .await
             .with_context(|| format!("creating claim {NAMESPACE}/{name}"))?;
         let result = allocation_result(kind, pool, device);
-        let patch = json!({"status": {"allocation": {"devices": {"results": [result]}}}});
+        // As the scheduler leaves a claim the kubelet prepares: allocated and reserved for the pod.
+        let patch = json!({"status": {
+            "allocation": {"devices": {"results": [result]}},
+            "reservedFor": [{"resource": "pods", "name": format!("{name}-pod"),
+                             "uid": uuid::Uuid::new_v4().to_string()}],
+        }});
         api.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
             .with_context(|| format!("allocating claim {NAMESPACE}/{name}"))?;

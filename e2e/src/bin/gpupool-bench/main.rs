@@ -15,11 +15,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Parser;
+use gpupool_apiserver::{ApiProfile, ApiServerOptions};
 use gpupool_e2e::harness::{find_binary, DRIVER_BIN};
 use gpupool_e2e::kubelet::{ClaimRef, Kubelet};
+use kube::api::GetParams;
 
 use cluster::{prepare_one, unprepare_one, Bench};
-use report::{ClaimKind, LatencyCell, Memory, Publishing, Report, Soak, Startup};
+use report::{ApiSettings, ClaimKind, LatencyCell, Memory, Publishing, Report, Soak, Startup};
 
 const PROFILE: &str = "a100-40gb";
 const GPUS: usize = 8;
@@ -56,6 +58,13 @@ struct Args {
     /// Node counts (8 GPUs each) for slice publishing, comma-separated.
     #[arg(long, value_delimiter = ',')]
     publish_nodes: Option<Vec<usize>>,
+    /// What the API server emulator charges per request: `none` answers at once (the figures in
+    /// BENCHMARKS.md so far), `real` what kube-apiserver with etcd charges on a small machine.
+    #[arg(long, value_enum, default_value_t = ApiProfile::None)]
+    api_profile: ApiProfile,
+    /// Seed of the profile's delays.
+    #[arg(long, default_value_t = 0)]
+    api_seed: u64,
 }
 
 struct Plan {
@@ -119,7 +128,15 @@ async fn run(args: &Args) -> anyhow::Result<Report> {
         Some(path) => path.clone(),
         None => find_binary(DRIVER_BIN)?,
     };
-    let bench = Bench::start(driver_bin.clone()).await?;
+    let api_options = ApiServerOptions::default()
+        .profile(args.api_profile)
+        .seed(args.api_seed);
+    let api = ApiSettings {
+        profile: args.api_profile,
+        seed: args.api_seed,
+        cache_lag_us: api_options.effective_cache_lag().as_secs_f64() * 1e6,
+    };
+    let bench = Bench::start(driver_bin.clone(), api_options).await?;
     let gpus = format!("{PROFILE}:{GPUS}");
 
     progress("start-up");
@@ -172,9 +189,12 @@ async fn run(args: &Args) -> anyhow::Result<Report> {
     let probe = bench
         .create_allocated_claim("get-probe", ClaimKind::Whole, &node.name, "gpu-0")
         .await?;
-    let api_get_claim = time_claim_gets(&bench, &probe, plan.cycles.min(1000)).await?;
+    let gets = plan.cycles.min(1000);
+    let api_get_claim = time_claim_gets(&bench, &probe, &GetParams::default(), gets).await?;
+    let api_get_claim_cached = time_claim_gets(&bench, &probe, &GetParams::any(), gets).await?;
     let repeat_prepare = time_repeated_prepares(kubelet, &probe, plan.cycles.min(1000)).await?;
 
+    let first_cycle_request = bench.apiserver.requests().len();
     let mut latency = Vec::new();
     for kind in [ClaimKind::Whole, ClaimKind::Fractional] {
         for &concurrency in &plan.concurrency {
@@ -190,6 +210,13 @@ async fn run(args: &Args) -> anyhow::Result<Report> {
             latency.push(latency_cell(kubelet, kind, concurrency, &claims).await?);
         }
     }
+
+    // The driver writes a claim's status after answering: let the last cycles' writes land.
+    settle_requests(&bench).await;
+    let api_requests = requests::per_cycle(
+        &bench.apiserver.requests()[first_cycle_request..],
+        latency.iter().map(|c| c.cycles).sum(),
+    );
 
     progress(&format!("soak: {} cycles", plan.soak_cycles));
     let soak = soak(&bench, kubelet, &node.name, pid, plan.soak_cycles).await?;
@@ -207,6 +234,7 @@ async fn run(args: &Args) -> anyhow::Result<Report> {
         state_folders: procfs::describe_folder(bench.workdir()),
         runtime_folders: procfs::describe_folder(bench.runtime_dir()),
         short: args.short,
+        api,
         gpus,
         latency,
         memory,
@@ -214,6 +242,8 @@ async fn run(args: &Args) -> anyhow::Result<Report> {
         startup,
         publishing,
         api_get_claim,
+        api_get_claim_cached,
+        api_requests,
         repeat_prepare,
         targets: Vec::new(),
     };
@@ -221,11 +251,37 @@ async fn run(args: &Args) -> anyhow::Result<Report> {
     Ok(report)
 }
 
+/// Waits until the driver made no API request for 200 ms (at most 10 s).
+async fn settle_requests(bench: &Bench) {
+    const QUIET: Duration = Duration::from_millis(200);
+    const LIMIT: Duration = Duration::from_secs(10);
+    let started = Instant::now();
+    let driver_requests = || {
+        bench
+            .apiserver
+            .requests()
+            .iter()
+            .filter(|r| !requests::is_bench(r))
+            .count()
+    };
+    let mut seen = driver_requests();
+    while started.elapsed() < LIMIT {
+        tokio::time::sleep(QUIET).await;
+        let now = driver_requests();
+        if now == seen {
+            return;
+        }
+        seen = now;
+    }
+}
+
 /// Serial GETs of one claim through the bench's kube client: the same client library and transport
-/// the driver reads claims with.
+/// the driver reads claims with. With `GetParams::any()` (`resourceVersion=0`) the API server
+/// answers from its watch cache, without it from etcd (a quorum read).
 async fn time_claim_gets(
     bench: &Bench,
     claim: &ClaimRef,
+    params: &GetParams,
     count: usize,
 ) -> anyhow::Result<stats::Summary> {
     let api: kube::Api<k8s_openapi::api::resource::v1::ResourceClaim> =
@@ -233,7 +289,7 @@ async fn time_claim_gets(
     let mut samples = Vec::with_capacity(count);
     for _ in 0..count {
         let t = Instant::now();
-        api.get(&claim.name)
+        api.get_with(&claim.name, params)
             .await
             .with_context(|| format!("reading claim {}", claim.name))?;
         samples.push(t.elapsed());

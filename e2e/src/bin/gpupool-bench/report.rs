@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
+use gpupool_apiserver::ApiProfile;
 use serde::Serialize;
 
 use crate::procfs::Machine;
@@ -85,6 +86,32 @@ pub struct Publishing {
     pub requests_after_settle: BTreeMap<String, usize>,
 }
 
+/// What the API server emulator charged in this run.
+#[derive(Clone, Debug, Serialize)]
+pub struct ApiSettings {
+    pub profile: ApiProfile,
+    pub seed: u64,
+    /// How far `resourceVersion=0` GETs of one object lagged behind writes.
+    pub cache_lag_us: f64,
+}
+
+/// The drivers' API requests over the latency cells, per prepare+unprepare cycle of a claim.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct CycleRequests {
+    pub cycles: usize,
+    /// GETs and lists, not watches.
+    pub reads: usize,
+    /// Of those, the ones with a `resourceVersion` (from the watch cache, not a quorum read).
+    pub cached_reads: usize,
+    /// POST, PUT, PATCH, DELETE.
+    pub writes: usize,
+    pub reads_per_cycle: f64,
+    pub cached_reads_per_cycle: f64,
+    pub writes_per_cycle: f64,
+    /// Every driver request, watches included, by kind (see `requests::request_kind`).
+    pub by_kind: BTreeMap<String, usize>,
+}
+
 /// One target of issue 8 against what this run measured.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct TargetCheck {
@@ -104,15 +131,21 @@ pub struct Report {
     pub state_folders: String,
     pub runtime_folders: String,
     pub short: bool,
+    pub api: ApiSettings,
     pub gpus: String,
     pub latency: Vec<LatencyCell>,
     pub memory: Memory,
     pub soak: Soak,
     pub startup: Vec<Startup>,
     pub publishing: Vec<Publishing>,
-    /// A claim GET through kube-rs to the emulator, the read every fresh prepare makes: the floor
-    /// of prepare latency as long as the claim is read from the API server.
+    /// A claim GET through kube-rs to the emulator without resourceVersion (a quorum read), the read
+    /// every fresh prepare makes: the floor of prepare latency as long as the claim is read so.
     pub api_get_claim: Summary,
+    /// The same GET with `resourceVersion=0` (from the watch cache): the floor of a prepare that
+    /// reads the claim from the cache.
+    pub api_get_claim_cached: Summary,
+    /// The drivers' requests per prepare+unprepare cycle over the latency cells.
+    pub api_requests: CycleRequests,
     /// A prepare of a claim already prepared (answered from the checkpoint): the gRPC round trip
     /// and the driver's dispatch, the other floor of prepare latency.
     pub repeat_prepare: Summary,
@@ -238,9 +271,16 @@ pub fn render_table(report: &Report) -> String {
     );
     let _ = writeln!(
         out,
-        "fake GPUs: {}{}\n",
+        "fake GPUs: {}{}",
         report.gpus,
         if report.short { " (--short)" } else { "" }
+    );
+    let _ = writeln!(
+        out,
+        "API profile: {} (seed {}, watch cache lag {:.1} ms)\n",
+        report.api.profile,
+        report.api.seed,
+        report.api.cache_lag_us / 1e3
     );
     let _ = writeln!(
         out,
@@ -282,6 +322,38 @@ pub fn render_table(report: &Report) -> String {
         out,
         "API claim GET (bench client -> emulator), {} calls: p50 {:.0} µs, p99 {:.0} µs",
         get.count, get.p50_us, get.p99_us
+    );
+    let cached = &report.api_get_claim_cached;
+    let _ = writeln!(
+        out,
+        "API claim GET resourceVersion=0 (watch cache), {} calls: p50 {:.0} µs, p99 {:.0} µs",
+        cached.count, cached.p50_us, cached.p99_us
+    );
+    let _ = writeln!(
+        out,
+        "floors: quorum-read {:.0} µs, cached-read {:.0} µs (cached-read + 0.4 ms = {:.0} µs)",
+        get.p50_us,
+        cached.p50_us,
+        cached.p50_us + 400.0
+    );
+    let calls = &report.api_requests;
+    let kinds: Vec<String> = calls
+        .by_kind
+        .iter()
+        .map(|(kind, n)| format!("{kind} {:.2}", *n as f64 / calls.cycles.max(1) as f64))
+        .collect();
+    let _ = writeln!(
+        out,
+        "api requests per cycle (driver, {} cycles): reads {:.2} (from the cache {:.2}), writes {:.2}{}",
+        calls.cycles,
+        calls.reads_per_cycle,
+        calls.cached_reads_per_cycle,
+        calls.writes_per_cycle,
+        if kinds.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", kinds.join(", "))
+        }
     );
     let repeat = &report.repeat_prepare;
     let _ = writeln!(
@@ -417,6 +489,11 @@ mod tests {
             state_folders: "ext4 (/tmp/b)".into(),
             runtime_folders: "tmpfs (/dev/shm/c)".into(),
             short: false,
+            api: ApiSettings {
+                profile: ApiProfile::Real,
+                seed: 3,
+                cache_lag_us: 1000.0,
+            },
             gpus: "a100-40gb:8".into(),
             latency: vec![LatencyCell {
                 kind: ClaimKind::Fractional,
@@ -462,6 +539,23 @@ mod tests {
                 ]),
             }],
             api_get_claim: summary,
+            api_get_claim_cached: Summary {
+                p50_us: 800.0,
+                ..summary
+            },
+            api_requests: CycleRequests {
+                cycles: 10,
+                reads: 10,
+                cached_reads: 5,
+                writes: 20,
+                reads_per_cycle: 1.0,
+                cached_reads_per_cycle: 0.5,
+                writes_per_cycle: 2.0,
+                by_kind: BTreeMap::from([
+                    ("GET resourceclaims".to_string(), 10),
+                    ("PATCH resourceclaims/status".to_string(), 20),
+                ]),
+            },
             repeat_prepare: summary,
             targets: Vec::new(),
         }
@@ -548,6 +642,20 @@ mod tests {
         assert!(table.contains("fds 20 -> 20 (+0)"), "{table}");
         assert!(table.contains("40.0 ms / 60.0 ms"), "{table}");
         assert!(table.contains("       8  GET nodes"), "{table}");
+        assert!(
+            table.contains("API profile: real (seed 3, watch cache lag 1.0 ms)"),
+            "{table}"
+        );
+        assert!(
+            table.contains(
+                "floors: quorum-read 200 µs, cached-read 800 µs (cached-read + 0.4 ms = 1200 µs)"
+            ),
+            "{table}"
+        );
+        assert!(
+            table.contains("api requests per cycle (driver, 10 cycles): reads 1.00 (from the cache 0.50), writes 2.00 (GET resourceclaims 1.00, PATCH resourceclaims/status 2.00)"),
+            "{table}"
+        );
     }
 
     #[test]
@@ -557,5 +665,8 @@ mod tests {
         assert_eq!(json["latency"][0]["prepare"]["p99_us"], 900.0);
         assert_eq!(json["memory"]["prepared_rss_kib"], 10240);
         assert_eq!(json["publishing"][0]["slice_writes"], 8);
+        assert_eq!(json["api"]["profile"], "real");
+        assert_eq!(json["api_get_claim_cached"]["p50_us"], 800.0);
+        assert_eq!(json["api_requests"]["writes_per_cycle"], 2.0);
     }
 }

@@ -5,7 +5,14 @@ use std::collections::BTreeMap;
 
 use gpupool_apiserver::RequestRecord;
 
+use crate::report::CycleRequests;
+
 pub const BENCH_USER_AGENT: &str = "gpupool-bench";
+
+/// Made by the bench's own client (which the kubelet emulator shares), not by a driver.
+pub fn is_bench(record: &RequestRecord) -> bool {
+    record.user_agent.starts_with(BENCH_USER_AGENT)
+}
 
 /// `METHOD resource[/subresource][ watch]`, e.g. `POST resourceslices`, `GET gpumodels watch`,
 /// `PATCH resourceclaims/status`.
@@ -46,15 +53,55 @@ pub fn is_write(method: &str) -> bool {
 /// Requests the drivers made (not the bench), counted by kind.
 pub fn driver_requests(records: &[RequestRecord]) -> BTreeMap<String, usize> {
     let mut counts = BTreeMap::new();
-    for record in records
-        .iter()
-        .filter(|r| !r.user_agent.starts_with(BENCH_USER_AGENT))
-    {
+    for record in records.iter().filter(|r| !is_bench(r)) {
         *counts
             .entry(request_kind(&record.method, &record.path))
             .or_default() += 1;
     }
     counts
+}
+
+/// A read with a `resourceVersion`, which the API server answers from its watch cache.
+fn is_cached_read(record: &RequestRecord) -> bool {
+    let query = record.path.split_once('?').map_or("", |(_, q)| q);
+    record.method == "GET"
+        && query.split('&').any(|kv| {
+            kv.strip_prefix("resourceVersion=")
+                .is_some_and(|v| !v.is_empty())
+        })
+        && !query
+            .split('&')
+            .any(|kv| kv == "watch=true" || kv == "watch=1")
+}
+
+/// The drivers' reads (GETs that are not watches) and writes over `cycles` prepare+unprepare
+/// cycles.
+pub fn per_cycle(records: &[RequestRecord], cycles: usize) -> CycleRequests {
+    let by_kind = driver_requests(records);
+    let cached_reads = records
+        .iter()
+        .filter(|r| !is_bench(r) && is_cached_read(r))
+        .count();
+    let (mut reads, mut writes) = (0, 0);
+    for (kind, n) in &by_kind {
+        let method = kind.split(' ').next().unwrap_or_default();
+        if is_write(method) {
+            writes += n;
+        } else if method == "GET" && !kind.ends_with(" watch") {
+            reads += n;
+        }
+    }
+    let per = |n: usize| n as f64 / cycles.max(1) as f64;
+    CycleRequests {
+        cycles,
+        reads,
+        cached_reads,
+        writes,
+        reads_per_cycle: per(reads),
+        cached_reads_per_cycle: per(cached_reads),
+        writes_per_cycle: per(writes),
+        by_kind,
+    }
 }
 
 /// Writes to ResourceSlices among counted requests.
@@ -166,5 +213,35 @@ mod tests {
         assert_eq!(counts.values().sum::<usize>(), 4);
         assert_eq!(counts["POST resourceslices"], 2);
         assert_eq!(slice_writes(&counts), 2);
+    }
+
+    #[test]
+    fn reads_and_writes_per_cycle_leave_out_watches_and_the_bench() {
+        let claim = "/apis/resource.k8s.io/v1/namespaces/bench/resourceclaims/c1";
+        let status = format!("{claim}/status");
+        let records = vec![
+            record("GET", claim, "kube-rs/3"),
+            record("PATCH", &status, "kube-rs/3"),
+            record("GET", &format!("{claim}?&resourceVersion=0"), "kube-rs/3"),
+            record("PATCH", &status, "kube-rs/3"),
+            record("PATCH", &status, "kube-rs/3"),
+            record(
+                "GET",
+                "/apis/gpupool.dev/v1alpha1/gpumodels?watch=true&resourceVersion=5",
+                "kube-rs/3",
+            ),
+            record("POST", "/api/v1/namespaces/bench/events", "kube-rs/3"),
+            record("GET", claim, "gpupool-bench/0.1.0"),
+            record("PATCH", &status, BENCH_USER_AGENT),
+        ];
+        let counts = per_cycle(&records, 2);
+        assert_eq!((counts.reads, counts.writes), (2, 4));
+        assert_eq!(counts.cached_reads, 1);
+        assert_eq!(counts.cached_reads_per_cycle, 0.5);
+        assert_eq!(counts.reads_per_cycle, 1.0);
+        assert_eq!(counts.writes_per_cycle, 2.0);
+        assert_eq!(counts.by_kind["GET gpumodels watch"], 1);
+        assert_eq!(counts.by_kind["PATCH resourceclaims/status"], 3);
+        assert_eq!(per_cycle(&[], 0).reads_per_cycle, 0.0);
     }
 }

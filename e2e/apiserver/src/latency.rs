@@ -1,0 +1,433 @@
+//! What a request costs: by default the emulator answers at once, which makes every API request look
+//! nearly free (~0.14 ms for a GET, a write no dearer than a read). [`ApiProfile::Real`] charges
+//! what a real kube-apiserver with etcd on one small machine charges, so a client that makes
+//! fewer or cheaper requests measures faster, as it would in a cluster.
+//!
+//! The delay is spent before the request is served, so a write becomes visible (and is answered)
+//! once its "fsync" is over, as with etcd. The emulator's own work (~0.14 ms a request, more under
+//! load) and the wake-up after the sleep (~0.05 ms) come on top of the sampled delay: nothing is
+//! subtracted, so a profile's figures are floors, not medians of what a client sees.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// How much the emulator charges for each request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ApiProfile {
+    /// Answer at once: fast tests, and the figures benchmarks were first taken with.
+    #[default]
+    None,
+    /// kube-apiserver + etcd on a 2-core machine (p50 / p99 of one request alone):
+    /// a GET or list without `resourceVersion` (a quorum read from etcd) 1.9 / 7 ms; with any
+    /// `resourceVersion` (served from the watch cache) 0.8 / 2.3 ms; a write (POST, PUT, PATCH,
+    /// DELETE, subresources included) 2.5 / 8 ms, all of it etcd's fsync of its log. There is one
+    /// disk and one fsync at a time: a write that arrives while one runs waits for it, then is
+    /// committed by the next one together with every other write that arrived meanwhile (etcd
+    /// batches what raft proposed during an fsync), so a write under load costs up to two
+    /// fsyncs. The watch cache lags writes by 1 ms. Watches and discovery are not charged.
+    Real,
+}
+
+impl ApiProfile {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ApiProfile::None => "none",
+            ApiProfile::Real => "real",
+        }
+    }
+
+    /// How far `resourceVersion=0` reads lag behind writes unless told otherwise: the real watch
+    /// cache is fed by an etcd watch, so a client that reads right after its own write may get
+    /// the version before it.
+    pub fn default_cache_lag(self) -> Duration {
+        match self {
+            ApiProfile::None => Duration::ZERO,
+            ApiProfile::Real => Duration::from_millis(1),
+        }
+    }
+
+    fn costs(self) -> Option<Costs> {
+        let ms = |v: f64| Duration::from_secs_f64(v / 1e3);
+        match self {
+            ApiProfile::None => None,
+            ApiProfile::Real => Some(Costs {
+                quorum_read: LogNormal::fit(ms(1.9), ms(7.0)),
+                cached_read: LogNormal::fit(ms(0.8), ms(2.3)),
+                write: LogNormal::fit(ms(2.5), ms(8.0)),
+            }),
+        }
+    }
+}
+
+impl std::fmt::Display for ApiProfile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The standard normal quantile of 0.99.
+const Z99: f64 = 2.326_347_874_040_840_8;
+/// Samples are capped at this many standard deviations (p99.997): one absurd draw in a run of
+/// thousands would otherwise decide a max without saying anything about the client.
+const Z_CAP: f64 = 4.0;
+
+/// A log-normal distribution given by its median and 99th percentile: latencies are skewed
+/// to the right and never negative.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LogNormal {
+    median: Duration,
+    sigma: f64,
+}
+
+impl LogNormal {
+    pub fn fit(p50: Duration, p99: Duration) -> LogNormal {
+        let ratio = p99.as_secs_f64() / p50.as_secs_f64().max(f64::MIN_POSITIVE);
+        LogNormal {
+            median: p50,
+            sigma: (ratio.max(1.0)).ln() / Z99,
+        }
+    }
+
+    pub fn sample(&self, rng: &mut impl Rng) -> Duration {
+        // Box-Muller; 1 - u keeps the logarithm's argument in (0, 1].
+        let u1: f64 = 1.0 - rng.random::<f64>();
+        let u2: f64 = rng.random::<f64>();
+        let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+        self.median.mul_f64((self.sigma * z.min(Z_CAP)).exp())
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Costs {
+    quorum_read: LogNormal,
+    cached_read: LogNormal,
+    write: LogNormal,
+}
+
+/// What kind of work a request is for the API server and etcd.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RequestCost {
+    /// Discovery, OpenAPI, health, watches: served from memory or streamed.
+    Free,
+    /// A GET or list without `resourceVersion`: a linearizable read from etcd.
+    QuorumRead,
+    /// A GET or list with a `resourceVersion` (`0` or a version to be no older than), served from
+    /// the watch cache.
+    CachedRead,
+    /// Anything that changes etcd; a dry run only reads.
+    Write,
+}
+
+/// The cost of a request by its method, path segments and query (the same routing as the server's).
+pub fn classify(method: &str, segments: &[&str], query: &BTreeMap<String, String>) -> RequestCost {
+    let resource_path = match segments {
+        ["api", "v1", rest @ ..] | ["apis", _, _, rest @ ..] => !rest.is_empty(),
+        _ => false,
+    };
+    if !resource_path {
+        return RequestCost::Free;
+    }
+    let param = |key: &str| query.get(key).map(String::as_str);
+    let read = || match param("resourceVersion") {
+        None | Some("") => RequestCost::QuorumRead,
+        Some(_) => RequestCost::CachedRead,
+    };
+    match method {
+        "GET" if matches!(param("watch"), Some("true") | Some("1")) => RequestCost::Free,
+        "GET" => read(),
+        "POST" | "PUT" | "PATCH" | "DELETE" if param("dryRun") == Some("All") => {
+            RequestCost::QuorumRead
+        }
+        "POST" | "PUT" | "PATCH" | "DELETE" => RequestCost::Write,
+        _ => RequestCost::Free,
+    }
+}
+
+/// The delays of one server: a seeded generator (runs with the same seed and the same order of
+/// requests draw the same delays) and the one disk writes share.
+pub struct Latency {
+    costs: Option<Costs>,
+    rng: Mutex<StdRng>,
+    disk: Mutex<Disk>,
+}
+
+/// etcd's log on one disk: one fsync at a time, each committing every write that arrived while
+/// the one before it ran. Committing each write with its own fsync instead would cap a server at
+/// ~400 writes/s and let queues grow without bound under a few busy clients, which etcd does not.
+#[derive(Debug)]
+struct Disk {
+    /// When the fsync running (or the last one) ends.
+    busy_until: Instant,
+    /// When the fsync queued behind it ends: writes arriving now join it.
+    next_ends: Option<Instant>,
+}
+
+impl Disk {
+    /// When a write arriving at `now` is durable; `fsync` is drawn only when a new fsync starts.
+    fn commit(&mut self, now: Instant, fsync: impl FnOnce() -> Duration) -> Instant {
+        if let Some(next_ends) = self.next_ends {
+            if now >= self.busy_until {
+                // The queued fsync started when the one before it ended.
+                self.busy_until = next_ends;
+                self.next_ends = None;
+            }
+        }
+        if now >= self.busy_until {
+            self.busy_until = now + fsync();
+            return self.busy_until;
+        }
+        *self
+            .next_ends
+            .get_or_insert_with(|| self.busy_until + fsync())
+    }
+}
+
+impl Latency {
+    pub fn new(profile: ApiProfile, seed: u64) -> Latency {
+        Latency {
+            costs: profile.costs(),
+            rng: Mutex::new(StdRng::seed_from_u64(seed)),
+            disk: Mutex::new(Disk {
+                busy_until: Instant::now(),
+                next_ends: None,
+            }),
+        }
+    }
+
+    /// When a request of `cost` arriving at `now` is to be served; `None` at once.
+    pub fn deadline(&self, cost: RequestCost, now: Instant) -> Option<Instant> {
+        let costs = self.costs?;
+        let distribution = match cost {
+            RequestCost::Free => return None,
+            RequestCost::QuorumRead => costs.quorum_read,
+            RequestCost::CachedRead => costs.cached_read,
+            RequestCost::Write => costs.write,
+        };
+        let mut rng = self.rng.lock().unwrap_or_else(|p| p.into_inner());
+        if cost != RequestCost::Write {
+            return Some(now + distribution.sample(&mut *rng));
+        }
+        let mut disk = self.disk.lock().unwrap_or_else(|p| p.into_inner());
+        Some(disk.commit(now, || distribution.sample(&mut *rng)))
+    }
+
+    /// Waits as long as a request of `cost` takes under this profile.
+    pub async fn charge(&self, cost: RequestCost) {
+        if let Some(deadline) = self.deadline(cost, Instant::now()) {
+            sleep_until_precisely(deadline).await;
+        }
+    }
+}
+
+/// tokio's timer rounds up to whole milliseconds, which would turn a 0.8 ms cached read into
+/// ~2 ms; a thread's `nanosleep` overshoots by the kernel's timer slack (~50 µs). The timer takes
+/// the bulk of long waits so that queued writes do not each hold a blocking thread.
+pub async fn sleep_until_precisely(deadline: Instant) {
+    const TIMER_MARGIN: Duration = Duration::from_millis(3);
+    if let Some(bulk_end) = deadline.checked_sub(TIMER_MARGIN) {
+        if bulk_end > Instant::now() {
+            tokio::time::sleep_until(bulk_end.into()).await;
+        }
+    }
+    let remaining = deadline.saturating_duration_since(Instant::now());
+    if remaining.is_zero() {
+        return;
+    }
+    let slept = tokio::task::spawn_blocking(move || {
+        std::thread::sleep(deadline.saturating_duration_since(Instant::now()))
+    })
+    .await;
+    if slept.is_err() {
+        // The blocking pool is shutting down: the runtime is going away, nobody waits for this answer.
+        tokio::time::sleep_until(deadline.into()).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn query(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    fn segments(path: &str) -> Vec<&str> {
+        path.split('/').filter(|s| !s.is_empty()).collect()
+    }
+
+    #[test]
+    fn requests_are_classified_like_the_real_server_serves_them() {
+        let none = query(&[]);
+        let claim = segments("/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims/c");
+        let status = segments("/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims/c/status");
+        assert_eq!(classify("GET", &claim, &none), RequestCost::QuorumRead);
+        assert_eq!(
+            classify("GET", &claim, &query(&[("resourceVersion", "")])),
+            RequestCost::QuorumRead
+        );
+        assert_eq!(
+            classify("GET", &claim, &query(&[("resourceVersion", "0")])),
+            RequestCost::CachedRead
+        );
+        assert_eq!(
+            classify("GET", &claim, &query(&[("resourceVersion", "42")])),
+            RequestCost::CachedRead
+        );
+        for method in ["POST", "PUT", "PATCH", "DELETE"] {
+            assert_eq!(classify(method, &status, &none), RequestCost::Write);
+        }
+        assert_eq!(
+            classify("PATCH", &claim, &query(&[("dryRun", "All")])),
+            RequestCost::QuorumRead
+        );
+        let pods = segments("/api/v1/pods");
+        assert_eq!(classify("GET", &pods, &none), RequestCost::QuorumRead);
+        assert_eq!(
+            classify("GET", &pods, &query(&[("resourceVersion", "0")])),
+            RequestCost::CachedRead
+        );
+        assert_eq!(
+            classify("GET", &pods, &query(&[("watch", "true")])),
+            RequestCost::Free
+        );
+        assert_eq!(
+            classify("GET", &pods, &query(&[("watch", "1")])),
+            RequestCost::Free
+        );
+        for free in [
+            "/api",
+            "/api/v1",
+            "/apis",
+            "/apis/resource.k8s.io/v1",
+            "/version",
+        ] {
+            assert_eq!(
+                classify("GET", &segments(free), &none),
+                RequestCost::Free,
+                "{free}"
+            );
+        }
+        assert_eq!(
+            classify(
+                "GET",
+                &segments("/openapi/v3/apis/resource.k8s.io/v1"),
+                &none
+            ),
+            RequestCost::Free
+        );
+    }
+
+    #[test]
+    fn the_none_profile_charges_nothing() {
+        let latency = Latency::new(ApiProfile::None, 1);
+        let now = Instant::now();
+        for cost in [
+            RequestCost::QuorumRead,
+            RequestCost::CachedRead,
+            RequestCost::Write,
+        ] {
+            assert_eq!(latency.deadline(cost, now), None);
+        }
+    }
+
+    fn percentile(samples: &mut [Duration], p: f64) -> Duration {
+        samples.sort_unstable();
+        samples[((p / 100.0) * samples.len() as f64).ceil() as usize - 1]
+    }
+
+    #[test]
+    fn samples_follow_the_fitted_median_and_tail() {
+        let fitted = LogNormal::fit(Duration::from_micros(800), Duration::from_micros(2300));
+        let mut rng = StdRng::seed_from_u64(7);
+        let mut samples: Vec<Duration> = (0..50_000).map(|_| fitted.sample(&mut rng)).collect();
+        let p50 = percentile(&mut samples, 50.0).as_secs_f64() * 1e6;
+        let p99 = percentile(&mut samples, 99.0).as_secs_f64() * 1e6;
+        assert!((p50 - 800.0).abs() < 800.0 * 0.03, "p50 {p50} µs");
+        assert!((p99 - 2300.0).abs() < 2300.0 * 0.08, "p99 {p99} µs");
+        assert!(samples.iter().all(|s| !s.is_zero()));
+    }
+
+    #[test]
+    fn the_same_seed_draws_the_same_delays() {
+        let now = Instant::now();
+        let draw = |seed| {
+            let latency = Latency::new(ApiProfile::Real, seed);
+            (0..20)
+                .map(|_| latency.deadline(RequestCost::QuorumRead, now))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(draw(3), draw(3));
+        assert_ne!(draw(3), draw(4));
+    }
+
+    #[test]
+    fn writes_arriving_during_an_fsync_share_the_next_one() {
+        let start = Instant::now();
+        let ms = |v: u64| start + Duration::from_millis(v);
+        let mut disk = Disk {
+            busy_until: start,
+            next_ends: None,
+        };
+        let fsync = |d: u64| move || Duration::from_millis(d);
+        // An idle disk: the write's own fsync.
+        assert_eq!(disk.commit(ms(0), fsync(3)), ms(3));
+        // During it: the next fsync, after it; later arrivals join that one.
+        assert_eq!(disk.commit(ms(1), fsync(4)), ms(7));
+        assert_eq!(disk.commit(ms(2), fsync(99)), ms(7));
+        // Once the second runs, a third is queued behind it.
+        assert_eq!(disk.commit(ms(4), fsync(2)), ms(9));
+        assert_eq!(disk.commit(ms(5), fsync(99)), ms(9));
+        // While the third runs, a write waits for a fourth.
+        assert_eq!(disk.commit(ms(8), fsync(1)), ms(10));
+        // Idle again.
+        assert_eq!(disk.commit(ms(20), fsync(5)), ms(25));
+        // Arriving exactly as the running fsync ends: a new one at once.
+        assert_eq!(disk.commit(ms(25), fsync(1)), ms(26));
+    }
+
+    #[test]
+    fn reads_do_not_wait_for_the_disk() {
+        let latency = Latency::new(ApiProfile::Real, 11);
+        let now = Instant::now() + Duration::from_secs(1);
+        let first = latency.deadline(RequestCost::Write, now).unwrap();
+        let second = latency.deadline(RequestCost::Write, now).unwrap();
+        assert!(first > now && second > first);
+        let read = latency.deadline(RequestCost::CachedRead, now).unwrap();
+        assert!(read - now < Duration::from_millis(20));
+    }
+
+    #[test]
+    fn short_sleeps_do_not_use_the_tokio_timer() {
+        // No time driver: a short sleep that went through tokio's millisecond timer would panic.
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let wanted = Duration::from_micros(700);
+        let mut elapsed: Vec<Duration> = (0..9)
+            .map(|_| {
+                let start = Instant::now();
+                runtime.block_on(sleep_until_precisely(start + wanted));
+                start.elapsed()
+            })
+            .collect();
+        assert!(elapsed.iter().all(|e| *e >= wanted), "{elapsed:?}");
+        // A loose bound: other work shares this machine.
+        let median = percentile(&mut elapsed, 50.0);
+        assert!(median < Duration::from_millis(2), "{elapsed:?}");
+    }
+
+    #[tokio::test]
+    async fn long_sleeps_are_never_early() {
+        let start = Instant::now();
+        sleep_until_precisely(start + Duration::from_millis(6)).await;
+        assert!(start.elapsed() >= Duration::from_millis(6));
+    }
+}
