@@ -209,11 +209,27 @@ impl UnpreparedAllocations {
 /// The last write queued for a claim: its sequence number and task.
 type QueueTail = (u64, tokio::task::JoinHandle<()>);
 
-#[derive(Default, Clone)]
+#[derive(Clone)]
 struct StatusQueue {
     /// Per claim uid: the sequence number and handle of the last write queued.
     tails: Arc<Mutex<HashMap<String, QueueTail>>>,
     next_seq: Arc<std::sync::atomic::AtomicU64>,
+    /// Writes of different claims in flight at once. kube's client speaks HTTP/1.1, so each one
+    /// holds a connection of its own (~50 KiB): against a slow API server an unbounded queue
+    /// turned a burst of prepares into hundreds of connections.
+    in_flight: Arc<tokio::sync::Semaphore>,
+}
+
+const STATUS_WRITES_IN_FLIGHT: usize = 4;
+
+impl Default for StatusQueue {
+    fn default() -> Self {
+        Self {
+            tails: Arc::default(),
+            next_seq: Arc::default(),
+            in_flight: Arc::new(tokio::sync::Semaphore::new(STATUS_WRITES_IN_FLIGHT)),
+        }
+    }
 }
 
 impl StatusQueue {
@@ -223,11 +239,14 @@ impl StatusQueue {
         let owned_uid = uid.to_string();
         let mut map = self.tails.lock().expect("status queue is never poisoned");
         let previous = map.remove(uid).map(|(_, handle)| handle);
+        let in_flight = self.in_flight.clone();
         let handle = tokio::spawn(async move {
             if let Some(previous) = previous {
                 let _ = previous.await;
             }
+            let permit = in_flight.acquire_owned().await;
             write.await;
+            drop(permit);
             let mut map = tails.lock().expect("status queue is never poisoned");
             if map.get(&owned_uid).is_some_and(|(s, _)| *s == seq) {
                 map.remove(&owned_uid);
