@@ -1,10 +1,11 @@
 //! Compiles the kubelet contracts with protox (a protobuf compiler in Rust), so no system `protoc` is needed.
 
-const PROTOS: [&str; 4] = [
+const PROTOS: [&str; 5] = [
     "proto/pluginregistration.proto",
     "proto/dra_v1.proto",
     "proto/dra_v1beta1.proto",
     "proto/dra_health_v1alpha1.proto",
+    "proto/dra_health_v1.proto",
 ];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

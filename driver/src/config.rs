@@ -27,6 +27,20 @@ pub enum Command {
     Run(Box<RunArgs>),
     /// Print this node's inventory and the ResourceSlices it would publish, as YAML (no API server).
     Inspect(InspectArgs),
+    /// Tell the running driver (same --run-dir) that a GPU raised an XID, was lost, or was reset
+    /// (`clear`), as NVML would: to rehearse on fake GPUs, or to lift a taint after a reset.
+    InjectXid(InjectXidArgs),
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct InjectXidArgs {
+    /// The `--run-dir` of the driver to tell.
+    #[arg(long, env = "RUN_DIR", default_value = "/var/run/gpupool")]
+    pub run_dir: PathBuf,
+    /// Device name as published, e.g. gpu-0.
+    pub device: String,
+    /// An XID number (e.g. 79), `lost`, or `clear` once the card has been reset.
+    pub xid: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -114,6 +128,12 @@ pub struct RunArgs {
     /// the kubelet moves to it without a gap; both then take turns on the node's claims.
     #[arg(long, env = "POD_UID", value_parser = parse_pod_uid)]
     pub pod_uid: Option<String>,
+    /// XIDs that taint a GPU `gpupool.dev/xid=<xid>:NoSchedule` until it is cleared.
+    #[arg(long, env = "XID_FATAL", value_delimiter = ',', default_values_t = crate::health::DEFAULT_XID_FATAL)]
+    pub xid_fatal: Vec<u32>,
+    /// XIDs caused by applications, not the card: logged and counted, never tainted.
+    #[arg(long, env = "XID_IGNORE", value_delimiter = ',', default_values_t = crate::health::DEFAULT_XID_IGNORE)]
+    pub xid_ignore: Vec<u32>,
 }
 
 /// The pod UID becomes part of two file names: only letters, digits and inner dashes (a UUID,
@@ -335,6 +355,36 @@ mod tests {
                 .pod_uid
                 .as_deref(),
             Some("Pod-1")
+        );
+    }
+
+    #[test]
+    fn xid_lists_default_to_the_card_faults_and_take_comma_lists() {
+        let args = run_args(&[]).unwrap();
+        assert!(args.xid_fatal.contains(&79) && args.xid_fatal.contains(&48));
+        assert!(args.xid_ignore.contains(&13) && !args.xid_ignore.contains(&79));
+        let args = run_args(&["--xid-fatal", "79,31", "--xid-ignore", "13"]).unwrap();
+        assert_eq!((args.xid_fatal, args.xid_ignore), (vec![79, 31], vec![13]));
+        assert!(run_args(&["--xid-fatal", "seventy-nine"]).is_err());
+    }
+
+    #[test]
+    fn inject_xid_names_the_run_dir_the_device_and_the_xid() {
+        let cli = Cli::try_parse_from([
+            "gpupool-driver",
+            "inject-xid",
+            "--run-dir",
+            "/u",
+            "gpu-0",
+            "79",
+        ])
+        .unwrap();
+        let Command::InjectXid(args) = cli.command else {
+            panic!("not inject-xid")
+        };
+        assert_eq!(
+            (args.run_dir, args.device.as_str(), args.xid.as_str()),
+            (PathBuf::from("/u"), "gpu-0", "79")
         );
     }
 }

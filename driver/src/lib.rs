@@ -1,9 +1,11 @@
 //! gpupool's node agent. The path a GPU takes, one module per step:
 //! NVML or fake profile -> [`inventory`] -> [`slices`] (pure) -> [`publisher`] (API) ->
 //! [`plugin`] (kubelet sockets) -> [`prepare`] (claim -> limits -> CDI spec + checkpoint);
-//! [`metrics`] shows all of it to Prometheus.
+//! [`metrics`] shows all of it to Prometheus; [`health`] turns XIDs and lost GPUs into device taints
+//! and the kubelet's health stream.
 
 pub mod config;
+pub mod health;
 pub mod inventory;
 pub mod metrics;
 pub mod plugin;

@@ -10,6 +10,9 @@ use clap::Parser;
 use gpupool_api::crd::GpuModel;
 use gpupool_api::names::device_name;
 use gpupool_driver::config::{Cli, Command, InspectArgs, LogFormat, RunArgs};
+use gpupool_driver::health::{
+    inject as health_inject, monitor as health_monitor, nvml as health_nvml, HealthMap, XidPolicy,
+};
 use gpupool_driver::inventory::{self, Inventory};
 use gpupool_driver::metrics::{self, DriverMetrics, InstrumentedPreparer};
 use gpupool_driver::plugin::health::HealthService;
@@ -19,6 +22,7 @@ use gpupool_driver::prepare::{ClaimPreparer, PrepareOptions};
 use gpupool_driver::publisher::SlicePublisher;
 use gpupool_driver::slices::{build_slices, SliceMode};
 use gpupool_driver::weights;
+use k8s_openapi::api::core::v1::Event;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
@@ -46,6 +50,10 @@ fn main() -> ExitCode {
     let logging = matches!(cli.command, Command::Run(_));
     let result = match cli.command {
         Command::Inspect(args) => inspect(args),
+        Command::InjectXid(args) => {
+            gpupool_driver::health::inject::send(&args.run_dir, &args.device, &args.xid)
+                .map(|answer| println!("{answer}"))
+        }
         Command::Run(args) => {
             init_tracing(args.log_format);
             limit_malloc_arenas();
@@ -110,7 +118,14 @@ fn inspect(args: InspectArgs) -> anyhow::Result<()> {
     let node = args.node_name.unwrap_or_else(hostname);
     let inventory = inventory::discover(args.fake_gpus.as_deref(), &node)?;
     let weights = weights::resolve_weights(&inventory, &[]);
-    let resource_slices = build_slices(&inventory, &node, &weights, 1, SliceMode::Shared)?;
+    let resource_slices = build_slices(
+        &inventory,
+        &node,
+        &weights,
+        &HealthMap::default(),
+        1,
+        SliceMode::Shared,
+    )?;
     let report = InspectReport {
         node: &node,
         inventory: &inventory,
@@ -278,13 +293,32 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         ))
     });
 
-    let (_devices_tx, devices_rx) = watch::channel(
-        inventory
-            .gpus
-            .iter()
-            .map(|g| device_name(g.index))
-            .collect(),
+    // Device health: NVML events and probe (or inject-xid on fake GPUs) -> one monitor -> the
+    // slices' taints and the kubelet's health stream.
+    let xid_policy = XidPolicy::new(args.xid_fatal.clone(), args.xid_ignore.clone())
+        .map_err(anyhow::Error::msg)?;
+    let mut devices = HealthMap::new(inventory.gpus.iter().map(|g| device_name(g.index)));
+    if let Some(saved) = health_monitor::load(&args.run_dir) {
+        devices = devices.restored_from(&saved);
+    }
+    let (monitor, devices_rx) = health_monitor::Monitor::new(
+        node.clone(),
+        xid_policy,
+        devices,
+        Some(Api::<Event>::namespaced(client.clone(), "default")),
+        Some(&args.run_dir),
     );
+    let (reports_tx, reports_rx) = health_monitor::channel();
+    let monitor_task = tokio::spawn(monitor.run(reports_rx, stop.clone()));
+    let inject_task = health_inject::serve(&args.run_dir, reports_tx.clone(), stop.clone())?;
+    let nvml_watch = match args.fake_gpus {
+        Some(_) => None,
+        None => Some(
+            health_nvml::spawn(inventory.clone(), reports_tx.clone(), stop.clone())
+                .context("starting the NVML health thread")?,
+        ),
+    };
+    drop(reports_tx);
     if args.pod_uid.is_some() {
         let (registry, plugin) = (args.registry_dir.clone(), args.plugin_dir.clone());
         let own = vec![args.registration_socket(), args.dra_socket()];
@@ -297,7 +331,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             tracing::info!(path = %path.display(), "removed the socket of a driver that is gone");
         }
     }
-    let health = HealthService::new(node.clone(), devices_rx, stop.clone());
+    let health = HealthService::new(node.clone(), devices_rx.clone(), stop.clone());
     let dra = server::serve_dra(
         &args.dra_socket(),
         Arc::new(InstrumentedPreparer::new(
@@ -317,7 +351,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             // on every restart; a slow API only delays the first publication by this much.
             let _ = tokio::time::timeout(WEIGHTS_WAIT, settled_rx.wait_for(|s| *s)).await;
             publisher
-                .run(inventory, weights_rx, published_tx, stop)
+                .run(inventory, weights_rx, devices_rx, published_tx, stop)
                 .await
         }
     });
@@ -378,6 +412,12 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         tracing::warn!(error = %e, "could not fold the checkpoint log into its snapshot");
     }
     let _ = publisher_task.await;
+    let _ = monitor_task.await;
+    let _ = inject_task.await;
+    if let Some(thread) = nvml_watch {
+        // It notices the stop within one NVML wait (a second).
+        let _ = tokio::task::spawn_blocking(move || thread.join()).await;
+    }
     let _ = weights_task.await;
     let _ = readiness.await;
     if let Some(task) = healthz {

@@ -18,6 +18,7 @@ use kube::{Api, Client, ResourceExt};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use crate::health::HealthMap;
 use crate::slices::{build_slices, SliceError, SliceMode};
 
 /// How often slices are compared with the API even when nothing local changed, so that a slice
@@ -84,6 +85,7 @@ pub fn plan(
     inventory: &Inventory,
     node_name: &str,
     weights: &BTreeMap<String, i64>,
+    health: &HealthMap,
     mode: SliceMode,
 ) -> Result<Plan, SliceError> {
     let mine: Vec<&ResourceSlice> = stored
@@ -98,7 +100,7 @@ pub fn plan(
     let by_name: BTreeMap<String, &ResourceSlice> =
         mine.iter().map(|s| (s.name_any(), *s)).collect();
 
-    let same = build_slices(inventory, node_name, weights, current, mode)?;
+    let same = build_slices(inventory, node_name, weights, health, current, mode)?;
     let up_to_date = same.len() == by_name.len()
         && same.iter().all(|want| {
             by_name
@@ -113,7 +115,7 @@ pub fn plan(
     }
 
     let generation = current + 1;
-    let desired = build_slices(inventory, node_name, weights, generation, mode)?;
+    let desired = build_slices(inventory, node_name, weights, health, generation, mode)?;
     let mut plan = Plan {
         generation,
         ..Default::default()
@@ -294,10 +296,18 @@ impl SlicePublisher {
         &mut self,
         inventory: &Inventory,
         weights: &BTreeMap<String, i64>,
+        health: &HealthMap,
     ) -> Result<Outcome, PublishError> {
         for _ in 0..MAX_CONFLICT_RETRIES {
             let stored = self.list().await?;
-            let plan = plan(&stored, inventory, &self.node_name, weights, self.mode)?;
+            let plan = plan(
+                &stored,
+                inventory,
+                &self.node_name,
+                weights,
+                health,
+                self.mode,
+            )?;
             if plan.is_empty() {
                 return Ok(Outcome::Unchanged {
                     generation: plan.generation,
@@ -326,21 +336,23 @@ impl SlicePublisher {
         })
     }
 
-    /// Publishes until `stop`: at start, whenever the weights change, and every [`RESYNC_INTERVAL`];
-    /// failures are retried with capped exponential backoff. `published` turns true after the first
-    /// successful pass.
+    /// Publishes until `stop`: at start, whenever the weights or the devices' health change, and
+    /// every [`RESYNC_INTERVAL`]; failures are retried with capped exponential backoff. `published`
+    /// turns true after the first successful pass.
     pub async fn run(
         mut self,
         inventory: Arc<Inventory>,
         mut weights: watch::Receiver<BTreeMap<String, i64>>,
+        mut health: watch::Receiver<HealthMap>,
         published: watch::Sender<bool>,
         stop: CancellationToken,
     ) {
         let mut backoff = MIN_BACKOFF;
-        let mut weights_open = true;
+        let (mut weights_open, mut health_open) = (true, true);
         loop {
             let current = weights.borrow_and_update().clone();
-            let wait = match self.reconcile(&inventory, &current).await {
+            let current_health = health.borrow_and_update().clone();
+            let wait = match self.reconcile(&inventory, &current, &current_health).await {
                 Ok(outcome) => {
                     backoff = MIN_BACKOFF;
                     match outcome {
@@ -349,6 +361,7 @@ impl SlicePublisher {
                             generation,
                             slices,
                             devices = inventory.gpus.len(),
+                            tainted = current_health.iter().filter(|(_, r)| !r.faults.is_empty()).count(),
                             mode = ?self.mode,
                             "published ResourceSlices"
                         ),
@@ -372,6 +385,11 @@ impl SlicePublisher {
                 changed = weights.changed(), if weights_open => {
                     if changed.is_err() {
                         weights_open = false;
+                    }
+                }
+                changed = health.changed(), if health_open => {
+                    if changed.is_err() {
+                        health_open = false;
                     }
                 }
             }
@@ -398,7 +416,15 @@ mod tests {
     #[test]
     fn first_publish_creates_at_generation_one() {
         let inv = fake_inventory("a100-40gb:2", "n1").unwrap();
-        let p = plan(&[], &inv, "n1", &BTreeMap::new(), SliceMode::Shared).unwrap();
+        let p = plan(
+            &[],
+            &inv,
+            "n1",
+            &BTreeMap::new(),
+            &HealthMap::default(),
+            SliceMode::Shared,
+        )
+        .unwrap();
         assert_eq!(p.generation, 1);
         assert_eq!(p.create.len(), 1);
         assert!(p.update.is_empty() && p.delete.is_empty());
@@ -409,8 +435,18 @@ mod tests {
     fn unchanged_content_writes_nothing() {
         let inv = fake_inventory("a100-40gb:2", "n1").unwrap();
         let w = BTreeMap::new();
-        let have = stored(build_slices(&inv, "n1", &w, 4, SliceMode::Shared).unwrap());
-        let p = plan(&have, &inv, "n1", &w, SliceMode::Shared).unwrap();
+        let have = stored(
+            build_slices(&inv, "n1", &w, &HealthMap::default(), 4, SliceMode::Shared).unwrap(),
+        );
+        let p = plan(
+            &have,
+            &inv,
+            "n1",
+            &w,
+            &HealthMap::default(),
+            SliceMode::Shared,
+        )
+        .unwrap();
         assert!(p.is_empty());
         assert_eq!(p.generation, 4);
     }
@@ -422,7 +458,15 @@ mod tests {
         // generation stays where it is.
         let inv = fake_inventory("a100-40gb:2,v100-32gb:1", "n1").unwrap();
         let w = BTreeMap::from([("A100-SXM4-40GB".to_string(), 312)]);
-        let first = plan(&[], &inv, "n1", &w, SliceMode::Shared).unwrap();
+        let first = plan(
+            &[],
+            &inv,
+            "n1",
+            &w,
+            &HealthMap::default(),
+            SliceMode::Shared,
+        )
+        .unwrap();
         let mut have = stored(first.create);
         for slice in &mut have {
             slice.metadata.owner_references = Some(vec![OwnerReference {
@@ -435,7 +479,15 @@ mod tests {
             }]);
             slice.metadata.uid = Some("slice-uid".into());
         }
-        let second = plan(&have, &inv, "n1", &w, SliceMode::Shared).unwrap();
+        let second = plan(
+            &have,
+            &inv,
+            "n1",
+            &w,
+            &HealthMap::default(),
+            SliceMode::Shared,
+        )
+        .unwrap();
         assert!(second.is_empty(), "{second:?}");
         assert_eq!(second.generation, 1);
     }
@@ -443,10 +495,27 @@ mod tests {
     #[test]
     fn a_changed_weight_updates_with_the_next_generation() {
         let inv = fake_inventory("a100-40gb:2", "n1").unwrap();
-        let have =
-            stored(build_slices(&inv, "n1", &BTreeMap::new(), 4, SliceMode::Shared).unwrap());
+        let have = stored(
+            build_slices(
+                &inv,
+                "n1",
+                &BTreeMap::new(),
+                &HealthMap::default(),
+                4,
+                SliceMode::Shared,
+            )
+            .unwrap(),
+        );
         let w = BTreeMap::from([("A100-SXM4-40GB".to_string(), 312)]);
-        let p = plan(&have, &inv, "n1", &w, SliceMode::Shared).unwrap();
+        let p = plan(
+            &have,
+            &inv,
+            "n1",
+            &w,
+            &HealthMap::default(),
+            SliceMode::Shared,
+        )
+        .unwrap();
         assert_eq!(p.generation, 5);
         assert_eq!(p.update.len(), 1);
         assert_eq!(
@@ -462,14 +531,78 @@ mod tests {
     }
 
     #[test]
+    fn a_taint_and_its_clearing_each_publish_a_new_generation() {
+        use crate::health::{Observation, XidPolicy};
+        let inv = fake_inventory("a100-40gb:2", "n1").unwrap();
+        let w = BTreeMap::new();
+        let mut health = HealthMap::new(["gpu-0".to_string(), "gpu-1".to_string()]);
+        let have = stored(build_slices(&inv, "n1", &w, &health, 4, SliceMode::Shared).unwrap());
+        let policy = XidPolicy::default();
+        let xid = Observation::Xid {
+            device: "gpu-0".into(),
+            xid: 79,
+        };
+        health.apply(xid, &policy, 1_700_000_000).unwrap();
+        let p = plan(&have, &inv, "n1", &w, &health, SliceMode::Shared).unwrap();
+        assert_eq!(p.generation, 5);
+        let devices = p.update[0].spec.devices.clone().unwrap();
+        assert_eq!(devices[0].taints.as_ref().map(Vec::len), Some(1));
+        assert_eq!(devices[1].taints, None);
+
+        // As the API stores and returns it, the tainted slice is up to date: no write per resync.
+        let returned: Vec<ResourceSlice> = p
+            .update
+            .iter()
+            .map(|s| serde_json::from_value(serde_json::to_value(s).unwrap()).unwrap())
+            .collect();
+        let tainted = stored(returned);
+        assert!(plan(&tainted, &inv, "n1", &w, &health, SliceMode::Shared)
+            .unwrap()
+            .is_empty());
+
+        let clear = Observation::Clear {
+            device: "gpu-0".into(),
+        };
+        health.apply(clear, &policy, 1_700_000_100).unwrap();
+        let p = plan(&tainted, &inv, "n1", &w, &health, SliceMode::Shared).unwrap();
+        assert_eq!(p.generation, 6);
+        assert!(p.update[0]
+            .spec
+            .devices
+            .iter()
+            .flatten()
+            .all(|d| d.taints.is_none()));
+    }
+
+    #[test]
     fn shrinking_deletes_stale_slices_and_ignores_other_nodes() {
         let big = fake_inventory("t4:130", "n1").unwrap();
         let w = BTreeMap::new();
-        let mut have = stored(build_slices(&big, "n1", &w, 2, SliceMode::Shared).unwrap());
+        let mut have = stored(
+            build_slices(&big, "n1", &w, &HealthMap::default(), 2, SliceMode::Shared).unwrap(),
+        );
         let other_inv = fake_inventory("t4:1", "n2").unwrap();
-        have.extend(build_slices(&other_inv, "n2", &w, 9, SliceMode::Shared).unwrap());
+        have.extend(
+            build_slices(
+                &other_inv,
+                "n2",
+                &w,
+                &HealthMap::default(),
+                9,
+                SliceMode::Shared,
+            )
+            .unwrap(),
+        );
         let small = fake_inventory("t4:3", "n1").unwrap();
-        let p = plan(&have, &small, "n1", &w, SliceMode::Shared).unwrap();
+        let p = plan(
+            &have,
+            &small,
+            "n1",
+            &w,
+            &HealthMap::default(),
+            SliceMode::Shared,
+        )
+        .unwrap();
         assert_eq!(
             p.generation, 3,
             "generation of this node's pool, not the other's 9"
@@ -484,7 +617,7 @@ mod tests {
     fn stored_object_without_sharing_means_fallback() {
         let inv = fake_inventory("a100-40gb:1", "n1").unwrap();
         let w = BTreeMap::new();
-        let sent = build_slices(&inv, "n1", &w, 1, SliceMode::Shared)
+        let sent = build_slices(&inv, "n1", &w, &HealthMap::default(), 1, SliceMode::Shared)
             .unwrap()
             .remove(0);
         let mut dropped = sent.clone();
@@ -495,9 +628,16 @@ mod tests {
             .unwrap()
             .contains("allowMultipleAllocations"));
         assert_eq!(fallback_reason_from_stored(&sent, &sent), None);
-        let exclusive = build_slices(&inv, "n1", &w, 1, SliceMode::ExclusiveFallback)
-            .unwrap()
-            .remove(0);
+        let exclusive = build_slices(
+            &inv,
+            "n1",
+            &w,
+            &HealthMap::default(),
+            1,
+            SliceMode::ExclusiveFallback,
+        )
+        .unwrap()
+        .remove(0);
         assert_eq!(fallback_reason_from_stored(&exclusive, &exclusive), None);
     }
 

@@ -8,11 +8,15 @@ use std::collections::BTreeMap;
 use gpupool_api::device::gpu_capacity;
 use gpupool_api::inventory::{to_semver, Gpu, Inventory};
 use gpupool_api::names::{attr, device_name, DRIVER_NAME};
-use gpupool_api::validation::{validate_resource_slice, FieldError};
+use gpupool_api::validation::{
+    validate_resource_slice, FieldError, MAX_DEVICES_PER_SLICE_WITH_TAINTS_OR_COUNTERS,
+};
 use k8s_openapi::api::resource::v1::{
     Device, DeviceAttribute, DeviceCapacity, ResourcePool, ResourceSlice, ResourceSliceSpec,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+use crate::health::HealthMap;
 
 /// Upstream limit of devices per slice when no device has taints, counters or list attributes.
 pub const MAX_DEVICES_PER_SLICE: usize = 128;
@@ -133,15 +137,29 @@ pub fn device(gpu: &Gpu, weight: Option<i64>, mode: SliceMode) -> Device {
 }
 
 /// All slices of `node_name`'s pool at `generation`, validated against the upstream limits.
-/// `weights` maps a GPU's `model` to its compute weight. No GPUs -> no slices.
+/// `weights` maps a GPU's `model` to its compute weight; `health` gives the taints of faulty
+/// devices. No GPUs -> no slices.
 pub fn build_slices(
     inventory: &Inventory,
     node_name: &str,
     weights: &BTreeMap<String, i64>,
+    health: &HealthMap,
     generation: i64,
     mode: SliceMode,
 ) -> Result<Vec<ResourceSlice>, SliceError> {
-    let chunks: Vec<&[Gpu]> = inventory.gpus.chunks(MAX_DEVICES_PER_SLICE).collect();
+    // A slice with a tainted device may hold at most 64 devices. The lower limit for the whole
+    // pool is simpler than packing around the tainted ones, and differs only on nodes with more
+    // than 64 GPUs.
+    let per_slice = if inventory
+        .gpus
+        .iter()
+        .any(|g| !health.taints(&device_name(g.index)).is_empty())
+    {
+        MAX_DEVICES_PER_SLICE_WITH_TAINTS_OR_COUNTERS
+    } else {
+        MAX_DEVICES_PER_SLICE
+    };
+    let chunks: Vec<&[Gpu]> = inventory.gpus.chunks(per_slice).collect();
     let count = chunks.len() as i64;
     let mut slices = Vec::with_capacity(chunks.len());
     for (n, chunk) in chunks.into_iter().enumerate() {
@@ -161,7 +179,12 @@ pub fn build_slices(
                 devices: Some(
                     chunk
                         .iter()
-                        .map(|gpu| device(gpu, weights.get(&gpu.model).copied(), mode))
+                        .map(|gpu| {
+                            let mut d = device(gpu, weights.get(&gpu.model).copied(), mode);
+                            let taints = health.taints(&d.name);
+                            d.taints = (!taints.is_empty()).then_some(taints);
+                            d
+                        })
                         .collect(),
                 ),
                 ..Default::default()
@@ -192,7 +215,15 @@ mod tests {
     fn one_slice_with_every_attribute_and_both_capacities() {
         let inv = fake_inventory("a100-40gb:2,v100-32gb:1", "node-1").unwrap();
         let weights = BTreeMap::from([("A100-SXM4-40GB".to_string(), 312)]);
-        let slices = build_slices(&inv, "node-1", &weights, 7, SliceMode::Shared).unwrap();
+        let slices = build_slices(
+            &inv,
+            "node-1",
+            &weights,
+            &HealthMap::default(),
+            7,
+            SliceMode::Shared,
+        )
+        .unwrap();
         assert_eq!(slices.len(), 1);
         let s = &slices[0];
         assert_eq!(s.metadata.name.as_deref(), Some("node-1-gpupool.dev-0"));
@@ -281,7 +312,15 @@ mod tests {
     #[test]
     fn more_than_128_gpus_split_into_slices_of_one_generation() {
         let inv = fake_inventory("t4:130", "big").unwrap();
-        let slices = build_slices(&inv, "big", &BTreeMap::new(), 3, SliceMode::Shared).unwrap();
+        let slices = build_slices(
+            &inv,
+            "big",
+            &BTreeMap::new(),
+            &HealthMap::default(),
+            3,
+            SliceMode::Shared,
+        )
+        .unwrap();
         assert_eq!(slices.len(), 2);
         let sizes: Vec<_> = slices
             .iter()
@@ -300,11 +339,79 @@ mod tests {
         assert_eq!(slices[1].spec.devices.as_ref().unwrap()[0].name, "gpu-128");
     }
 
+    fn taint_xid(health: &mut HealthMap, device: &str, xid: u32) {
+        use crate::health::{Observation, XidPolicy};
+        let observation = Observation::Xid {
+            device: device.into(),
+            xid,
+        };
+        health
+            .apply(observation, &XidPolicy::default(), 1_700_000_000)
+            .unwrap();
+    }
+
+    fn all_devices(inv: &Inventory) -> HealthMap {
+        HealthMap::new(inv.gpus.iter().map(|g| device_name(g.index)))
+    }
+
+    #[test]
+    fn a_tainted_device_carries_its_taint_and_the_others_none() {
+        let inv = fake_inventory("a100-40gb:2", "n").unwrap();
+        let mut health = all_devices(&inv);
+        taint_xid(&mut health, "gpu-0", 79);
+        let slices =
+            build_slices(&inv, "n", &BTreeMap::new(), &health, 1, SliceMode::Shared).unwrap();
+        let devices = slices[0].spec.devices.as_ref().unwrap();
+        let taints = devices[0].taints.as_ref().unwrap();
+        assert_eq!(taints.len(), 1);
+        assert_eq!(
+            (
+                taints[0].key.as_str(),
+                taints[0].value.as_deref(),
+                taints[0].effect.as_str()
+            ),
+            ("gpupool.dev/xid", Some("79"), "NoSchedule")
+        );
+        assert!(taints[0].time_added.is_some());
+        assert_eq!(devices[1].taints, None);
+        let json = serde_json::to_value(&devices[1]).unwrap();
+        assert!(json.get("taints").is_none(), "{json}");
+    }
+
+    #[test]
+    fn with_a_taint_a_big_pool_splits_into_slices_of_64() {
+        let inv = fake_inventory("t4:130", "big").unwrap();
+        let mut health = all_devices(&inv);
+        taint_xid(&mut health, "gpu-100", 48);
+        let slices =
+            build_slices(&inv, "big", &BTreeMap::new(), &health, 2, SliceMode::Shared).unwrap();
+        let sizes: Vec<_> = slices
+            .iter()
+            .map(|s| s.spec.devices.as_ref().unwrap().len())
+            .collect();
+        assert_eq!(sizes, [64, 64, 2]);
+        assert!(slices.iter().all(|s| s.spec.pool.resource_slice_count == 3));
+        let tainted: Vec<_> = slices
+            .iter()
+            .flat_map(|s| s.spec.devices.iter().flatten())
+            .filter(|d| d.taints.is_some())
+            .map(|d| d.name.as_str())
+            .collect();
+        assert_eq!(tainted, ["gpu-100"]);
+    }
+
     #[test]
     fn exclusive_fallback_has_plain_capacities_and_no_sharing() {
         let inv = fake_inventory("a100-40gb:1", "n").unwrap();
-        let slices =
-            build_slices(&inv, "n", &BTreeMap::new(), 1, SliceMode::ExclusiveFallback).unwrap();
+        let slices = build_slices(
+            &inv,
+            "n",
+            &BTreeMap::new(),
+            &HealthMap::default(),
+            1,
+            SliceMode::ExclusiveFallback,
+        )
+        .unwrap();
         let d = &slices[0].spec.devices.as_ref().unwrap()[0];
         assert_eq!(d.allow_multiple_allocations, None);
         let cap = d.capacity.as_ref().unwrap();
@@ -321,19 +428,31 @@ mod tests {
             source: gpupool_api::inventory::InventorySource::Fake,
             gpus: vec![],
         };
-        assert!(
-            build_slices(&inv, "n", &BTreeMap::new(), 1, SliceMode::Shared)
-                .unwrap()
-                .is_empty()
-        );
+        assert!(build_slices(
+            &inv,
+            "n",
+            &BTreeMap::new(),
+            &HealthMap::default(),
+            1,
+            SliceMode::Shared
+        )
+        .unwrap()
+        .is_empty());
     }
 
     #[test]
     fn every_profile_builds_a_valid_slice_within_the_attribute_limit() {
         for p in crate::inventory::fake::PROFILES {
             let inv = fake_inventory(&format!("{}:1", p.key), "node").unwrap();
-            let slices = build_slices(&inv, "node", &BTreeMap::new(), 1, SliceMode::Shared)
-                .unwrap_or_else(|e| panic!("{}: {e}", p.key));
+            let slices = build_slices(
+                &inv,
+                "node",
+                &BTreeMap::new(),
+                &HealthMap::default(),
+                1,
+                SliceMode::Shared,
+            )
+            .unwrap_or_else(|e| panic!("{}: {e}", p.key));
             let d = &slices[0].spec.devices.as_ref().unwrap()[0];
             let n = attrs(d).len() + d.capacity.as_ref().unwrap().len();
             assert!(n <= 32, "{}: {n} attributes+capacities", p.key);
@@ -346,7 +465,15 @@ mod tests {
     #[test]
     fn a_slice_the_api_would_reject_is_an_error_naming_the_field() {
         let inv = fake_inventory("t4:1", "Node_A").unwrap();
-        let err = build_slices(&inv, "Node_A", &BTreeMap::new(), 1, SliceMode::Shared).unwrap_err();
+        let err = build_slices(
+            &inv,
+            "Node_A",
+            &BTreeMap::new(),
+            &HealthMap::default(),
+            1,
+            SliceMode::Shared,
+        )
+        .unwrap_err();
         assert_eq!(err.slice, "Node_A-gpupool.dev-0");
         let text = err.to_string();
         assert!(text.contains("spec.pool.name"), "{text}");
@@ -356,7 +483,15 @@ mod tests {
     fn overlong_strings_are_cut_to_the_upstream_limit() {
         let mut inv = fake_inventory("t4:1", "n").unwrap();
         inv.gpus[0].product_name = format!("NVIDIA {}", "Ü".repeat(40));
-        let slices = build_slices(&inv, "n", &BTreeMap::new(), 1, SliceMode::Shared).unwrap();
+        let slices = build_slices(
+            &inv,
+            "n",
+            &BTreeMap::new(),
+            &HealthMap::default(),
+            1,
+            SliceMode::Shared,
+        )
+        .unwrap();
         let d = &slices[0].spec.devices.as_ref().unwrap()[0];
         let name = attrs(d)["productName"].string.clone().unwrap();
         assert!(name.len() <= 64 && name.starts_with("NVIDIA ÜÜ"), "{name}");

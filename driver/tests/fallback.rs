@@ -156,7 +156,7 @@ async fn a_cluster_that_drops_consumable_capacity_gets_exclusive_devices() {
     let inv = fake_inventory("a100-40gb:2", "node-a").unwrap();
     let mut publisher = SlicePublisher::new(client, "node-a");
     let first = publisher
-        .reconcile(&inv, &Default::default())
+        .reconcile(&inv, &Default::default(), &Default::default())
         .await
         .unwrap();
     assert_eq!(publisher.mode(), SliceMode::ExclusiveFallback);
@@ -164,7 +164,7 @@ async fn a_cluster_that_drops_consumable_capacity_gets_exclusive_devices() {
     assert_eq!(first, Outcome::Unchanged { generation: 1 });
     assert_eq!(
         publisher
-            .reconcile(&inv, &Default::default())
+            .reconcile(&inv, &Default::default(), &Default::default())
             .await
             .unwrap(),
         Outcome::Unchanged { generation: 1 }
@@ -182,7 +182,7 @@ async fn a_cluster_that_rejects_consumable_capacity_gets_exclusive_devices() {
     let inv = fake_inventory("v100-32gb:1", "node-a").unwrap();
     let mut publisher = SlicePublisher::new(client, "node-a");
     let outcome = publisher
-        .reconcile(&inv, &Default::default())
+        .reconcile(&inv, &Default::default(), &Default::default())
         .await
         .unwrap();
     assert_eq!(

@@ -7,6 +7,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use gpupool_apiserver::ApiServer;
+use gpupool_driver::health::HealthMap;
 use gpupool_driver::inventory::fake::fake_inventory;
 use gpupool_driver::publisher::{Outcome, SlicePublisher};
 use gpupool_driver::slices::{build_slices, SliceMode};
@@ -51,6 +52,7 @@ async fn publisher_keeps_this_nodes_slices_and_leaves_others_alone() {
         &fake_inventory("t4:1", "node-b").unwrap(),
         "node-b",
         &none,
+        &HealthMap::default(),
         9,
         SliceMode::Shared,
     )
@@ -61,6 +63,7 @@ async fn publisher_keeps_this_nodes_slices_and_leaves_others_alone() {
         &fake_inventory("t4:1", "node-a").unwrap(),
         "node-a",
         &none,
+        &HealthMap::default(),
         3,
         SliceMode::Shared,
     )
@@ -71,7 +74,10 @@ async fn publisher_keeps_this_nodes_slices_and_leaves_others_alone() {
 
     let inv = fake_inventory("a100-40gb:2", "node-a").unwrap();
     let mut publisher = SlicePublisher::new(client.clone(), "node-a");
-    let outcome = publisher.reconcile(&inv, &none).await.unwrap();
+    let outcome = publisher
+        .reconcile(&inv, &none, &HealthMap::default())
+        .await
+        .unwrap();
     assert_eq!(
         outcome,
         Outcome::Published {
@@ -93,12 +99,18 @@ async fn publisher_keeps_this_nodes_slices_and_leaves_others_alone() {
 
     // Nothing changed: nothing written, also by a restarted driver.
     assert_eq!(
-        publisher.reconcile(&inv, &none).await.unwrap(),
+        publisher
+            .reconcile(&inv, &none, &HealthMap::default())
+            .await
+            .unwrap(),
         Outcome::Unchanged { generation: 4 }
     );
     let mut restarted = SlicePublisher::new(client.clone(), "node-a");
     assert_eq!(
-        restarted.reconcile(&inv, &none).await.unwrap(),
+        restarted
+            .reconcile(&inv, &none, &HealthMap::default())
+            .await
+            .unwrap(),
         Outcome::Unchanged { generation: 4 }
     );
     assert_eq!(
@@ -109,7 +121,10 @@ async fn publisher_keeps_this_nodes_slices_and_leaves_others_alone() {
     // A weight appears: same slice, next generation.
     let weights = BTreeMap::from([("A100-SXM4-40GB".to_string(), 312)]);
     assert_eq!(
-        restarted.reconcile(&inv, &weights).await.unwrap(),
+        restarted
+            .reconcile(&inv, &weights, &HealthMap::default())
+            .await
+            .unwrap(),
         Outcome::Published {
             generation: 5,
             slices: 1
@@ -128,7 +143,10 @@ async fn publisher_keeps_this_nodes_slices_and_leaves_others_alone() {
     // Past 128 devices: two slices of one generation.
     let big = fake_inventory("t4:130", "node-a").unwrap();
     assert_eq!(
-        restarted.reconcile(&big, &none).await.unwrap(),
+        restarted
+            .reconcile(&big, &none, &HealthMap::default())
+            .await
+            .unwrap(),
         Outcome::Published {
             generation: 6,
             slices: 2

@@ -5,6 +5,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use gpupool_driver::health::HealthMap;
 use gpupool_driver::plugin::health::HealthService;
 use gpupool_driver::plugin::registration::{RegistrationOutcome, RegistrationService};
 use gpupool_driver::plugin::{server, PrepareResults, Preparer, UnprepareResults};
@@ -78,7 +79,8 @@ async fn kubelet_registers_prepares_and_watches_health_then_sockets_go_away() {
     std::fs::write(&dra_path, b"stale").unwrap();
 
     let stop = CancellationToken::new();
-    let (_devices_tx, devices_rx) = watch::channel(vec!["gpu-0".to_string(), "gpu-1".to_string()]);
+    let (_devices_tx, devices_rx) =
+        watch::channel(HealthMap::new(["gpu-0".to_string(), "gpu-1".to_string()]));
     let dra = server::serve_dra(
         &dra_path,
         Arc::new(FakePreparer),
@@ -112,6 +114,7 @@ async fn kubelet_registers_prepares_and_watches_health_then_sockets_go_away() {
         [
             "v1.DRAPlugin",
             "v1beta1.DRAPlugin",
+            "v1.DRAResourceHealth",
             "v1alpha1.DRAResourceHealth"
         ]
     );
@@ -174,6 +177,27 @@ async fn kubelet_registers_prepares_and_watches_health_then_sockets_go_away() {
         .into_inner();
     assert_eq!(un.claims["uid-a"].error, "");
 
+    // A 1.37+ kubelet asks for v1: the same list.
+    let mut watcher_v1 =
+        gpupool_proto::health_v1::dra_resource_health_client::DraResourceHealthClient::new(
+            dra_channel.clone(),
+        );
+    let first_v1 = watcher_v1
+        .node_watch_resources(gpupool_proto::health_v1::NodeWatchResourcesRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .message()
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(first_v1.devices.len(), 2);
+    assert!(first_v1
+        .devices
+        .iter()
+        .all(|d| d.health == gpupool_proto::health_v1::HealthStatus::Healthy as i32));
+    drop(watcher_v1);
+
     let mut watcher = health::dra_resource_health_client::DraResourceHealthClient::new(dra_channel);
     let mut stream = watcher
         .node_watch_resources(health::NodeWatchResourcesRequest {})
@@ -229,7 +253,7 @@ async fn a_call_in_flight_at_shutdown_still_gets_its_answer() {
     let dir = tempfile::tempdir().unwrap();
     let dra_path = dir.path().join("dra.sock");
     let stop = CancellationToken::new();
-    let (_devices_tx, devices_rx) = watch::channel(vec!["gpu-0".to_string()]);
+    let (_devices_tx, devices_rx) = watch::channel(HealthMap::new(["gpu-0".to_string()]));
     let dra = server::serve_dra(
         &dra_path,
         Arc::new(SlowPreparer),

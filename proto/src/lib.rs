@@ -22,6 +22,11 @@ pub mod health_v1alpha1 {
     tonic::include_proto!("v1alpha1");
 }
 
+/// DRA resource health (`v1`), the same messages as `v1alpha1`; kubelets from 1.37 prefer it.
+pub mod health_v1 {
+    tonic::include_proto!("v1");
+}
+
 /// `PluginInfo.type` of a DRA driver.
 pub const DRA_PLUGIN_TYPE: &str = "DRAPlugin";
 
@@ -31,4 +36,5 @@ pub mod versions {
     pub const DRA_V1: &str = "v1.DRAPlugin";
     pub const DRA_V1BETA1: &str = "v1beta1.DRAPlugin";
     pub const HEALTH_V1ALPHA1: &str = "v1alpha1.DRAResourceHealth";
+    pub const HEALTH_V1: &str = "v1.DRAResourceHealth";
 }

@@ -25,6 +25,7 @@ pub fn supported_versions() -> Vec<String> {
     vec![
         versions::DRA_V1.to_string(),
         versions::DRA_V1BETA1.to_string(),
+        versions::HEALTH_V1.to_string(),
         versions::HEALTH_V1ALPHA1.to_string(),
     ]
 }

@@ -116,7 +116,7 @@ impl ServedSocket {
     }
 }
 
-/// Serves DRA v1, DRA v1beta1 and resource health on `path` until `stop`.
+/// Serves DRA v1, DRA v1beta1 and resource health (v1 and v1alpha1) on `path` until `stop`.
 pub fn serve_dra(
     path: &Path,
     preparer: Arc<dyn Preparer>,
@@ -127,6 +127,7 @@ pub fn serve_dra(
     let router = Server::builder()
         .add_service(DraV1::new(preparer.clone()).into_server())
         .add_service(DraV1beta1::new(preparer).into_server())
+        .add_service(health.clone().into_v1_server())
         .add_service(health.into_server());
     let task = tokio::spawn(
         router.serve_with_incoming_shutdown(connections(listener), stop.cancelled_owned()),

@@ -713,3 +713,94 @@ fn a_hopeless_combinatorial_search_stops_and_names_the_request_that_cannot_fit()
     );
     assert!(started.elapsed() < std::time::Duration::from_secs(20));
 }
+
+fn tainted(
+    mut device: k8s_openapi::api::resource::v1::Device,
+    key: &str,
+    value: &str,
+) -> k8s_openapi::api::resource::v1::Device {
+    device.taints = Some(vec![k8s_openapi::api::resource::v1::DeviceTaint {
+        key: key.into(),
+        value: Some(value.into()),
+        effect: "NoSchedule".into(),
+        time_added: None,
+    }]);
+    device
+}
+
+fn tolerating(
+    mut request: k8s_openapi::api::resource::v1::DeviceRequest,
+    toleration: serde_json::Value,
+) -> k8s_openapi::api::resource::v1::DeviceRequest {
+    request.exactly.as_mut().unwrap().tolerations =
+        Some(vec![serde_json::from_value(toleration).unwrap()]);
+    request
+}
+
+#[test]
+fn a_no_schedule_taint_keeps_claims_off_the_device_unless_tolerated() {
+    let slices = vec![node_slice(
+        "node-a",
+        vec![
+            exclusive(tainted(
+                gpu(0, "A100-SXM4-40GB", "40Gi"),
+                "gpupool.dev/xid",
+                "79",
+            )),
+            exclusive(gpu(1, "A100-SXM4-40GB", "40Gi")),
+        ],
+    )];
+    let claims = (1..=2)
+        .map(|i| claim(&format!("c{i}"), vec![exact("gpu", A100, &[])]))
+        .collect();
+    let results = sequence("node-a", &slices, claims);
+    assert_eq!(results[0], Ok(vec!["gpu node-a/gpu-1".to_string()]));
+    let err = results[1].clone().unwrap_err();
+    assert!(
+        err.contains("gpu-0 has the taint gpupool.dev/xid=79:NoSchedule"),
+        "{err}"
+    );
+
+    // A toleration of that key (any value), or of that exact taint, lets a claim in.
+    for toleration in [
+        json!({"key": "gpupool.dev/xid", "operator": "Exists"}),
+        json!({"key": "gpupool.dev/xid", "operator": "Equal", "value": "79", "effect": "NoSchedule"}),
+    ] {
+        let c = claim(
+            "tolerant",
+            vec![tolerating(exact("gpu", A100, &[]), toleration.clone())],
+        );
+        let busy = allocated(
+            claim("other", vec![exact("gpu", A100, &[])]),
+            on(
+                "node-a",
+                &claim("other", vec![exact("gpu", A100, &[])]),
+                &slices,
+                &[],
+            )
+            .unwrap(),
+        );
+        assert_eq!(
+            on("node-a", &c, &slices, &[busy]).map(|r| summary(&r)),
+            Ok(vec!["gpu node-a/gpu-0".to_string()]),
+            "{toleration}"
+        );
+    }
+    // Another value of the key is not tolerated.
+    let c = claim(
+        "wrong-value",
+        vec![tolerating(
+            exact("gpu", A100, &[]),
+            json!({"key": "gpupool.dev/xid", "operator": "Equal", "value": "48"}),
+        )],
+    );
+    let only_tainted = vec![node_slice(
+        "node-a",
+        vec![exclusive(tainted(
+            gpu(0, "A100-SXM4-40GB", "40Gi"),
+            "gpupool.dev/xid",
+            "79",
+        ))],
+    )];
+    assert!(on("node-a", &c, &only_tainted, &[]).is_err());
+}

@@ -1,0 +1,225 @@
+//! GPU health over the real binaries: an XID on a card with a running share taints the card in the
+//! node's ResourceSlice, shows Unhealthy in the pod's status and keeps new claims off it, until
+//! the operator clears it after a reset.
+
+mod common;
+
+use std::time::Duration;
+
+use gpupool_e2e::harness::objects::{claim_yaml, device_class_yaml, pod_yaml, Request, E2E_CLASS};
+use gpupool_e2e::harness::process::find_binary;
+use gpupool_e2e::harness::{wait_for, Backend, ClusterSpec, NodeSpec, TestCluster};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::DeviceTaint;
+use kube::Api;
+use serde_json::Value;
+
+const NODE: &str = "node-x";
+
+/// `gpupool-driver inject-xid` as an operator runs it on the node: (succeeded, output).
+fn inject(cluster: &TestCluster, device: &str, what: &str) -> (bool, String) {
+    let binary = find_binary("gpupool-driver").unwrap_or_else(|e| panic!("{e}"));
+    let node = cluster.node(NODE).unwrap();
+    let out = std::process::Command::new(binary)
+        .arg("inject-xid")
+        .arg("--run-dir")
+        .arg(&node.dirs.run)
+        .args([device, what])
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+async fn taints_of(cluster: &TestCluster, device: &str) -> Vec<DeviceTaint> {
+    let slices = cluster.slices_of(NODE).await.unwrap_or_default();
+    slices
+        .into_iter()
+        .flat_map(|s| s.spec.devices.unwrap_or_default())
+        .find(|d| d.name == device)
+        .and_then(|d| d.taints)
+        .unwrap_or_default()
+}
+
+/// The device a claim was allocated, once it is.
+async fn allocated_device(cluster: &TestCluster, ns: &str, claim: &str) -> Option<String> {
+    let c = common::claim(cluster, ns, claim).await;
+    common::results(&c).first().map(|r| r.2.clone())
+}
+
+/// `allocatedResourcesStatus[].resources[].health` of the pod's first container.
+async fn pod_health(pods: &Api<Pod>, name: &str) -> Vec<String> {
+    let pod = pods.get(name).await.unwrap();
+    let statuses =
+        serde_json::to_value(pod.status.and_then(|s| s.container_statuses)).unwrap_or(Value::Null);
+    statuses[0]["allocatedResourcesStatus"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|e| e["resources"].as_array().cloned().unwrap_or_default())
+        .filter_map(|r| r["health"].as_str().map(String::from))
+        .collect()
+}
+
+async fn node_event_reasons(cluster: &TestCluster) -> Vec<(String, String)> {
+    common::events_about(cluster, "default", "Node", NODE)
+        .await
+        .into_iter()
+        .map(|e| (e.reason.unwrap_or_default(), e.message.unwrap_or_default()))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_xid_taints_the_card_until_it_is_cleared() {
+    let cluster = TestCluster::start(ClusterSpec {
+        nodes: vec![NodeSpec::new(NODE, "a100-40gb:2")],
+        backend: Some(Backend::Emulator),
+        ..ClusterSpec::new()
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let _logs = cluster.logs_on_failure();
+    cluster
+        .apply_yaml(&device_class_yaml(), "default")
+        .await
+        .unwrap();
+    let ns = cluster.create_namespace("e2e-gpu-health").await.unwrap();
+    let pods: Api<Pod> = Api::namespaced(cluster.client(), &ns);
+    let gpu0 = common::device_uuid(&cluster, NODE, "gpu-0", 2).await;
+
+    // A share running on gpu-0, from a template: the kubelet reports health for those.
+    let template = format!(
+        "apiVersion: resource.k8s.io/v1\nkind: ResourceClaimTemplate\nmetadata:\n  name: trainer\n\
+         spec:\n  spec:\n    devices:\n      requests:\n      - name: gpu\n        exactly:\n          \
+         deviceClassName: {E2E_CLASS}\n          selectors:\n          - cel:\n              \
+         expression: device.attributes[\"gpupool.dev\"].uuid == \"{gpu0}\"\n          \
+         capacity:\n            requests: {{memory: 4Gi, cores: \"25\"}}\n"
+    );
+    common::apply(&cluster, &ns, &template).await;
+    let pod = "apiVersion: v1\nkind: Pod\nmetadata:\n  name: trainer\nspec:\n  resourceClaims:\n  \
+               - name: gpu\n    resourceClaimTemplateName: trainer\n  containers:\n  - name: main\n    \
+               image: busybox:1.36\n    resources:\n      claims:\n      - name: gpu\n";
+    common::apply(&cluster, &ns, pod).await;
+    common::wait_pod_running(&cluster, &ns, "trainer").await;
+    wait_for("the share to show Healthy", common::TIMEOUT, || async {
+        (pod_health(&pods, "trainer").await == ["Healthy"]).then_some(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+
+    // Names that are not this node's devices are refused before anything changes.
+    let (ok, text) = inject(&cluster, "gpu-7", "79");
+    assert!(!ok && text.contains("gpu-7"), "{text}");
+    let (ok, text) = inject(&cluster, "gpu-0", "not-an-xid");
+    assert!(!ok && text.contains("not an XID"), "{text}");
+
+    let (ok, text) = inject(&cluster, "gpu-0", "79");
+    assert!(ok, "{text}");
+    assert!(text.contains("gpupool.dev/xid=79"), "{text}");
+
+    // The slice carries the taint on gpu-0 only.
+    let taints = wait_for("the taint on gpu-0", common::TIMEOUT, || async {
+        let t = taints_of(&cluster, "gpu-0").await;
+        (!t.is_empty()).then_some(t)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        taints
+            .iter()
+            .map(|t| (t.key.as_str(), t.value.as_deref(), t.effect.as_str()))
+            .collect::<Vec<_>>(),
+        [("gpupool.dev/xid", Some("79"), "NoSchedule")]
+    );
+    assert!(taints_of(&cluster, "gpu-1").await.is_empty());
+
+    // The running share shows the card Unhealthy.
+    wait_for("the share to show Unhealthy", common::TIMEOUT, || async {
+        (pod_health(&pods, "trainer").await == ["Unhealthy"]).then_some(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+
+    // The Node Event says what happened.
+    let events = wait_for("a GpuXidError Node Event", common::TIMEOUT, || async {
+        let events = node_event_reasons(&cluster).await;
+        events
+            .iter()
+            .any(|(reason, _)| reason == "GpuXidError")
+            .then_some(events)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let (_, message) = events.iter().find(|(r, _)| r == "GpuXidError").unwrap();
+    assert!(
+        message.contains("gpu-0") && message.contains("XID 79"),
+        "{message}"
+    );
+
+    // A new share lands on the healthy card. 20Gi leaves gpu-1 too little for the third claim.
+    let second = claim_yaml("second", &[Request::new("gpu").memory("20Gi")]);
+    common::apply(&cluster, &ns, &second).await;
+    common::apply(&cluster, &ns, &pod_yaml("second", &["second"])).await;
+    common::wait_pod_running(&cluster, &ns, "second").await;
+    assert_eq!(
+        allocated_device(&cluster, &ns, "second").await.as_deref(),
+        Some("gpu-1")
+    );
+
+    // 30Gi fits only in what gpu-0 has left: it waits while gpu-0 is tainted.
+    let third = claim_yaml("third", &[Request::new("gpu").memory("30Gi")]);
+    common::apply(&cluster, &ns, &third).await;
+    common::apply(&cluster, &ns, &pod_yaml("third", &["third"])).await;
+    let refused = wait_for(
+        "the scheduler to refuse the third pod",
+        common::TIMEOUT,
+        || async {
+            let events = common::events_about(&cluster, &ns, "Pod", "third").await;
+            events
+                .into_iter()
+                .filter_map(|e| e.message)
+                .find(|m| m.contains("gpupool.dev/xid"))
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert!(refused.contains("gpu-0"), "{refused}");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(allocated_device(&cluster, &ns, "third").await, None);
+
+    // The card was reset: clear the taint; the waiting claim gets gpu-0.
+    let (ok, text) = inject(&cluster, "gpu-0", "clear");
+    assert!(ok, "{text}");
+    wait_for("the taint to go", common::TIMEOUT, || async {
+        taints_of(&cluster, "gpu-0").await.is_empty().then_some(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    common::wait_pod_running(&cluster, &ns, "third").await;
+    assert_eq!(
+        allocated_device(&cluster, &ns, "third").await.as_deref(),
+        Some("gpu-0")
+    );
+    wait_for(
+        "the share to show Healthy again",
+        common::TIMEOUT,
+        || async { (pod_health(&pods, "trainer").await == ["Healthy"]).then_some(()) },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let events = node_event_reasons(&cluster).await;
+    assert!(
+        events
+            .iter()
+            .any(|(r, m)| r == "GpuRecovered" && m.contains("gpu-0")),
+        "{events:?}"
+    );
+
+    // Clearing a healthy card again is harmless and says so.
+    let (ok, text) = inject(&cluster, "gpu-0", "clear");
+    assert!(ok && text.contains("unchanged"), "{text}");
+}
