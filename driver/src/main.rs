@@ -276,23 +276,6 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     .context("reconciling prepared claims at start")?;
     let preparer = Arc::new(preparer);
     let status_writer = preparer.clone();
-    driver_metrics.register_node(
-        inventory.clone(),
-        {
-            let (preparer, inventory) = (preparer.clone(), inventory.clone());
-            move || preparer.read_checkpoint(|data| metrics::node_state(&inventory, data))
-        },
-        client.clone(),
-    );
-    let driver_metrics = Arc::new(driver_metrics);
-    let metrics_task = metrics_listener.map(|listener| {
-        tokio::spawn(metrics::serve(
-            listener,
-            driver_metrics.clone(),
-            stop.clone(),
-        ))
-    });
-
     // Device health: NVML events and probe (or inject-xid on fake GPUs) -> one monitor -> the
     // slices' taints and the kubelet's health stream.
     let xid_policy = XidPolicy::new(args.xid_fatal.clone(), args.xid_ignore.clone())
@@ -319,6 +302,24 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         ),
     };
     drop(reports_tx);
+    driver_metrics.register_node(
+        inventory.clone(),
+        {
+            let (preparer, inventory) = (preparer.clone(), inventory.clone());
+            move || preparer.read_checkpoint(|data| metrics::node_state(&inventory, data))
+        },
+        devices_rx.clone(),
+        client.clone(),
+    );
+    let driver_metrics = Arc::new(driver_metrics);
+    let metrics_task = metrics_listener.map(|listener| {
+        tokio::spawn(metrics::serve(
+            listener,
+            driver_metrics.clone(),
+            stop.clone(),
+        ))
+    });
+
     if args.pod_uid.is_some() {
         let (registry, plugin) = (args.registry_dir.clone(), args.plugin_dir.clone());
         let own = vec![args.registration_socket(), args.dra_socket()];

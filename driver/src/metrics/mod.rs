@@ -324,6 +324,8 @@ type StateFn = Box<dyn Fn() -> NodeState + Send + Sync>;
 /// The scrape-time families: GPUs, their allocation, prepared claims and measured share use.
 struct NodeCollector {
     inventory: Arc<Inventory>,
+    /// The devices' health as the kubelet's health stream reports it.
+    health: tokio::sync::watch::Receiver<crate::health::HealthMap>,
     state: StateFn,
     usage: Arc<Mutex<Vec<ShareUsage>>>,
 }
@@ -421,13 +423,16 @@ impl Collector for NodeCollector {
                 .iter()
                 .map(|(gpu, a)| (vec![("gpu", gpu.clone())], a.shares as i64)),
         )?;
-        // Every present device is reported healthy to the kubelet until XID detection exists.
+        let health = self.health.borrow().clone();
         gauge(
             &mut encoder,
             "gpupool_gpu_healthy",
             "1 while the GPU is reported healthy to the kubelet, else 0.",
-            gpus.iter()
-                .map(|g| (vec![("gpu", device_name(g.index))], 1i64)),
+            gpus.iter().map(|g| {
+                let name = device_name(g.index);
+                let healthy = health.health(&name) == crate::health::DeviceHealth::Healthy;
+                (vec![("gpu", name)], i64::from(healthy))
+            }),
         )?;
         let share_labels = |s: &ShareLimit| {
             vec![
@@ -564,6 +569,7 @@ impl DriverMetrics {
         &mut self,
         inventory: Arc<Inventory>,
         state: impl Fn() -> NodeState + Send + Sync + 'static,
+        health: tokio::sync::watch::Receiver<crate::health::HealthMap>,
         client: kube::Client,
     ) {
         let state = Arc::new(state);
@@ -579,6 +585,7 @@ impl DriverMetrics {
         }
         self.registry.register_collector(Box::new(NodeCollector {
             inventory,
+            health,
             state: Box::new(move || state()),
             usage: self.usage.clone(),
         }));

@@ -251,9 +251,12 @@ async fn kubelet_calls_are_counted_per_claim_result_and_timed_per_call() {
     let inventory = Arc::new(fake_inventory("a100-40gb:1", "node-1").unwrap());
     let mut metrics = DriverMetrics::new();
     let inv = inventory.clone();
+    let devices = crate::health::HealthMap::new(["gpu-0".to_string()]);
+    let (health_tx, health_rx) = tokio::sync::watch::channel(devices.clone());
     metrics.register_node(
         inventory,
         move || node_state(&inv, &CheckpointData::default()),
+        health_rx,
         kube::Client::new(
             tower::service_fn(|_: http::Request<kube::client::Body>| async {
                 Err::<http::Response<kube::client::Body>, _>(std::io::Error::other("offline"))
@@ -269,6 +272,25 @@ async fn kubelet_calls_are_counted_per_claim_result_and_timed_per_call() {
     preparer.unprepare(vec![claim("a")]).await;
 
     let text = metrics.render(false).await;
+    assert_eq!(
+        sample(&text, "gpupool_gpu_healthy{gpu=\"gpu-0\"}"),
+        Some(1.0)
+    );
+    let mut tainted = devices;
+    let policy = crate::health::XidPolicy::default();
+    let xid = crate::health::Observation::Xid {
+        device: "gpu-0".into(),
+        xid: 79,
+    };
+    tainted.apply(xid, &policy, 1_700_000_000).unwrap();
+    health_tx.send_replace(tainted);
+    assert_eq!(
+        sample(
+            &metrics.render(false).await,
+            "gpupool_gpu_healthy{gpu=\"gpu-0\"}"
+        ),
+        Some(0.0)
+    );
     assert_eq!(
         sample(&text, "gpupool_prepare_requests_total{result=\"success\"}"),
         Some(3.0),
