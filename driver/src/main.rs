@@ -302,6 +302,20 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         ),
     };
     drop(reports_tx);
+    // Claims prepared on a device that turns unhealthy say so in their status (Ready=False).
+    let claim_health_task = tokio::spawn({
+        let (preparer, mut health, stop) = (preparer.clone(), devices_rx.clone(), stop.clone());
+        async move {
+            loop {
+                let unhealthy = health.borrow_and_update().unhealthy();
+                preparer.report_device_health(unhealthy);
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    changed = health.changed() => if changed.is_err() { return },
+                }
+            }
+        }
+    });
     driver_metrics.register_node(
         inventory.clone(),
         {
@@ -414,6 +428,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     }
     let _ = publisher_task.await;
     let _ = monitor_task.await;
+    let _ = claim_health_task.await;
     let _ = inject_task.await;
     if let Some(thread) = nvml_watch {
         // It notices the stop within one NVML wait (a second).

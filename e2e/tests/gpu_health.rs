@@ -65,6 +65,28 @@ async fn pod_health(pods: &Api<Pod>, name: &str) -> Vec<String> {
         .collect()
 }
 
+/// The Ready condition (status, reason) of the driver's status entry on the claim of `pod`.
+async fn claim_ready(cluster: &TestCluster, ns: &str, pod: &str) -> Option<(String, String)> {
+    let pods: Api<Pod> = Api::namespaced(cluster.client(), ns);
+    let claim_name = pods
+        .get(pod)
+        .await
+        .ok()?
+        .status?
+        .resource_claim_statuses?
+        .first()?
+        .resource_claim_name
+        .clone()?;
+    let claim = common::claim(cluster, ns, &claim_name).await;
+    let entry = claim
+        .status?
+        .devices?
+        .into_iter()
+        .find(|d| d.driver == gpupool_api::names::DRIVER_NAME)?;
+    let ready = entry.conditions?.into_iter().find(|c| c.type_ == "Ready")?;
+    Some((ready.status, ready.reason))
+}
+
 async fn node_event_reasons(cluster: &TestCluster) -> Vec<(String, String)> {
     common::events_about(cluster, "default", "Node", NODE)
         .await
@@ -137,10 +159,20 @@ async fn an_xid_taints_the_card_until_it_is_cleared() {
     );
     assert!(taints_of(&cluster, "gpu-1").await.is_empty());
 
-    // The running share shows the card Unhealthy.
+    // The running share shows the card Unhealthy, and its claim is no longer Ready.
     wait_for("the share to show Unhealthy", common::TIMEOUT, || async {
         (pod_health(&pods, "trainer").await == ["Unhealthy"]).then_some(())
     })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    wait_for(
+        "the share's claim to be Ready=False",
+        common::TIMEOUT,
+        || async {
+            let ready = claim_ready(&cluster, &ns, "trainer").await;
+            (ready == Some(("False".into(), "DeviceUnhealthy".into()))).then_some(())
+        },
+    )
     .await
     .unwrap_or_else(|e| panic!("{e}"));
 
@@ -208,6 +240,16 @@ async fn an_xid_taints_the_card_until_it_is_cleared() {
         "the share to show Healthy again",
         common::TIMEOUT,
         || async { (pod_health(&pods, "trainer").await == ["Healthy"]).then_some(()) },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    wait_for(
+        "the share's claim to be Ready again",
+        common::TIMEOUT,
+        || async {
+            let ready = claim_ready(&cluster, &ns, "trainer").await;
+            (ready == Some(("True".into(), "DeviceRecovered".into()))).then_some(())
+        },
     )
     .await
     .unwrap_or_else(|e| panic!("{e}"));

@@ -432,6 +432,16 @@ impl HealthMap {
             .unwrap_or(DeviceHealth::Healthy)
     }
 
+    /// The devices reported Unhealthy, with what is wrong with each.
+    pub fn unhealthy(&self) -> BTreeMap<String, String> {
+        self.iter()
+            .filter_map(|(device, record)| match record.health() {
+                DeviceHealth::Unhealthy { message, .. } => Some((device.to_string(), message)),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// The taints of `device`; none for a device not in the map.
     pub fn taints(&self, device: &str) -> Vec<DeviceTaint> {
         self.get(device)

@@ -139,6 +139,9 @@ pub struct ClaimPreparer {
     claim_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     status_writes: StatusQueue,
     unprepared: UnpreparedAllocations,
+    /// The devices last reported unhealthy (device -> what is wrong), see
+    /// [`ClaimPreparer::report_device_health`].
+    unhealthy: Mutex<BTreeMap<String, String>>,
     warned_missing_lib: AtomicBool,
     /// Taken before the lock file, so that this process's own calls queue here rather than each
     /// holding a blocking thread in `flock` (the threads the call holding the lock needs).
@@ -354,6 +357,7 @@ impl ClaimPreparer {
             claim_locks: Mutex::new(HashMap::new()),
             status_writes: StatusQueue::default(),
             unprepared: UnpreparedAllocations::default(),
+            unhealthy: Mutex::default(),
             warned_missing_lib: AtomicBool::new(false),
             turn: Arc::default(),
         })
@@ -630,7 +634,10 @@ impl ClaimPreparer {
                     now,
                 )
             })
-            .collect();
+            .collect::<Vec<_>>();
+        // A claim prepared on a device that is unhealthy (a request tolerating the taint) says so.
+        let unhealthy = self.unhealthy.lock().expect("never poisoned").clone();
+        let ours = status::with_device_health(&ours, pool, &unhealthy, now).unwrap_or(ours);
         let write = StatusWrite {
             api: self.api.clone(),
             checkpoint: self.checkpoint.clone(),
@@ -741,6 +748,59 @@ impl ClaimPreparer {
         Ok(())
     }
 
+    /// Tells the claims prepared on each device of `unhealthy` (device -> what is wrong) through
+    /// the Ready condition of their `status.devices` entries, and the claims on devices that left
+    /// it that they recovered. Only claims on devices whose health changed since the last call are
+    /// written: one quorum read and one write each, off the kubelet's path.
+    pub fn report_device_health(&self, unhealthy: BTreeMap<String, String>) {
+        let previous = std::mem::replace(
+            &mut *self.unhealthy.lock().expect("never poisoned"),
+            unhealthy.clone(),
+        );
+        let changed: std::collections::BTreeSet<&String> = previous
+            .keys()
+            .chain(unhealthy.keys())
+            .filter(|d| previous.get(*d) != unhealthy.get(*d))
+            .collect();
+        if changed.is_empty() {
+            return;
+        }
+        let claims: Vec<ClaimRef> = self.checkpoint.read(|data| {
+            data.claims
+                .iter()
+                .filter(|(_, e)| e.state == ClaimState::PrepareCompleted)
+                .filter(|(_, e)| e.devices.iter().any(|d| changed.contains(&d.device_name)))
+                .map(|(uid, e)| ClaimRef {
+                    namespace: e.namespace.clone(),
+                    name: e.name.clone(),
+                    uid: uid.clone(),
+                })
+                .collect()
+        });
+        let unhealthy = Arc::new(unhealthy);
+        for claim in claims {
+            let (api, pool, unhealthy) = (
+                self.api.clone(),
+                self.opts.node_name.clone(),
+                unhealthy.clone(),
+            );
+            let uid = claim.uid.clone();
+            self.status_writes.push(&uid, async move {
+                let name = format!("{}/{}", claim.namespace, claim.name);
+                let work = write_device_health(api.as_ref(), &pool, &claim, &unhealthy);
+                match tokio::time::timeout(API_WRITE_TIMEOUT, work).await {
+                    Ok(Ok(())) | Ok(Err(ApiError::NotFound)) => {}
+                    Ok(Err(e)) => {
+                        tracing::warn!(claim = %name, error = %e, "could not write the device health into the claim's status")
+                    }
+                    Err(_) => {
+                        tracing::warn!(claim = %name, "writing the device health into the claim's status timed out")
+                    }
+                }
+            });
+        }
+    }
+
     /// Reads the checkpoint as this instance holds it (metrics, computed at scrape time).
     pub fn read_checkpoint<R>(&self, f: impl FnOnce(&CheckpointData) -> R) -> R {
         self.checkpoint.read(f)
@@ -834,6 +894,46 @@ impl ClaimFiles {
         }
         Ok(())
     }
+}
+
+/// The Ready conditions of one claim's entries, from the devices' health; read with quorum, written
+/// conditionally, read again once if someone wrote the claim in between.
+async fn write_device_health(
+    api: &dyn ClaimApi,
+    pool: &str,
+    claim: &ClaimRef,
+    unhealthy: &BTreeMap<String, String>,
+) -> Result<(), ApiError> {
+    for _ in 0..2 {
+        let current = api
+            .get_claim(&claim.namespace, &claim.name, ClaimRead::Quorum)
+            .await?;
+        if current.metadata.uid.as_deref() != Some(claim.uid.as_str()) {
+            return Ok(());
+        }
+        let existing = current
+            .status
+            .as_ref()
+            .and_then(|s| s.devices.clone())
+            .unwrap_or_default();
+        let Some(list) = status::with_device_health(&existing, pool, unhealthy, Timestamp::now())
+        else {
+            return Ok(());
+        };
+        match api
+            .write_device_status(
+                &claim.namespace,
+                &claim.name,
+                list,
+                current.metadata.resource_version,
+            )
+            .await
+        {
+            Err(ApiError::Conflict) => continue,
+            other => return other.map(|_| ()),
+        }
+    }
+    Err(ApiError::Conflict)
 }
 
 /// The one `status.devices` write of a prepare, after the kubelet has its answer.

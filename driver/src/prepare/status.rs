@@ -124,9 +124,63 @@ pub fn merge_device_status(
         .collect()
 }
 
-/// Whether `existing` holds an entry of ours (so unprepare knows whether to write).
-pub fn has_our_entries(existing: &[AllocatedDeviceStatus], pool: &str) -> bool {
-    existing.iter().any(|e| is_ours(e, pool))
+/// Reason of the Ready condition while the device is tainted, and once it has recovered.
+pub const REASON_DEVICE_UNHEALTHY: &str = "DeviceUnhealthy";
+pub const REASON_DEVICE_RECOVERED: &str = "DeviceRecovered";
+
+/// Our entries of `existing` with each device's health in its Ready condition: False with the
+/// fault while the device is in `unhealthy` (device name -> what is wrong), True again once a
+/// device that was reported unhealthy is not. `None` when no condition changes.
+pub fn with_device_health(
+    existing: &[AllocatedDeviceStatus],
+    pool: &str,
+    unhealthy: &std::collections::BTreeMap<String, String>,
+    now: Timestamp,
+) -> Option<Vec<AllocatedDeviceStatus>> {
+    let mut changed = false;
+    let list = existing
+        .iter()
+        .cloned()
+        .map(|mut entry| {
+            if !is_ours(&entry, pool) {
+                return entry;
+            }
+            let Some(ready) = entry
+                .conditions
+                .get_or_insert_with(Vec::new)
+                .iter_mut()
+                .find(|c| c.type_ == "Ready")
+            else {
+                return entry;
+            };
+            let wanted = match unhealthy.get(&entry.device) {
+                Some(fault) => Some((
+                    "False",
+                    REASON_DEVICE_UNHEALTHY,
+                    format!("device {} is unhealthy: {fault}", entry.device),
+                )),
+                None if ready.reason == REASON_DEVICE_UNHEALTHY => Some((
+                    "True",
+                    REASON_DEVICE_RECOVERED,
+                    format!("device {} is healthy again", entry.device),
+                )),
+                None => None,
+            };
+            if let Some((status, reason, message)) = wanted {
+                if ready.status != status || ready.reason != reason || ready.message != message {
+                    if ready.status != status {
+                        ready.last_transition_time = Time(now);
+                    }
+                    ready.status = status.into();
+                    ready.reason = reason.into();
+                    ready.message = message;
+                    changed = true;
+                }
+            }
+            entry
+        })
+        .collect();
+    changed.then_some(list)
 }
 
 /// A Warning Event on the claim, as `kubectl describe resourceclaim` lists them.
@@ -287,9 +341,65 @@ mod tests {
             vec![],
         );
         assert_eq!(merged, vec![other.clone(), other_pool]);
-        assert!(!has_our_entries(&merged, "node-a"));
+        assert!(!merged.iter().any(|e| is_ours(e, "node-a")));
         let merged = merge_device_status(&[other.clone()], "node-a", vec![ours.clone()]);
         assert_eq!(merged, vec![other, ours]);
+    }
+
+    #[test]
+    fn a_tainted_device_makes_its_entries_not_ready_until_it_recovers() {
+        let inv = inventory();
+        let ours = device_status(
+            &device(),
+            &inv.gpus[0],
+            &limits(),
+            None,
+            None,
+            None,
+            Timestamp::UNIX_EPOCH,
+        );
+        let mut other = ours.clone();
+        other.driver = "net.example.com".into();
+        let existing = vec![other.clone(), ours.clone()];
+        let now = Timestamp::from_second(1_700_000_000).unwrap();
+        let ready = |list: &[AllocatedDeviceStatus], i: usize| {
+            let c = &list[i].conditions.as_ref().unwrap()[0];
+            (c.status.clone(), c.reason.clone(), c.message.clone())
+        };
+
+        let healthy = std::collections::BTreeMap::new();
+        assert_eq!(with_device_health(&existing, "node-a", &healthy, now), None);
+
+        let tainted =
+            std::collections::BTreeMap::from([(ours.device.clone(), "XID 79".to_string())]);
+        let down = with_device_health(&existing, "node-a", &tainted, now).unwrap();
+        assert_eq!(down[0], other, "another driver's entry is left alone");
+        let (status, reason, message) = ready(&down, 1);
+        assert_eq!(
+            (status.as_str(), reason.as_str()),
+            ("False", REASON_DEVICE_UNHEALTHY)
+        );
+        assert!(
+            message.contains("XID 79") && message.contains(&ours.device),
+            "{message}"
+        );
+        assert_eq!(
+            down[1].conditions.as_ref().unwrap()[0].last_transition_time,
+            Time(now)
+        );
+        assert_eq!(
+            with_device_health(&down, "node-a", &tainted, now),
+            None,
+            "no repeat"
+        );
+
+        let up = with_device_health(&down, "node-a", &healthy, now).unwrap();
+        let (status, reason, _) = ready(&up, 1);
+        assert_eq!(
+            (status.as_str(), reason.as_str()),
+            ("True", REASON_DEVICE_RECOVERED)
+        );
+        assert_eq!(with_device_health(&up, "node-a", &healthy, now), None);
     }
 
     #[test]
