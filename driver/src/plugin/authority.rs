@@ -356,12 +356,16 @@ impl<IO: AsyncRead + Unpin> AsyncRead for AuthorityRepair<IO> {
                 // end as it would have.
                 return Poll::Ready(Ok(()));
             }
+            // Read into the spare capacity: zero-filling a chunk on every poll (most of which find
+            // nothing to read) cost more than the rewriting itself.
             let start = this.received.len();
-            this.received.resize(start + READ_CHUNK, 0);
-            let mut read_buf = ReadBuf::new(&mut this.received[start..]);
+            this.received.reserve(READ_CHUNK);
+            let mut read_buf = ReadBuf::uninit(this.received.spare_capacity_mut());
             let polled = Pin::new(&mut this.io).poll_read(cx, &mut read_buf);
             let filled = read_buf.filled().len();
-            this.received.truncate(start + filled);
+            // SAFETY: `ReadBuf` guarantees that its first `filled` bytes were initialised by the
+            // read, and they lie within the spare capacity just after `start`.
+            unsafe { this.received.set_len(start + filled) };
             ready!(polled)?;
             if filled == 0 {
                 this.eof = true;

@@ -722,27 +722,28 @@ impl ClaimPreparer {
     /// with its allocation (the API server drops them when the allocation is removed), and an
     /// unprepare must work while the API server is away.
     async fn unprepare_locked(&self, claim: &ClaimRef) -> Result<(), String> {
-        let entry = self
-            .checkpoint
-            .read(|data| data.claims.get(&claim.uid).cloned());
-        let known = entry.is_some();
+        // The allocation's identity only: the entry also holds the whole CDI spec.
+        let allocation: Option<AllocationId> = self.checkpoint.read(|data| {
+            data.claims.get(&claim.uid).map(|e| {
+                e.devices
+                    .iter()
+                    .map(|d| {
+                        (
+                            d.pool_name.clone(),
+                            d.device_name.clone(),
+                            d.share_id.clone(),
+                        )
+                    })
+                    .collect()
+            })
+        });
+        let known = allocation.is_some();
 
         let files = self.claim_files(&claim.uid);
         run_blocking(move || files.unprepare(known))
             .await
             .map_err(|e| format!("claim {}/{}: {e}", claim.namespace, claim.name))?;
-        if let Some(entry) = entry.filter(|e| !e.devices.is_empty()) {
-            let id = entry
-                .devices
-                .iter()
-                .map(|d| {
-                    (
-                        d.pool_name.clone(),
-                        d.device_name.clone(),
-                        d.share_id.clone(),
-                    )
-                })
-                .collect();
+        if let Some(id) = allocation.filter(|id| !id.is_empty()) {
             self.unprepared.record(&claim.uid, id);
         }
         Ok(())
