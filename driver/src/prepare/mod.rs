@@ -897,6 +897,17 @@ impl ClaimFiles {
     }
 }
 
+/// `status.devices` of a claim as read.
+fn device_status_of(
+    claim: &k8s_openapi::api::resource::v1::ResourceClaim,
+) -> Vec<AllocatedDeviceStatus> {
+    claim
+        .status
+        .as_ref()
+        .and_then(|s| s.devices.clone())
+        .unwrap_or_default()
+}
+
 /// The Ready conditions of one claim's entries, from the devices' health; read with quorum, written
 /// conditionally, read again once if someone wrote the claim in between.
 async fn write_device_health(
@@ -912,11 +923,7 @@ async fn write_device_health(
         if current.metadata.uid.as_deref() != Some(claim.uid.as_str()) {
             return Ok(());
         }
-        let existing = current
-            .status
-            .as_ref()
-            .and_then(|s| s.devices.clone())
-            .unwrap_or_default();
+        let existing = device_status_of(&current);
         let Some(list) = status::with_device_health(&existing, pool, unhealthy, Timestamp::now())
         else {
             return Ok(());
@@ -1020,11 +1027,7 @@ impl StatusWrite {
         if !self.still_prepared() {
             return Ok(());
         }
-        let existing = current
-            .status
-            .as_ref()
-            .and_then(|s| s.devices.clone())
-            .unwrap_or_default();
+        let existing = device_status_of(&current);
         let list = status::merge_device_status(&existing, &self.pool, self.ours);
         self.api
             .write_device_status(namespace, name, list, current.metadata.resource_version)

@@ -319,12 +319,11 @@ mod tests {
         assert_eq!(compute_units(Some(312), 0), None);
     }
 
-    #[test]
-    fn merge_keeps_other_drivers_entries() {
-        let inv = inventory();
+    /// Our entry for the test device, and the same device as another driver's entry.
+    fn ours_and_another_drivers() -> (AllocatedDeviceStatus, AllocatedDeviceStatus) {
         let ours = device_status(
             &device(),
-            &inv.gpus[0],
+            &inventory().gpus[0],
             &limits(),
             None,
             None,
@@ -333,6 +332,12 @@ mod tests {
         );
         let mut other = ours.clone();
         other.driver = "net.example.com".into();
+        (ours, other)
+    }
+
+    #[test]
+    fn merge_keeps_other_drivers_entries() {
+        let (ours, other) = ours_and_another_drivers();
         let mut other_pool = ours.clone();
         other_pool.pool = "node-b".into();
         let merged = merge_device_status(
@@ -348,18 +353,7 @@ mod tests {
 
     #[test]
     fn a_tainted_device_makes_its_entries_not_ready_until_it_recovers() {
-        let inv = inventory();
-        let ours = device_status(
-            &device(),
-            &inv.gpus[0],
-            &limits(),
-            None,
-            None,
-            None,
-            Timestamp::UNIX_EPOCH,
-        );
-        let mut other = ours.clone();
-        other.driver = "net.example.com".into();
+        let (ours, other) = ours_and_another_drivers();
         let existing = vec![other.clone(), ours.clone()];
         let now = Timestamp::from_second(1_700_000_000).unwrap();
         let ready = |list: &[AllocatedDeviceStatus], i: usize| {
