@@ -347,7 +347,8 @@ mod tests {
         );
         assert_eq!(merged, vec![other.clone(), other_pool]);
         assert!(!merged.iter().any(|e| is_ours(e, "node-a")));
-        let merged = merge_device_status(&[other.clone()], "node-a", vec![ours.clone()]);
+        let merged =
+            merge_device_status(std::slice::from_ref(&other), "node-a", vec![ours.clone()]);
         assert_eq!(merged, vec![other, ours]);
     }
 
