@@ -413,6 +413,23 @@ mod tests {
             .collect()
     }
 
+    /// The plan for node n1 with every device healthy, fractions on.
+    fn healthy_plan(
+        have: &[ResourceSlice],
+        inv: &Inventory,
+        weights: &BTreeMap<String, i64>,
+    ) -> Plan {
+        plan(
+            have,
+            inv,
+            "n1",
+            weights,
+            &HealthMap::default(),
+            SliceMode::Shared,
+        )
+        .unwrap()
+    }
+
     #[test]
     fn first_publish_creates_at_generation_one() {
         let inv = fake_inventory("a100-40gb:2", "n1").unwrap();
@@ -438,15 +455,7 @@ mod tests {
         let have = stored(
             build_slices(&inv, "n1", &w, &HealthMap::default(), 4, SliceMode::Shared).unwrap(),
         );
-        let p = plan(
-            &have,
-            &inv,
-            "n1",
-            &w,
-            &HealthMap::default(),
-            SliceMode::Shared,
-        )
-        .unwrap();
+        let p = healthy_plan(&have, &inv, &w);
         assert!(p.is_empty());
         assert_eq!(p.generation, 4);
     }
@@ -458,15 +467,7 @@ mod tests {
         // generation stays where it is.
         let inv = fake_inventory("a100-40gb:2,v100-32gb:1", "n1").unwrap();
         let w = BTreeMap::from([("A100-SXM4-40GB".to_string(), 312)]);
-        let first = plan(
-            &[],
-            &inv,
-            "n1",
-            &w,
-            &HealthMap::default(),
-            SliceMode::Shared,
-        )
-        .unwrap();
+        let first = healthy_plan(&[], &inv, &w);
         let mut have = stored(first.create);
         for slice in &mut have {
             slice.metadata.owner_references = Some(vec![OwnerReference {
@@ -479,15 +480,7 @@ mod tests {
             }]);
             slice.metadata.uid = Some("slice-uid".into());
         }
-        let second = plan(
-            &have,
-            &inv,
-            "n1",
-            &w,
-            &HealthMap::default(),
-            SliceMode::Shared,
-        )
-        .unwrap();
+        let second = healthy_plan(&have, &inv, &w);
         assert!(second.is_empty(), "{second:?}");
         assert_eq!(second.generation, 1);
     }
@@ -507,15 +500,7 @@ mod tests {
             .unwrap(),
         );
         let w = BTreeMap::from([("A100-SXM4-40GB".to_string(), 312)]);
-        let p = plan(
-            &have,
-            &inv,
-            "n1",
-            &w,
-            &HealthMap::default(),
-            SliceMode::Shared,
-        )
-        .unwrap();
+        let p = healthy_plan(&have, &inv, &w);
         assert_eq!(p.generation, 5);
         assert_eq!(p.update.len(), 1);
         assert_eq!(
