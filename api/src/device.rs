@@ -1,4 +1,4 @@
-//! The consumable capacities of a gpupool device (DESIGN.md, device model), defined once: the driver
+//! The consumable capacities of a gpupool device (docs/architecture.md, "Device model"), defined once: the driver
 //! publishes them and the scheduler stand-in's tests allocate against exactly the same shape.
 
 use std::collections::BTreeMap;

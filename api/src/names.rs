@@ -1,4 +1,4 @@
-//! Names decided in DESIGN.md: the driver, its CDI kind, attribute and capacity keys, API groups.
+//! The project's names (docs/architecture.md): the driver, its CDI kind, attribute and capacity keys, API groups.
 
 /// DRA driver name, CDI vendor and CRD group.
 pub const DRIVER_NAME: &str = "gpupool.dev";
@@ -29,7 +29,7 @@ pub mod attr {
     pub const NUMA_NODE: &str = "resource.kubernetes.io/numaNode";
 }
 
-/// The only two consumable capacities of a device (DESIGN.md, device model).
+/// The only two consumable capacities of a device (docs/architecture.md, "Device model").
 pub mod capacity {
     /// Bytes of device memory; request policy min 1Mi, step 1Mi, default the whole card.
     pub const MEMORY: &str = "memory";

@@ -1,4 +1,4 @@
-//! Checks a ResourceSlice against the upstream limits of `resource.k8s.io/v1` (DESIGN.md), so the driver
+//! Checks a ResourceSlice against the upstream limits of `resource.k8s.io/v1` (docs/architecture.md, "Upstream limits on a slice"), so the driver
 //! can refuse to send what a real API server would reject, and the emulator rejects it the same way.
 
 use std::collections::{BTreeMap, BTreeSet};

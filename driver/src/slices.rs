@@ -1,7 +1,7 @@
 //! Inventory -> the ResourceSlices of this node's pool (pure; the publisher sends them).
 //!
 //! One pool per node, named after the node; one device per GPU (`gpu-<index>`) with the attributes and
-//! the two consumable capacities of DESIGN.md's device model.
+//! the two consumable capacities of the device model (docs/architecture.md).
 
 use std::collections::BTreeMap;
 
@@ -84,7 +84,7 @@ fn version(value: &str) -> Option<DeviceAttribute> {
     })
 }
 
-/// The attributes of one GPU (DESIGN.md); `computeWeight` only when a weight is known, versions only
+/// The attributes of one GPU (docs/architecture.md, "Device model"); `computeWeight` only when a weight is known, versions only
 /// when they have a semver form.
 pub fn device_attributes(gpu: &Gpu, weight: Option<i64>) -> BTreeMap<String, DeviceAttribute> {
     let mut a = BTreeMap::new();

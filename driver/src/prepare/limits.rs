@@ -1,6 +1,6 @@
 //! The limits each prepared device gets, and the HAMi-core environment that carries them (pure).
 //!
-//! HAMi-core contract (DESIGN.md): `CUDA_DEVICE_MEMORY_LIMIT_<i>=<MiB>m` and
+//! HAMi-core contract (docs/architecture.md): `CUDA_DEVICE_MEMORY_LIMIT_<i>=<MiB>m` and
 //! `CUDA_DEVICE_SM_LIMIT_<i>=<percent>` per CUDA ordinal `<i>` in the container, no zero padding
 //! (the library parses with base 0: a leading zero would mean octal), at most 16 devices.
 //! `CUDA_DEVICE_MEMORY_SHARED_CACHE` names one file that HAMi-core maps as the accounting region of

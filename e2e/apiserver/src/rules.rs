@@ -1,6 +1,6 @@
 //! Update rules of the real API server that gpupool's components can trip over: immutable specs of
 //! ResourceClaims and their templates, what a pod update may change, and what a ResourceClaim's
-//! status may say (DESIGN.md, "How a real 1.36 cluster treats this model"). Pure functions.
+//! status may say (docs/architecture.md, "What a real API server does that the code relies on"). Pure functions.
 
 use std::collections::BTreeSet;
 

@@ -1,4 +1,4 @@
-//! Test objects shaped like gpupool publishes them (DESIGN.md, device model), built here so
+//! Test objects shaped like gpupool publishes them (docs/architecture.md, "Device model"), built here so
 //! the scheduler does not depend on the driver's slice builder.
 
 use std::collections::BTreeMap;
