@@ -547,8 +547,15 @@ impl CrashNode {
                 problems.push(format!("state folder: unexpected file {name}"));
             }
         }
+        // Besides the cache folders the run folder holds the driver's health socket and, once a
+        // device had a fault, the faults it keeps across restarts.
+        let run_files = [
+            CACHE_DIR,
+            gpupool_driver::health::inject::SOCKET_FILE,
+            gpupool_driver::health::monitor::STATE_FILE,
+        ];
         for name in list_dir(&self.dirs.run) {
-            if name != CACHE_DIR {
+            if !run_files.contains(&name.as_str()) {
                 problems.push(format!("run folder: unexpected file {name}"));
             }
         }
