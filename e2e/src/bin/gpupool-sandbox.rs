@@ -61,7 +61,26 @@ fn ensure_binaries() -> Result<(), String> {
             // With gpupool-e2e among the packages, cargo resolves the same features as for the
             // `cargo run -p gpupool-e2e` that started us (the e2e crate depends on both
             // libraries), so only the two binaries' own crates are compiled now.
-            let status = std::process::Command::new(cargo)
+            let mut command = std::process::Command::new(cargo);
+            // `cargo run` hands us the variables it sets for a crate (CARGO_MANIFEST_DIR,
+            // CARGO_PKG_*, ...); some build scripts (ring's) track them, so passing them on made
+            // this build compile those dependencies a second time.
+            for (key, _) in std::env::vars_os() {
+                let key = key.to_string_lossy();
+                if key.starts_with("CARGO_PKG_")
+                    || matches!(
+                        &*key,
+                        "CARGO_MANIFEST_DIR"
+                            | "CARGO_MANIFEST_PATH"
+                            | "CARGO_CRATE_NAME"
+                            | "CARGO_BIN_NAME"
+                            | "CARGO_PRIMARY_PACKAGE"
+                    )
+                {
+                    command.env_remove(&*key);
+                }
+            }
+            let status = command
                 .args([
                     "build",
                     "-p",
