@@ -671,31 +671,30 @@ impl ClaimPreparer {
                     }
                 }
             }
-            Err(e) => {
-                tracing::debug!(claim = %claim_name, error = %e, "no cached copy; reading with quorum")
+            // The cache may not have seen the claim's creation yet.
+            Err(ApiError::NotFound) => {
+                tracing::debug!(claim = %claim_name, "not in the watch cache; reading with quorum")
             }
+            // An API server that cannot answer from its cache cannot answer a quorum read either:
+            // asking again would only double the kubelet's wait.
+            Err(e) => return Err(read_failure(claim_name, e)),
         }
         self.get_claim(claim, ClaimRead::Quorum)
             .await
-            .map_err(|e| format!("claim {claim_name}: {e}"))
+            .map_err(|e| read_failure(claim_name, e))
     }
 
     async fn get_claim(
         &self,
         claim: &ClaimRef,
         read: ClaimRead,
-    ) -> Result<k8s_openapi::api::resource::v1::ResourceClaim, String> {
-        match tokio::time::timeout(
+    ) -> Result<k8s_openapi::api::resource::v1::ResourceClaim, ApiError> {
+        tokio::time::timeout(
             API_READ_TIMEOUT,
             self.api.get_claim(&claim.namespace, &claim.name, read),
         )
         .await
-        {
-            Ok(Ok(object)) => Ok(object),
-            Ok(Err(ApiError::NotFound)) => Err("not found in the API server".to_string()),
-            Ok(Err(e)) => Err(format!("cannot read it from the API server: {e}")),
-            Err(_) => Err("reading it from the API server timed out".to_string()),
-        }
+        .unwrap_or_else(|_| Err(ApiError::Other("timed out".into())))
     }
 
     /// What prepare and unprepare write for one claim.
@@ -894,6 +893,14 @@ impl ClaimFiles {
                 .map_err(|e| e.to_string())?;
         }
         Ok(())
+    }
+}
+
+/// What the kubelet is told when the claim could not be read.
+fn read_failure(claim_name: &str, error: ApiError) -> String {
+    match error {
+        ApiError::NotFound => format!("claim {claim_name}: not found in the API server"),
+        e => format!("claim {claim_name}: cannot read it from the API server: {e}"),
     }
 }
 

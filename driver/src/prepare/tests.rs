@@ -32,6 +32,8 @@ struct FakeApi {
     /// Reads of any kind, and of those the quorum reads.
     gets: AtomicUsize,
     quorum_gets: AtomicUsize,
+    /// Reads asked for, answered or not.
+    read_attempts: AtomicUsize,
     status_writes: AtomicUsize,
     /// What the watch cache serves instead of the current object, when set (a cache behind).
     cache: Mutex<HashMap<(String, String), ResourceClaim>>,
@@ -135,6 +137,7 @@ impl ClaimApi for FakeApi {
                     notify.notified().await;
                 }
             }
+            self.read_attempts.fetch_add(1, Ordering::SeqCst);
             if self.down.load(Ordering::SeqCst) {
                 return Err(ApiError::Other("connection refused".into()));
             }
@@ -682,13 +685,16 @@ async fn unprepare_removes_everything_and_works_without_the_api() {
     let saved = checkpoint::load(&node.opts.state_dir).unwrap().unwrap();
     assert!(saved.claims.is_empty());
 
-    // A new claim cannot be prepared while the API is away, and says why.
+    // A new claim cannot be prepared while the API is away, and says why, after one read: a server
+    // that cannot answer from its cache is not asked again with quorum.
     node.api.add("late", fractional(UID_C));
+    let attempts = node.api.read_attempts.load(Ordering::SeqCst);
     let e = preparer.prepare(vec![r("late", UID_C)]).await[0]
         .1
         .clone()
         .unwrap_err();
     assert!(e.contains("team-a/late") && e.contains("API server"), "{e}");
+    assert_eq!(node.api.read_attempts.load(Ordering::SeqCst), attempts + 1);
 }
 
 #[tokio::test]
