@@ -234,6 +234,20 @@ pub fn allocation_id(claim: &ResourceClaim, pool: &str) -> AllocationId {
         .collect()
 }
 
+/// The [`AllocationId`] of devices as prepared (recorded in the checkpoint).
+pub fn prepared_allocation_id(devices: &[super::PreparedDevice]) -> AllocationId {
+    devices
+        .iter()
+        .map(|d| {
+            (
+                d.pool_name.clone(),
+                d.device_name.clone(),
+                d.share_id.clone(),
+            )
+        })
+        .collect()
+}
+
 /// Why a copy of the claim from the API server's watch cache must not be prepared from (the
 /// caller then reads it with quorum), or `None` when it may be.
 ///

@@ -723,18 +723,9 @@ impl ClaimPreparer {
     async fn unprepare_locked(&self, claim: &ClaimRef) -> Result<(), String> {
         // The allocation's identity only: the entry also holds the whole CDI spec.
         let allocation: Option<AllocationId> = self.checkpoint.read(|data| {
-            data.claims.get(&claim.uid).map(|e| {
-                e.devices
-                    .iter()
-                    .map(|d| {
-                        (
-                            d.pool_name.clone(),
-                            d.device_name.clone(),
-                            d.share_id.clone(),
-                        )
-                    })
-                    .collect()
-            })
+            data.claims
+                .get(&claim.uid)
+                .map(|e| claim::prepared_allocation_id(&e.devices))
         });
         let known = allocation.is_some();
 
