@@ -659,6 +659,8 @@ async fn unprepare_removes_everything_and_works_without_the_api() {
     let preparer = two_prepared_claims(&node).await;
     let cache_a = node.opts.run_dir.join("vgpu-cache").join(UID_A);
     assert!(cache_a.is_dir());
+    // The prepare's status write lands first (a write still queued at the unprepare is dropped).
+    preparer.flush_status_writes().await;
 
     let answers = preparer.unprepare(vec![r("train", UID_A)]).await;
     assert!(answers[0].1.is_ok());
