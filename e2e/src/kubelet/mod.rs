@@ -203,7 +203,7 @@ pub const KEPT_ATTEMPTS: usize = 64;
 /// A device health as the kubelet keeps it: the report, when it came, how long it counts.
 #[derive(Clone, Debug)]
 struct CachedHealth {
-    health: health_v1alpha1::HealthStatus,
+    report: DeviceHealthReport,
     received: Instant,
     valid_for: Duration,
 }
@@ -258,7 +258,6 @@ struct State {
     /// newest one's socket goes, the kubelet falls back to the newest of these.
     standby: Vec<Registration>,
     rejections: Vec<Rejection>,
-    health: BTreeMap<String, Vec<DeviceHealthReport>>,
     /// Driver -> (pool, device) -> health, merged over reports the way the kubelet's cache is, and
     /// dropped when the driver's stream ends.
     health_cache: BTreeMap<String, BTreeMap<(String, String), CachedHealth>>,
@@ -391,10 +390,15 @@ impl Kubelet {
         self.inner.state.lock().unwrap().prepared.clone()
     }
 
-    /// The latest health the driver streamed for its devices.
+    /// The latest health the driver streamed for each of its devices, as the kubelet keeps it
+    /// (one merged record per device, forgotten when the stream ends).
     pub fn device_health(&self, driver: &str) -> Vec<DeviceHealthReport> {
         let state = self.inner.state.lock().unwrap();
-        state.health.get(driver).cloned().unwrap_or_default()
+        state
+            .health_cache
+            .get(driver)
+            .map(|devices| devices.values().map(|c| c.report.clone()).collect())
+            .unwrap_or_default()
     }
 
     /// The last prepare error of a pod on this node, if it is still failing.
@@ -580,7 +584,6 @@ impl Inner {
                     task.abort();
                 }
             }
-            state.health.remove(&driver);
             state.health_cache.remove(&driver);
             let fallback = state
                 .standby
@@ -744,30 +747,6 @@ impl Inner {
                 let mut stream = response.into_inner();
                 while let Ok(Some(update)) = stream.message().await {
                     self.cache_health(&driver, &update);
-                    let reports = update
-                        .devices
-                        .iter()
-                        .map(|d| DeviceHealthReport {
-                            pool_name: d
-                                .device
-                                .as_ref()
-                                .map(|i| i.pool_name.clone())
-                                .unwrap_or_default(),
-                            device_name: d
-                                .device
-                                .as_ref()
-                                .map(|i| i.device_name.clone())
-                                .unwrap_or_default(),
-                            health: d.health(),
-                            last_updated_time: d.last_updated_time,
-                            message: d.message.clone(),
-                        })
-                        .collect();
-                    self.state
-                        .lock()
-                        .unwrap()
-                        .health
-                        .insert(driver.clone(), reports);
                 }
                 // The kubelet forgets a driver's device health when its stream ends.
                 self.state.lock().unwrap().health_cache.remove(&driver);
@@ -791,7 +770,13 @@ impl Inner {
             cache.insert(
                 (id.pool_name.clone(), id.device_name.clone()),
                 CachedHealth {
-                    health: device.health(),
+                    report: DeviceHealthReport {
+                        pool_name: id.pool_name.clone(),
+                        device_name: id.device_name.clone(),
+                        health: device.health(),
+                        last_updated_time: device.last_updated_time,
+                        message: device.message.clone(),
+                    },
                     received: now,
                     valid_for,
                 },
@@ -814,7 +799,7 @@ impl Inner {
             .and_then(|devices| devices.get(&(pool.to_string(), device.to_string())))
             .filter(|cached| cached.received.elapsed() <= cached.valid_for)
             .map_or(health_v1alpha1::HealthStatus::Unknown, |cached| {
-                cached.health
+                cached.report.health
             })
     }
 
