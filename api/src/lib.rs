@@ -3,6 +3,7 @@
 //! Nothing here does I/O: every function takes values and returns values, so each rule is tested directly.
 
 pub mod cdi;
+pub mod claim;
 pub mod config;
 pub mod crd;
 pub mod device;

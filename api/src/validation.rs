@@ -57,6 +57,15 @@ impl Errors {
     }
 }
 
+/// A UUID in its canonical textual form (what Kubernetes generates for metadata.uid).
+pub fn is_uuid(s: &str) -> bool {
+    s.len() == 36
+        && s.char_indices().all(|(i, c)| match i {
+            8 | 13 | 18 | 23 => c == '-',
+            _ => c.is_ascii_hexdigit(),
+        })
+}
+
 /// An RFC 1123 DNS label, as Kubernetes checks namespace and device names.
 pub fn is_dns_label(s: &str) -> bool {
     !s.is_empty()

@@ -10,6 +10,7 @@ use gpupool_api::crd::{GpuModel, GpuModelStatus};
 use gpupool_api::inventory::model_from_product_name;
 use gpupool_api::names::{attr, capacity, API_GROUP_VERSION, DRIVER_NAME};
 use gpupool_api::quantity;
+use gpupool_api::validation::is_dns_subdomain;
 use k8s_openapi::api::resource::v1::{
     CELDeviceSelector, DeviceClass, DeviceClassSpec, DeviceSelector, ResourceSlice,
 };
@@ -167,21 +168,6 @@ pub fn dns_label(text: &str) -> String {
     }
     label.truncate(63);
     label.trim_end_matches('-').to_string()
-}
-
-/// Whether `name` is a valid DNS subdomain (what a DeviceClass name must be).
-pub fn is_dns_subdomain(name: &str) -> bool {
-    name.len() <= 253
-        && !name.is_empty()
-        && name.split('.').all(|part| {
-            !part.is_empty()
-                && part.len() <= 63
-                && part
-                    .chars()
-                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
-                && !part.starts_with('-')
-                && !part.ends_with('-')
-        })
 }
 
 /// The default DeviceClass of a model: `<model as DNS label>.gpupool.dev`.

@@ -4,6 +4,7 @@
 
 use std::collections::BTreeSet;
 
+use gpupool_api::validation::is_dns_subdomain;
 use serde_json::Value;
 
 /// (field, message) pairs, as the Invalid status lists its causes.
@@ -64,19 +65,6 @@ fn is_label_name(s: &str) -> bool {
         && s.ends_with(|c: char| c.is_ascii_alphanumeric())
         && s.chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-}
-
-fn is_dns_subdomain(s: &str) -> bool {
-    s.len() <= 253
-        && s.split('.').all(|label| {
-            !label.is_empty()
-                && label.len() <= 63
-                && label
-                    .chars()
-                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
-                && !label.starts_with('-')
-                && !label.ends_with('-')
-        })
 }
 
 /// Label keys are qualified names and values at most 63 safe characters, like upstream.

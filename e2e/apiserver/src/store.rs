@@ -4,6 +4,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
+use gpupool_api::validation::{is_dns_label, is_dns_subdomain};
 use serde_json::{json, Map, Value};
 
 use crate::clock;
@@ -139,23 +140,6 @@ fn meta_mut(object: &mut Value) -> &mut Map<String, Value> {
     object["metadata"]
         .as_object_mut()
         .expect("metadata is an object")
-}
-
-fn is_dns_subdomain(name: &str) -> bool {
-    name.len() <= 253
-        && !name.is_empty()
-        && name.split('.').all(|label| {
-            !label.is_empty()
-                && label
-                    .chars()
-                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
-                && !label.starts_with('-')
-                && !label.ends_with('-')
-        })
-}
-
-fn is_dns_label(name: &str) -> bool {
-    name.len() <= 63 && is_dns_subdomain(name) && !name.contains('.')
 }
 
 /// Drops empty metadata maps and lists, which Go's `omitempty` never writes back.
