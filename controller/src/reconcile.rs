@@ -48,6 +48,37 @@ pub enum ReconcileError {
     },
 }
 
+/// One object the pass could not write; the pass goes on with the others and is retried.
+#[derive(Debug, Error)]
+#[error("{object}: {action}")]
+pub struct WriteError {
+    /// `<Kind> <name>` or `<Kind> <namespace>/<name>`, as kubectl names it.
+    pub object: String,
+    pub action: WriteFailure,
+}
+
+#[derive(Debug, Error)]
+pub enum WriteFailure {
+    /// Another replica took the lease: this one stops writing at once.
+    #[error("not the leader any more")]
+    NotLeader,
+    #[error("{verb}: {source}")]
+    Api {
+        verb: &'static str,
+        #[source]
+        source: kube::Error,
+    },
+}
+
+impl WriteError {
+    fn api(object: String, verb: &'static str) -> impl FnOnce(kube::Error) -> WriteError {
+        move |source| WriteError {
+            object,
+            action: WriteFailure::Api { verb, source },
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Settings {
     /// Set `extendedResourceName` on model classes (turned off for good if the API refuses it).
@@ -72,8 +103,8 @@ impl Default for Settings {
 #[derive(Debug, Default)]
 pub struct PassReport {
     pub writes: u64,
-    /// One line per object that could not be written; retried with backoff.
-    pub failures: Vec<String>,
+    /// Each object that could not be written; retried with backoff.
+    pub failures: Vec<WriteError>,
 }
 
 /// Exponential backoff between failed passes.
@@ -167,12 +198,15 @@ impl Reconciler {
     }
 
     /// Leader check right before each write: a replica that lost the lease stops at once.
-    fn may_write(&self) -> Result<(), String> {
+    fn may_write(&self, object: impl FnOnce() -> String) -> Result<(), WriteError> {
         if self.leadership.is_leader() {
             self.writes.fetch_add(1, Ordering::SeqCst);
             Ok(())
         } else {
-            Err("not the leader any more".to_string())
+            Err(WriteError {
+                object: object(),
+                action: WriteFailure::NotLeader,
+            })
         }
     }
 
@@ -290,30 +324,32 @@ impl Reconciler {
         name: &str,
         patch: serde_json::Value,
         kind: &str,
-    ) -> Result<(), String>
+    ) -> Result<(), WriteError>
     where
         K: Resource + Clone + DeserializeOwned + std::fmt::Debug,
     {
-        self.may_write()?;
+        let object = || format!("{kind} {name}");
+        self.may_write(object)?;
         api.patch_status(name, &patch_params(), &Patch::Merge(&patch))
             .await
             .map(|_| debug!(kind, name, "status written"))
-            .map_err(|e| format!("{kind} {name} status: {e}"))
+            .map_err(WriteError::api(object(), "status"))
     }
 
-    async fn apply_class(&self, action: ClassAction) -> Result<(), String> {
+    async fn apply_class(&self, action: ClassAction) -> Result<(), WriteError> {
         let api = Api::<DeviceClass>::all(self.client.clone());
         match action {
             ClassAction::Foreign(_) => Ok(()),
             ClassAction::Delete(name) => {
-                self.may_write()?;
+                let object = || format!("DeviceClass {name}");
+                self.may_write(object)?;
                 match api.delete(&name, &DeleteParams::default()).await {
                     Ok(_) => {
                         info!(class = %name, "deleted DeviceClass (its source is gone)");
                         Ok(())
                     }
                     Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
-                    Err(e) => Err(format!("DeviceClass {name}: delete: {e}")),
+                    Err(e) => Err(WriteError::api(object(), "delete")(e)),
                 }
             }
             ClassAction::Create(class) | ClassAction::Replace(class) => {
@@ -321,7 +357,8 @@ impl Reconciler {
                 let mut class = class;
                 loop {
                     let name = class.metadata.name.clone().unwrap_or_default();
-                    self.may_write()?;
+                    let object = || format!("DeviceClass {name}");
+                    self.may_write(object)?;
                     let result = if replace {
                         api.replace(&name, &PostParams::default(), &class).await
                     } else {
@@ -344,10 +381,8 @@ impl Reconciler {
                             plan::restamp_class(&mut class);
                         }
                         Err(e) => {
-                            return Err(format!(
-                                "DeviceClass {name}: {}: {e}",
-                                if replace { "replace" } else { "create" }
-                            ))
+                            let verb = if replace { "replace" } else { "create" };
+                            return Err(WriteError::api(object(), verb)(e));
                         }
                     }
                 }
@@ -355,7 +390,7 @@ impl Reconciler {
         }
     }
 
-    async fn apply_template(&self, action: TemplateAction) -> Result<(), String> {
+    async fn apply_template(&self, action: TemplateAction) -> Result<(), WriteError> {
         let namespaced =
             |ns: &str| Api::<ResourceClaimTemplate>::namespaced(self.client.clone(), ns);
         let describe = |t: &ResourceClaimTemplate| {
@@ -371,7 +406,8 @@ impl Reconciler {
                 Ok(())
             }
             TemplateAction::Delete { namespace, name } => {
-                self.may_write()?;
+                let object = || format!("ResourceClaimTemplate {namespace}/{name}");
+                self.may_write(object)?;
                 match namespaced(&namespace)
                     .delete(&name, &DeleteParams::default())
                     .await
@@ -381,45 +417,45 @@ impl Reconciler {
                         Ok(())
                     }
                     Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
-                    Err(e) => Err(format!(
-                        "ResourceClaimTemplate {namespace}/{name}: delete: {e}"
-                    )),
+                    Err(e) => Err(WriteError::api(object(), "delete")(e)),
                 }
             }
             TemplateAction::Create(template) => {
                 let api = namespaced(template.metadata.namespace.as_deref().unwrap_or_default());
-                self.may_write()?;
+                self.may_write(|| describe(&template))?;
                 api.create(&PostParams::default(), &template)
                     .await
                     .map(|_| info!(template = %describe(&template), "created"))
-                    .map_err(|e| format!("{}: create: {e}", describe(&template)))
+                    .map_err(WriteError::api(describe(&template), "create"))
             }
             TemplateAction::Replace(template) => {
                 let api = namespaced(template.metadata.namespace.as_deref().unwrap_or_default());
                 let name = template.metadata.name.clone().unwrap_or_default();
-                self.may_write()?;
+                self.may_write(|| describe(&template))?;
                 api.replace(&name, &PostParams::default(), &template)
                     .await
                     .map(|_| info!(template = %describe(&template), "updated labels"))
-                    .map_err(|e| format!("{}: replace: {e}", describe(&template)))
+                    .map_err(WriteError::api(describe(&template), "replace"))
             }
             TemplateAction::Recreate(template) => {
                 // The spec of a ResourceClaimTemplate is immutable.
                 let api = namespaced(template.metadata.namespace.as_deref().unwrap_or_default());
                 let name = template.metadata.name.clone().unwrap_or_default();
-                self.may_write()?;
+                self.may_write(|| describe(&template))?;
                 match api.delete(&name, &DeleteParams::default()).await {
                     Ok(_) => {}
                     Err(kube::Error::Api(s)) if s.code == 404 => {}
                     Err(e) => {
-                        return Err(format!("{}: delete for recreate: {e}", describe(&template)))
+                        return Err(WriteError::api(describe(&template), "delete for recreate")(
+                            e,
+                        ))
                     }
                 }
-                self.may_write()?;
+                self.may_write(|| describe(&template))?;
                 api.create(&PostParams::default(), &template)
                     .await
                     .map(|_| info!(template = %describe(&template), "recreated with the new spec"))
-                    .map_err(|e| format!("{}: create after delete: {e}", describe(&template)))
+                    .map_err(WriteError::api(describe(&template), "create after delete"))
             }
         }
     }
