@@ -1,6 +1,7 @@
 //! gpupool's node agent. The path a GPU takes, one module per step:
 //! NVML or fake profile -> [`inventory`] -> [`slices`] (pure) -> [`publisher`] (API) ->
-//! [`plugin`] (kubelet sockets) -> [`prepare`] (claim -> limits -> CDI spec + checkpoint);
+//! [`plugin`] (kubelet sockets) -> [`prepare`] (claim -> limits -> CDI spec) -> [`node_state`]
+//! (the claim's files and checkpoint entry, crash-safe);
 //! [`metrics`] shows all of it to Prometheus; [`health`] turns XIDs and lost GPUs into device taints
 //! and the kubelet's health stream.
 
@@ -8,6 +9,7 @@ pub mod config;
 pub mod health;
 pub mod inventory;
 pub mod metrics;
+pub mod node_state;
 pub mod plugin;
 pub mod prepare;
 pub mod publisher;

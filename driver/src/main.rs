@@ -15,6 +15,7 @@ use gpupool_driver::health::{
 };
 use gpupool_driver::inventory::{self, Inventory};
 use gpupool_driver::metrics::{self, DriverMetrics, InstrumentedPreparer};
+use gpupool_driver::node_state::NodeLayout;
 use gpupool_driver::plugin::health::HealthService;
 use gpupool_driver::plugin::registration::RegistrationService;
 use gpupool_driver::plugin::{server, stale, Preparer};
@@ -260,13 +261,17 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let preparer = ClaimPreparer::new(
         PrepareOptions {
             node_name: node.clone(),
-            cdi_root: args.cdi_root.clone(),
-            state_dir: args.state_dir.clone(),
-            run_dir: args.run_dir.clone(),
-            vgpu_lib_dir: args.vgpu_lib_dir.clone(),
-            fake_gpus: args.fake_gpus.is_some(),
+            layout: NodeLayout {
+                serialize_lock: args.serialize_lock(),
+                ..NodeLayout::new(
+                    args.state_dir.clone(),
+                    args.cdi_root.clone(),
+                    args.run_dir.clone(),
+                    &args.vgpu_lib_dir,
+                    args.fake_gpus.is_some(),
+                )
+            },
             driver_libraries: args.driver_libraries(),
-            serialize_lock: args.serialize_lock(),
         },
         inventory.clone(),
         client.clone(),

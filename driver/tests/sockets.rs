@@ -5,11 +5,13 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use gpupool_api::claim::{ClaimRef, PreparedDevice};
 use gpupool_driver::health::HealthMap;
 use gpupool_driver::plugin::health::HealthService;
 use gpupool_driver::plugin::registration::{RegistrationOutcome, RegistrationService};
 use gpupool_driver::plugin::{server, PrepareResults, Preparer, UnprepareResults};
-use gpupool_driver::prepare::{ClaimRef, PreparedDevice};
+use gpupool_driver::prepare::claim::ClaimError;
+use gpupool_driver::prepare::PrepareError;
 use gpupool_proto::health_v1alpha1 as health;
 use gpupool_proto::registration as reg;
 use gpupool_proto::{dra_v1, dra_v1beta1};
@@ -37,7 +39,8 @@ impl Preparer for FakePreparer {
                         share_id: Some("s1".into()),
                     }])
                 } else {
-                    Err(format!("claim {}/{}: not allocated", c.namespace, c.name))
+                    let why = ClaimError::NotAllocated(c.to_string());
+                    Err(PrepareError::new(&c, why))
                 };
                 (c, r)
             })

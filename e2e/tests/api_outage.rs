@@ -10,8 +10,8 @@ mod crash_support;
 use std::time::{Duration, Instant};
 
 use crash_support::*;
+use gpupool_api::claim::ClaimRef;
 use gpupool_e2e::harness::wait_for;
-use gpupool_e2e::kubelet::ClaimRef;
 
 const NAMESPACE: &str = "outage";
 

@@ -10,7 +10,8 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use crash_support::*;
-use gpupool_e2e::kubelet::ClaimRef;
+use gpupool_api::claim::ClaimRef;
+use gpupool_driver::node_state::checkpoint::CHECKPOINT_FILE;
 use rand::rngs::StdRng;
 use rand::seq::IndexedRandom;
 use rand::{Rng, SeedableRng};
@@ -24,6 +25,16 @@ const PREPARE_POINTS: &[&str] = &[
 ];
 const UNPREPARE_POINTS: &[&str] = &["mid-unprepare"];
 const NAMESPACE: &str = "crash";
+
+#[test]
+fn every_fault_point_of_the_driver_is_exercised() {
+    let ours: Vec<&str> = PREPARE_POINTS
+        .iter()
+        .chain(UNPREPARE_POINTS)
+        .copied()
+        .collect();
+    assert_eq!(ours, gpupool_driver::node_state::fault::FAULT_POINTS);
+}
 
 fn env_number(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|v| v.trim().parse().ok())

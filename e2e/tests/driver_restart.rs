@@ -93,7 +93,7 @@ async fn restart_scenario(backend: Backend) {
         "a prepared claim survives a crash"
     );
     let again = kubelet
-        .prepare(DRIVER, &[gpupool_e2e::kubelet::ClaimRef::of(&before)])
+        .prepare(DRIVER, &[gpupool_api::claim::ClaimRef::of(&before)])
         .await
         .unwrap();
     assert_eq!(

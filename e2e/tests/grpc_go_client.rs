@@ -15,7 +15,9 @@ use std::time::Duration;
 
 use gpupool_api::names::DRIVER_NAME;
 use gpupool_apiserver::ApiServer;
-use gpupool_e2e::harness::{cleanup, find_binary, wait_for, ManagedProcess, NodeDirs, DRIVER_BIN};
+use gpupool_e2e::harness::{
+    cleanup, find_binary, start_api_emulator, wait_for, ManagedProcess, NodeDirs, DRIVER_BIN,
+};
 use serde_json::Value;
 
 const NODE: &str = "node-grpc-go";
@@ -128,19 +130,12 @@ impl Node {
             .prefix("gpupool-grpc-go-node-")
             .tempdir()
             .expect("creating the node's folder");
-        let apiserver = ApiServer::start().await.expect("starting the API emulator");
         let kubeconfig = root.path().join("kubeconfig");
-        apiserver
-            .write_kubeconfig(&kubeconfig)
-            .expect("writing kubeconfig");
+        let apiserver = start_api_emulator(&kubeconfig)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
         let host = root.path().join("host");
-        let dirs = NodeDirs {
-            registry: host.join("plugins_registry"),
-            plugin: host.join("plugins").join(DRIVER_NAME),
-            cdi: host.join("cdi"),
-            state: host.join("state"),
-            run: host.join("run"),
-        };
+        let dirs = NodeDirs::under(&host);
         let vgpu = host.join("vgpu");
         for dir in [&dirs.registry, &dirs.plugin, &dirs.cdi, &dirs.state, &vgpu] {
             std::fs::create_dir_all(dir).expect("creating the node's folders");

@@ -11,7 +11,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use crash_support::*;
-use gpupool_e2e::kubelet::ClaimRef;
+use gpupool_api::claim::ClaimRef;
 use serde_json::{json, Value};
 
 const NAMESPACE: &str = "hostile";

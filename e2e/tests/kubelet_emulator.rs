@@ -11,9 +11,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::TryStreamExt;
+use gpupool_api::claim::ClaimRef;
 use gpupool_e2e::harness::objects::{device_class_yaml, pod_yaml, E2E_CLASS};
 use gpupool_e2e::harness::{wait_for, Backend, ClusterSpec, NodeSpec, TestCluster};
-use gpupool_e2e::kubelet::{ClaimRef, DraVersion, Kubelet, KubeletConfig};
+use gpupool_e2e::kubelet::{DraVersion, Kubelet, KubeletConfig};
 use gpupool_proto::health_v1alpha1::{self as health, HealthStatus};
 use gpupool_proto::{dra_v1, dra_v1beta1, registration};
 use k8s_openapi::api::core::v1::Pod;

@@ -11,11 +11,12 @@ mod common;
 use std::collections::BTreeSet;
 
 use common::*;
+use gpupool_api::claim::ClaimRef;
 use gpupool_e2e::harness::objects::{claim_yaml, device_class_yaml, pod_yaml, Request};
 use gpupool_e2e::harness::{
     real_node_names, shared_runtime, Backend, ClusterSpec, NodeSpec, TestCluster,
 };
-use gpupool_e2e::kubelet::{ClaimRef, DraVersion};
+use gpupool_e2e::kubelet::DraVersion;
 use tokio::sync::OnceCell;
 
 /// node-a: six A100s, one or two per scenario. node-b: V100s ("another node"). node-old: a kubelet

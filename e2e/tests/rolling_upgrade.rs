@@ -15,12 +15,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::*;
+use gpupool_api::claim::ClaimRef;
 use gpupool_e2e::grpc::connect_unix;
 use gpupool_e2e::harness::objects::{claim_yaml, device_class_yaml, pod_yaml, Request};
 use gpupool_e2e::harness::{
     find_binary, wait_for, Backend, ClusterSpec, NodeSpec, TestCluster, TestNode,
 };
-use gpupool_e2e::kubelet::ClaimRef;
 use gpupool_proto::dra_v1;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::{Patch, PatchParams, PostParams};
@@ -328,13 +328,13 @@ fn spec_files(cdi: &Path) -> Vec<String> {
 
 /// Claim UIDs with a completed checkpoint entry, as a restarted driver would read them.
 fn checkpointed(state: &Path) -> BTreeMap<String, Vec<String>> {
-    let data = gpupool_driver::prepare::checkpoint::load(state)
+    let data = gpupool_driver::node_state::checkpoint::load(state)
         .expect("a readable checkpoint")
         .unwrap_or_default();
     data.claims
         .into_iter()
         .filter(|(_, e)| {
-            e.state == gpupool_driver::prepare::checkpoint::ClaimState::PrepareCompleted
+            e.state == gpupool_driver::node_state::checkpoint::ClaimState::PrepareCompleted
         })
         .map(|(uid, e)| {
             let ids = e

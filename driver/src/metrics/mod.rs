@@ -28,9 +28,9 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
+use crate::node_state::checkpoint::{CheckpointData, ClaimState};
 use crate::plugin::{PrepareResults, Preparer, UnprepareResults};
-use crate::prepare::checkpoint::{CheckpointData, ClaimState};
-use crate::prepare::ClaimRef;
+use gpupool_api::claim::ClaimRef;
 use usage::{ClaimShares, ReservationCache, ShareUsage};
 
 /// From 100 µs (a prepare answered from the checkpoint) to 45 s (the kubelet's own deadline).
@@ -86,7 +86,10 @@ impl KubeletCallMetrics {
         calls
     }
 
-    fn count<T>(family: &Family<ResultLabels, Counter>, results: &[(ClaimRef, Result<T, String>)]) {
+    fn count<T>(
+        family: &Family<ResultLabels, Counter>,
+        results: &[(ClaimRef, Result<T, crate::prepare::PrepareError>)],
+    ) {
         for (_, result) in results {
             let result = if result.is_ok() { "success" } else { "error" };
             family

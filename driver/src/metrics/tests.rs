@@ -1,15 +1,17 @@
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use gpupool_api::config::Enforcement;
 
 use super::*;
 use crate::inventory::fake::fake_inventory;
-use crate::prepare::cdi::{self, HostLayout, SpecDevice};
-use crate::prepare::checkpoint::ClaimEntry;
+use crate::node_state::checkpoint::ClaimEntry;
+use crate::node_state::NodeLayout;
+use crate::prepare::cdi::{self, SpecDevice};
 use crate::prepare::claim::AllocatedDevice;
 use crate::prepare::limits::DeviceLimits;
-use crate::prepare::PreparedDevice;
+use crate::prepare::{PrepareError, PrepareErrorKind};
+use gpupool_api::claim::PreparedDevice;
 
 const GIB: u64 = 1 << 30;
 
@@ -104,13 +106,13 @@ fn prepared_entry(
             limits: l,
         })
         .collect();
-    let layout = HostLayout {
-        vgpu_lib: PathBuf::from("/nonexistent/libvgpu.so"),
-        preload_file: PathBuf::from("/nonexistent/ld.so.preload"),
-        vgpu_lock_dir: PathBuf::from("/nonexistent/vgpulock"),
-        cache_root: PathBuf::from("/run/gpupool/vgpu-cache"),
-        fake_gpus: true,
-    };
+    let layout = NodeLayout::new(
+        PathBuf::from("/nonexistent/state"),
+        PathBuf::from("/nonexistent/cdi"),
+        PathBuf::from("/run/gpupool"),
+        Path::new("/nonexistent"),
+        true,
+    );
     let rendered = cdi::render(uid, &spec_devices, &layout, &|_| false).unwrap();
     ClaimEntry {
         state: ClaimState::PrepareCompleted,
@@ -218,7 +220,7 @@ impl Preparer for Scripted {
             .into_iter()
             .map(|c| {
                 let r = if c.name.starts_with("bad") {
-                    Err("no".to_string())
+                    Err(PrepareError::new(&c, PrepareErrorKind::NotFound))
                 } else {
                     Ok(vec![])
                 };

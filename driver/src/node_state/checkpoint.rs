@@ -43,7 +43,7 @@ use sha2::{Digest, Sha256};
 use thiserror::Error;
 
 use super::fsutil;
-use super::PreparedDevice;
+use gpupool_api::claim::PreparedDevice;
 
 pub const CHECKPOINT_FILE: &str = "checkpoint.json";
 /// flock(2)ed around every read-modify-write, so that two driver processes on one node (a
@@ -424,24 +424,7 @@ pub struct CheckpointLock {
 impl CheckpointLock {
     /// Wait for the lock (blocking: call from a blocking context).
     pub fn acquire(state_dir: &Path) -> io::Result<Self> {
-        use std::os::fd::AsRawFd;
-        use std::os::unix::fs::OpenOptionsExt;
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .mode(0o600)
-            .open(state_dir.join(LOCK_FILE))?;
-        loop {
-            // SAFETY: flock on a file descriptor we own, for the lifetime of `file`.
-            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } == 0 {
-                return Ok(Self { _file: file });
-            }
-            let e = io::Error::last_os_error();
-            if e.kind() != io::ErrorKind::Interrupted {
-                return Err(e);
-            }
-        }
+        fsutil::lock_exclusive(&state_dir.join(LOCK_FILE)).map(|file| Self { _file: file })
     }
 
     fn in_dir(state_dir: &Path) -> Result<Self, CheckpointError> {
@@ -728,7 +711,8 @@ impl Store {
 /// Under the lock: read the files (falling back to `current` when there are none or they are
 /// unreadable), apply `change`, write a new snapshot; returns what was written. What another
 /// driver process on the node does, for tests.
-pub fn update(
+#[cfg(test)]
+fn update(
     state_dir: &Path,
     current: &CheckpointData,
     change: Change,

@@ -109,6 +109,29 @@ pub fn ensure_private_dir(dir: &Path, mode: u32) -> io::Result<()> {
     }
 }
 
+/// Wait (blocking) for an exclusive `flock` on `path`, creating the file (0600) when missing. The
+/// kernel drops the lock when the file is closed, also when the process dies, so a killed process
+/// never leaves it taken.
+pub fn lock_exclusive(path: &Path) -> io::Result<File> {
+    use std::os::fd::AsRawFd;
+    let file = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .open(path)?;
+    loop {
+        // SAFETY: flock on a descriptor we own, for the lifetime of `file`.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } == 0 {
+            return Ok(file);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

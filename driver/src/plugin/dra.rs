@@ -8,7 +8,8 @@ use gpupool_proto::{dra_v1 as v1, dra_v1beta1 as v1beta1};
 use tonic::{Request, Response, Status};
 
 use super::Preparer;
-use crate::prepare::{ClaimRef, PreparedDevice};
+use crate::prepare::PrepareError;
+use gpupool_api::claim::{ClaimRef, PreparedDevice};
 
 fn claim_ref(namespace: String, name: String, uid: String) -> ClaimRef {
     ClaimRef {
@@ -18,14 +19,14 @@ fn claim_ref(namespace: String, name: String, uid: String) -> ClaimRef {
     }
 }
 
-fn log_results<T>(what: &str, results: &[(ClaimRef, Result<T, String>)]) {
+fn log_results<T>(what: &str, results: &[(ClaimRef, Result<T, PrepareError>)]) {
     for (claim, result) in results {
         match result {
             Ok(_) => {
-                tracing::info!(claim = %format!("{}/{}", claim.namespace, claim.name), uid = %claim.uid, "{what} claim")
+                tracing::info!(claim = %claim, uid = %claim.uid, "{what} claim")
             }
             Err(error) => {
-                tracing::warn!(claim = %format!("{}/{}", claim.namespace, claim.name), uid = %claim.uid, %error, "{what} claim failed")
+                tracing::warn!(claim = %claim, uid = %claim.uid, %error, transient = error.is_transient(), "{what} claim failed")
             }
         }
     }
@@ -72,9 +73,10 @@ macro_rules! dra_service {
                                 devices: devices.into_iter().map($device).collect(),
                                 error: String::new(),
                             },
+                            // The one place a failure becomes the text the kubelet shows.
                             Err(error) => $proto::NodePrepareResourceResponse {
                                 devices: vec![],
-                                error,
+                                error: error.to_string(),
                             },
                         };
                         (claim.uid, answer)
@@ -98,7 +100,7 @@ macro_rules! dra_service {
                 let claims = results
                     .into_iter()
                     .map(|(claim, result)| {
-                        let error = result.err().unwrap_or_default();
+                        let error = result.err().map(|e| e.to_string()).unwrap_or_default();
                         (claim.uid, $proto::NodeUnprepareResourceResponse { error })
                     })
                     .collect();

@@ -1,17 +1,19 @@
 //! The kubelet-facing side: registration, DRA (v1 and v1beta1) and resource health over Unix sockets.
 
 pub mod authority;
-pub mod dra;
+mod dra;
 pub mod health;
 pub mod registration;
 pub mod server;
 pub mod stale;
 
-use crate::prepare::{ClaimRef, PreparedDevice};
+use gpupool_api::claim::{ClaimRef, PreparedDevice};
+
+use crate::prepare::PrepareError;
 
 /// Prepared devices or an error, per claim, in the order asked.
-pub type PrepareResults = Vec<(ClaimRef, Result<Vec<PreparedDevice>, String>)>;
-pub type UnprepareResults = Vec<(ClaimRef, Result<(), String>)>;
+pub type PrepareResults = Vec<(ClaimRef, Result<Vec<PreparedDevice>, PrepareError>)>;
+pub type UnprepareResults = Vec<(ClaimRef, Result<(), PrepareError>)>;
 
 /// What the DRA adapters call: claim preparation, independent of the gRPC version.
 /// [`crate::prepare::ClaimPreparer`] is the real one; tests use their own.

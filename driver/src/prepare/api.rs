@@ -14,6 +14,10 @@ pub enum ApiError {
     /// The object changed since the version a write was based on.
     #[error("conflict: the object changed")]
     Conflict,
+    #[error("timed out")]
+    TimedOut,
+    #[error(transparent)]
+    Kube(kube::Error),
     #[error("{0}")]
     Other(String),
 }
@@ -65,7 +69,7 @@ fn api_error(e: kube::Error) -> ApiError {
     match e {
         kube::Error::Api(status) if status.is_not_found() => ApiError::NotFound,
         kube::Error::Api(status) if status.code == 409 => ApiError::Conflict,
-        other => ApiError::Other(other.to_string()),
+        other => ApiError::Kube(other),
     }
 }
 

@@ -7,26 +7,20 @@
 //! so nothing that is not on the host is ever emitted: with fake GPUs it is left out, on a real GPU
 //! node the claim fails instead (dropping it silently would hand out an unusable or unlimited GPU).
 
-use std::io;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use gpupool_api::cdi::{self, ContainerEdits, Device, DeviceNode, Mount, Spec};
 use gpupool_api::config::Enforcement;
 use gpupool_api::inventory::Gpu;
-use gpupool_api::names::{cdi_device_id, cdi_device_name, cdi_spec_file_name, CDI_KIND};
+use gpupool_api::names::{cdi_device_id, cdi_device_name, CDI_KIND};
 use thiserror::Error;
 
 use super::claim::AllocatedDevice;
-use super::fault::fault_point;
-use super::fsutil;
 use super::limits::{self, DeviceLimits};
+use crate::node_state::layout::{
+    ClaimFolder, NodeLayout, CONTAINER_LIB_PATH, LD_SO_PRELOAD, VGPU_LOCK_DIR,
+};
 
-/// Where HAMi-core is mounted in the container, and what `/etc/ld.so.preload` names.
-pub const CONTAINER_LIB_PATH: &str = "/usr/local/vgpu/libvgpu.so";
-pub const LD_SO_PRELOAD: &str = "/etc/ld.so.preload";
-pub const LIB_FILE_NAME: &str = "libvgpu.so";
-/// HAMi-core's cross-container lock folder, same path on both sides.
-pub const VGPU_LOCK_DIR: &str = "/tmp/vgpulock";
 pub const CONTROL_DEVICE_NODES: &[&str] =
     &["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"];
 
@@ -38,25 +32,6 @@ pub enum CdiError {
     MissingLockDir(String),
     #[error("rendered CDI spec is invalid: {0}")]
     Invalid(String),
-}
-
-/// Host paths the spec refers to.
-#[derive(Debug, Clone)]
-pub struct HostLayout {
-    /// `<vgpu-lib-dir>/libvgpu.so`.
-    pub vgpu_lib: PathBuf,
-    /// A file whose content is [`CONTAINER_LIB_PATH`], mounted at `/etc/ld.so.preload`.
-    pub preload_file: PathBuf,
-    pub vgpu_lock_dir: PathBuf,
-    /// Per-claim cache folders live under it: `<cache_root>/<claimUID>/`.
-    pub cache_root: PathBuf,
-    pub fake_gpus: bool,
-}
-
-impl HostLayout {
-    pub fn cache_dir(&self, claim_uid: &str) -> PathBuf {
-        self.cache_root.join(claim_uid)
-    }
 }
 
 /// One device to put in the spec.
@@ -93,14 +68,15 @@ fn bind(host: &Path, container: &str, read_only: bool) -> Mount {
 pub fn render(
     claim_uid: &str,
     devices: &[SpecDevice<'_>],
-    layout: &HostLayout,
+    layout: &NodeLayout,
     exists: &dyn Fn(&Path) -> bool,
 ) -> Result<Rendered, CdiError> {
     let enforced: Vec<&SpecDevice> = devices
         .iter()
         .filter(|d| d.limits.enforcement == Enforcement::HamiCore)
         .collect();
-    let lib_present = exists(&layout.vgpu_lib) && exists(&layout.preload_file);
+    let preload_file = layout.preload_file();
+    let lib_present = exists(&layout.vgpu_lib) && exists(&preload_file);
     let lock_present = exists(&layout.vgpu_lock_dir);
     let warning = (!enforced.is_empty() && !lib_present).then(|| {
         format!(
@@ -114,7 +90,7 @@ pub fn render(
         ));
     }
 
-    let cache_dir = layout.cache_dir(claim_uid);
+    let cache_dir = layout.claim_folder(ClaimFolder::VgpuCache, claim_uid);
     // One accounting file per claim, named after its first enforced card (see limits.rs).
     let shared = enforced.first().map(|first| {
         let file = cache_dir.join(format!("{}.cache", first.gpu.uuid));
@@ -154,9 +130,7 @@ pub fn render(
                 edits
                     .mounts
                     .push(bind(&layout.vgpu_lib, CONTAINER_LIB_PATH, true));
-                edits
-                    .mounts
-                    .push(bind(&layout.preload_file, LD_SO_PRELOAD, true));
+                edits.mounts.push(bind(&preload_file, LD_SO_PRELOAD, true));
             }
             if lock_present {
                 edits
@@ -211,73 +185,20 @@ pub fn render(
     })
 }
 
-pub fn spec_path(cdi_root: &Path, claim_uid: &str) -> PathBuf {
-    cdi_root.join(cdi_spec_file_name(claim_uid))
-}
-
-/// Temp files start with a dot and end in `.tmp`: CDI runtimes only read `*.json` / `*.yaml`.
-fn temp_name(claim_uid: &str) -> String {
-    format!(".{}.tmp", cdi_spec_file_name(claim_uid))
-}
-
-/// The claim UID of a file in the CDI root that this driver wrote (final or temp), if it is one.
-pub fn owned_file_uid(file_name: &str) -> Option<&str> {
-    let prefix = cdi_spec_file_name("");
-    let prefix = prefix.strip_suffix(".json").unwrap_or(&prefix);
-    let rest = file_name.strip_prefix('.').unwrap_or(file_name);
-    let rest = rest.strip_prefix(prefix)?;
-    rest.strip_suffix(".json.tmp")
-        .or_else(|| rest.strip_suffix(".json"))
-}
-
-/// Write the spec atomically, mode 0644 (container runtimes read it).
-pub fn write_spec(cdi_root: &Path, claim_uid: &str, spec: &Spec) -> io::Result<()> {
-    write_spec_temp(cdi_root, claim_uid, spec)?;
-    publish_spec(cdi_root, claim_uid)
-}
-
-/// The spec's temp file written and fsynced; invisible to CDI readers until [`publish_spec`].
-fn write_spec_temp(cdi_root: &Path, claim_uid: &str, spec: &Spec) -> io::Result<()> {
-    let bytes = serde_json::to_vec_pretty(spec).map_err(io::Error::other)?;
-    fsutil::write_temp(cdi_root, &temp_name(claim_uid), &bytes, 0o644)?;
-    fault_point("after-temp-spec-written");
-    Ok(())
-}
-
-/// Rename the spec's temp file to its final name and make that durable.
-fn publish_spec(cdi_root: &Path, claim_uid: &str) -> io::Result<()> {
-    fsutil::publish(
-        cdi_root,
-        &temp_name(claim_uid),
-        &cdi_spec_file_name(claim_uid),
-        Some("after-spec-renamed"),
-    )
-}
-
-/// Remove the spec and any temp file of the claim; true when a spec was there.
-pub fn remove_spec(cdi_root: &Path, claim_uid: &str) -> io::Result<bool> {
-    fsutil::remove_file(&cdi_root.join(temp_name(claim_uid)))?;
-    let removed = fsutil::remove_file(&spec_path(cdi_root, claim_uid))?;
-    if removed {
-        fsutil::sync_dir(cdi_root)?;
-    }
-    Ok(removed)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::prepare::claim::tests::{inventory, UID};
     use std::collections::{BTreeMap, BTreeSet};
 
-    fn layout(fake: bool) -> HostLayout {
-        HostLayout {
-            vgpu_lib: "/usr/local/vgpu/libvgpu.so".into(),
-            preload_file: "/var/lib/gpupool/ld.so.preload".into(),
-            vgpu_lock_dir: "/tmp/vgpulock".into(),
-            cache_root: "/var/run/gpupool/vgpu-cache".into(),
-            fake_gpus: fake,
-        }
+    fn layout(fake: bool) -> NodeLayout {
+        NodeLayout::new(
+            "/var/lib/gpupool".into(),
+            "/var/run/cdi".into(),
+            "/var/run/gpupool".into(),
+            Path::new("/usr/local/vgpu"),
+            fake,
+        )
     }
 
     fn allocated(device: &str, share: Option<&str>) -> AllocatedDevice {
@@ -463,38 +384,5 @@ mod tests {
         assert!(edits.mounts.is_empty());
         assert!(edits.env.iter().all(|e| e.starts_with("GPUPOOL_DEVICE_")));
         assert_eq!(r.warning, None);
-    }
-
-    #[test]
-    fn spec_files_are_written_atomically_and_recognised() {
-        let dir = tempfile::tempdir().unwrap();
-        let inv = inventory();
-        let a = allocated("gpu-0", None);
-        let l = limits(0, 8192, 50, Enforcement::None);
-        let devices = [SpecDevice {
-            allocated: &a,
-            gpu: &inv.gpus[0],
-            limits: &l,
-        }];
-        let r = render(UID, &devices, &layout(true), &everything_exists).unwrap();
-        write_spec(dir.path(), UID, &r.spec).unwrap();
-        let path = spec_path(dir.path(), UID);
-        let back: Spec = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-        assert_eq!(back, r.spec);
-        use std::os::unix::fs::PermissionsExt;
-        assert_eq!(
-            std::fs::metadata(&path).unwrap().permissions().mode() & 0o777,
-            0o644
-        );
-        let names: Vec<_> = std::fs::read_dir(dir.path())
-            .unwrap()
-            .map(|e| e.unwrap().file_name().into_string().unwrap())
-            .collect();
-        assert_eq!(names, [format!("gpupool.dev-claim_{UID}.json")]);
-        assert_eq!(owned_file_uid(&names[0]), Some(UID));
-        assert_eq!(owned_file_uid(&temp_name(UID)), Some(UID));
-        assert_eq!(owned_file_uid("nvidia.com-gpu.json"), None);
-        assert!(remove_spec(dir.path(), UID).unwrap());
-        assert!(!remove_spec(dir.path(), UID).unwrap());
     }
 }

@@ -6,11 +6,11 @@ use std::collections::BTreeMap;
 use gpupool_api::config::{self, ConfigEntry, ConfigSource};
 use gpupool_api::inventory::Inventory;
 use gpupool_api::names::DRIVER_NAME;
-use gpupool_api::validation::{is_dns_label, is_dns_subdomain};
+use gpupool_api::validation::{is_dns_label, is_dns_subdomain, is_uuid};
 use k8s_openapi::api::resource::v1::{AllocatedDeviceStatus, ResourceClaim};
 use thiserror::Error;
 
-use super::ClaimRef;
+use gpupool_api::claim::{ClaimRef, PreparedDevice};
 
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum ClaimError {
@@ -54,15 +54,6 @@ pub enum ClaimError {
         claim: String,
         error: config::ConfigError,
     },
-}
-
-/// A UUID in its canonical textual form (what Kubernetes generates for metadata.uid).
-pub fn is_uuid(s: &str) -> bool {
-    s.len() == 36
-        && s.char_indices().all(|(i, c)| match i {
-            8 | 13 | 18 | 23 => c == '-',
-            _ => c.is_ascii_hexdigit(),
-        })
 }
 
 /// Everything in a kubelet claim reference that could reach a path or a URL, checked.
@@ -235,7 +226,7 @@ pub fn allocation_id(claim: &ResourceClaim, pool: &str) -> AllocationId {
 }
 
 /// The [`AllocationId`] of devices as prepared (recorded in the checkpoint).
-pub fn prepared_allocation_id(devices: &[super::PreparedDevice]) -> AllocationId {
+pub fn prepared_allocation_id(devices: &[PreparedDevice]) -> AllocationId {
     devices
         .iter()
         .map(|d| {

@@ -13,7 +13,7 @@ use serde_json::{json, Map, Value};
 
 use super::claim::AllocatedDevice;
 use super::limits::DeviceLimits;
-use super::ClaimRef;
+use gpupool_api::claim::ClaimRef;
 
 /// Upstream limit on `status.devices[].data`.
 pub const MAX_DATA_BYTES: usize = 10240;
@@ -185,60 +185,62 @@ pub fn with_device_health(
 
 /// A Warning Event on the claim, as `kubectl describe resourceclaim` lists them.
 pub fn prepare_failed_event(claim: &ClaimRef, node: &str, message: &str, now: Timestamp) -> Event {
-    let suffix = uuid::Uuid::new_v4().simple().to_string();
-    Event {
-        metadata: ObjectMeta {
-            // Object names stop at 253 characters; a long claim name must not lose the event.
-            name: Some(format!(
-                "{}.{}",
-                claim.name.chars().take(200).collect::<String>(),
-                &suffix[..16]
-            )),
-            namespace: Some(claim.namespace.clone()),
-            ..Default::default()
-        },
-        involved_object: ObjectReference {
-            api_version: Some("resource.k8s.io/v1".into()),
-            kind: Some("ResourceClaim".into()),
-            name: Some(claim.name.clone()),
-            namespace: Some(claim.namespace.clone()),
-            uid: Some(claim.uid.clone()),
-            ..Default::default()
-        },
-        reason: Some(EVENT_REASON_PREPARE_FAILED.into()),
-        message: Some(message.chars().take(1024).collect()),
-        type_: Some("Warning".into()),
-        source: Some(EventSource {
-            component: Some(COMPONENT.into()),
-            host: Some(node.into()),
-        }),
-        reporting_component: Some(format!("{DRIVER_NAME}/{COMPONENT}")),
-        reporting_instance: Some(node.into()),
-        first_timestamp: Some(Time(now)),
-        last_timestamp: Some(Time(now)),
-        event_time: Some(MicroTime(now)),
-        count: Some(1),
-        action: Some("PrepareResources".into()),
+    let involved = ObjectReference {
+        api_version: Some("resource.k8s.io/v1".into()),
+        kind: Some("ResourceClaim".into()),
+        name: Some(claim.name.clone()),
+        namespace: Some(claim.namespace.clone()),
+        uid: Some(claim.uid.clone()),
         ..Default::default()
-    }
+    };
+    let mut event = warning_event(
+        involved,
+        &claim.namespace,
+        &claim.name,
+        EVENT_REASON_PREPARE_FAILED,
+        message,
+        node,
+        now,
+    );
+    event.action = Some("PrepareResources".into());
+    event
 }
 
 /// A Warning Event on the Node (a corrupt checkpoint was moved aside).
 pub fn node_event(node: &str, reason: &str, message: &str, now: Timestamp) -> Event {
+    let involved = ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Node".into()),
+        name: Some(node.into()),
+        // The Node's uid is not known here; name and kind identify it.
+        ..Default::default()
+    };
+    warning_event(involved, "default", node, reason, message, node, now)
+}
+
+/// A Warning Event from this node's driver about `involved`, named after `name` in `namespace`.
+fn warning_event(
+    involved: ObjectReference,
+    namespace: &str,
+    name: &str,
+    reason: &str,
+    message: &str,
+    node: &str,
+    now: Timestamp,
+) -> Event {
     let suffix = uuid::Uuid::new_v4().simple().to_string();
     Event {
         metadata: ObjectMeta {
-            name: Some(format!("{node}.{}", &suffix[..16])),
-            namespace: Some("default".into()),
+            // Object names stop at 253 characters; a long object name must not lose the event.
+            name: Some(format!(
+                "{}.{}",
+                name.chars().take(200).collect::<String>(),
+                &suffix[..16]
+            )),
+            namespace: Some(namespace.into()),
             ..Default::default()
         },
-        involved_object: ObjectReference {
-            api_version: Some("v1".into()),
-            kind: Some("Node".into()),
-            name: Some(node.into()),
-            // The Node's uid is not known here; name and kind identify it.
-            ..Default::default()
-        },
+        involved_object: involved,
         reason: Some(reason.into()),
         message: Some(message.chars().take(1024).collect()),
         type_: Some("Warning".into()),

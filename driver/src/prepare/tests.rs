@@ -11,10 +11,24 @@ use k8s_openapi::api::resource::v1::{AllocatedDeviceStatus, ResourceClaim};
 use serde_json::json;
 use tokio::sync::{watch, Notify};
 
+use std::fs;
+
 use super::api::{ApiError, ClaimApi, ClaimRead};
-use super::checkpoint::{self, ClaimState};
 use super::claim::tests::{allocated_claim, inventory};
 use super::*;
+use crate::node_state::checkpoint::{self, ClaimState};
+use crate::node_state::fault;
+
+/// An answer as the kubelet reads it: the error as its text.
+trait KubeletText<T> {
+    fn text(&self) -> Result<T, String>;
+}
+
+impl<T: Clone> KubeletText<T> for Result<T, PrepareError> {
+    fn text(&self) -> Result<T, String> {
+        self.as_ref().map_err(ToString::to_string).cloned()
+    }
+}
 
 const NODE: &str = "node-a";
 const UID_A: &str = "0b7c4a49-6f1e-4a52-9d0e-6d1f3f7a5b10";
@@ -238,7 +252,7 @@ impl Node {
     }
 
     fn spec_path(&self, uid: &str) -> PathBuf {
-        cdi::spec_path(&self.opts.cdi_root, uid)
+        self.opts.layout.spec_path(uid)
     }
 
     fn spec(&self, uid: &str) -> gpupool_api::cdi::Spec {
@@ -246,7 +260,7 @@ impl Node {
     }
 
     fn cdi_files(&self) -> BTreeSet<String> {
-        fs::read_dir(&self.opts.cdi_root)
+        fs::read_dir(&self.opts.layout.cdi_root)
             .unwrap()
             .map(|e| e.unwrap().file_name().into_string().unwrap())
             .collect()
@@ -271,13 +285,14 @@ impl Node {
 fn opts_under(top: &Path) -> PrepareOptions {
     PrepareOptions {
         node_name: NODE.into(),
-        cdi_root: top.join("run/cdi"),
-        state_dir: top.join("var/lib/gpupool"),
-        run_dir: top.join("run/gpupool"),
-        vgpu_lib_dir: top.join("usr/local/vgpu"),
-        fake_gpus: true,
+        layout: NodeLayout::new(
+            top.join("var/lib/gpupool"),
+            top.join("run/cdi"),
+            top.join("run/gpupool"),
+            &top.join("usr/local/vgpu"),
+            true,
+        ),
         driver_libraries: DriverLibraries::None,
-        serialize_lock: None,
     }
 }
 
@@ -311,7 +326,7 @@ async fn prepares_a_fractional_claim_and_reports_it() {
     let preparer = node.start().await;
 
     let answer = preparer.prepare(vec![r("train", UID_A)]).await;
-    let devices = answer[0].1.clone().unwrap();
+    let devices = answer[0].1.text().unwrap();
     let id = format!("gpupool.dev/claim={UID_A}-gpu-0-a1b2");
     assert_eq!(
         devices,
@@ -337,7 +352,7 @@ async fn prepares_a_fractional_claim_and_reports_it() {
             "{expected} not in {env:?}"
         );
     }
-    let cache_dir = node.opts.run_dir.join("vgpu-cache").join(UID_A);
+    let cache_dir = node.opts.layout.run_dir.join("vgpu-cache").join(UID_A);
     assert!(cache_dir.is_dir(), "the claim's cache folder exists");
     let cache_env = env
         .iter()
@@ -345,7 +360,9 @@ async fn prepares_a_fractional_claim_and_reports_it() {
         .unwrap();
     assert!(cache_env.contains(&cache_dir.display().to_string()));
 
-    let saved = checkpoint::load(&node.opts.state_dir).unwrap().unwrap();
+    let saved = checkpoint::load(&node.opts.layout.state_dir)
+        .unwrap()
+        .unwrap();
     assert_eq!(saved.claims[UID_A].state, ClaimState::PrepareCompleted);
     assert_eq!(saved.claims[UID_A].devices, devices);
     assert_eq!(saved.boot_id, "boot-1");
@@ -369,12 +386,12 @@ async fn a_second_prepare_returns_the_recorded_answer_without_the_api() {
     let preparer = node.start().await;
     let first = preparer.prepare(vec![r("train", UID_A)]).await[0]
         .1
-        .clone()
+        .text()
         .unwrap();
     node.api.down.store(true, Ordering::SeqCst);
     let second = preparer.prepare(vec![r("train", UID_A)]).await[0]
         .1
-        .clone()
+        .text()
         .unwrap();
     assert_eq!(first, second);
     assert_eq!(node.api.gets.load(Ordering::SeqCst), 1);
@@ -383,7 +400,7 @@ async fn a_second_prepare_returns_the_recorded_answer_without_the_api() {
     fs::remove_file(node.spec_path(UID_A)).unwrap();
     let third = preparer.prepare(vec![r("train", UID_A)]).await[0]
         .1
-        .clone()
+        .text()
         .unwrap();
     assert_eq!(third, first);
     assert!(node.spec_path(UID_A).exists());
@@ -398,7 +415,7 @@ async fn two_prepares_of_one_claim_at_once_give_one_spec_and_one_answer() {
         preparer.prepare(vec![r("train", UID_A)]),
         preparer.prepare(vec![r("train", UID_A)])
     );
-    assert_eq!(a[0].1.clone().unwrap(), b[0].1.clone().unwrap());
+    assert_eq!(a[0].1.text().unwrap(), b[0].1.text().unwrap());
     assert_eq!(node.api.gets.load(Ordering::SeqCst), 1);
     assert_eq!(node.cdi_files().len(), 1);
     // Per-claim locks do not pile up once nobody waits on them.
@@ -459,7 +476,7 @@ async fn bad_claims_fail_alone_and_get_an_event() {
         .await;
     let errors: Vec<String> = answers
         .iter()
-        .filter_map(|(_, a)| a.as_ref().err().cloned())
+        .filter_map(|(_, a)| a.as_ref().err().map(ToString::to_string))
         .collect();
     assert!(answers[1].1.is_ok(), "{:?}", answers[1]);
     assert_eq!(errors.len(), 4, "{errors:?}");
@@ -487,7 +504,9 @@ async fn bad_claims_fail_alone_and_get_an_event() {
         node.cdi_files(),
         BTreeSet::from([format!("gpupool.dev-claim_{UID_A}.json")])
     );
-    let saved = checkpoint::load(&node.opts.state_dir).unwrap().unwrap();
+    let saved = checkpoint::load(&node.opts.layout.state_dir)
+        .unwrap()
+        .unwrap();
     assert_eq!(saved.claims.keys().collect::<Vec<_>>(), vec![UID_A]);
 }
 
@@ -547,7 +566,7 @@ async fn gpu_config_errors_name_the_field() {
     refs.push(r("lowered", UID_D));
     let answers = preparer.prepare(refs).await;
     for ((_, answer), (name, _, _, expected)) in answers.iter().zip(&cases) {
-        let e = answer.as_ref().unwrap_err();
+        let e = answer.as_ref().unwrap_err().to_string();
         assert!(e.contains(expected), "{name}: {e}");
         assert!(e.contains(&format!("team-a/{name}")), "{e}");
     }
@@ -577,7 +596,7 @@ async fn two_shares_of_different_cards_get_ordinals_in_cdi_id_order() {
     let preparer = node.start().await;
     let devices = preparer.prepare(vec![r("pair", UID_A)]).await[0]
         .1
-        .clone()
+        .text()
         .unwrap();
     let ids: Vec<&str> = devices
         .iter()
@@ -657,7 +676,7 @@ async fn two_prepared_claims(node: &Node) -> Arc<ClaimPreparer> {
 async fn unprepare_removes_everything_and_works_without_the_api() {
     let node = Node::new();
     let preparer = two_prepared_claims(&node).await;
-    let cache_a = node.opts.run_dir.join("vgpu-cache").join(UID_A);
+    let cache_a = node.opts.layout.run_dir.join("vgpu-cache").join(UID_A);
     assert!(cache_a.is_dir());
     // The prepare's status write lands first (a write still queued at the unprepare is dropped).
     preparer.flush_status_writes().await;
@@ -684,7 +703,9 @@ async fn unprepare_removes_everything_and_works_without_the_api() {
         .await;
     assert!(answers.iter().all(|(_, a)| a.is_ok()), "{answers:?}");
     assert!(node.cdi_files().is_empty());
-    let saved = checkpoint::load(&node.opts.state_dir).unwrap().unwrap();
+    let saved = checkpoint::load(&node.opts.layout.state_dir)
+        .unwrap()
+        .unwrap();
     assert!(saved.claims.is_empty());
 
     // A new claim cannot be prepared while the API is away, and says why, after one read: a server
@@ -693,7 +714,7 @@ async fn unprepare_removes_everything_and_works_without_the_api() {
     let attempts = node.api.read_attempts.load(Ordering::SeqCst);
     let e = preparer.prepare(vec![r("late", UID_C)]).await[0]
         .1
-        .clone()
+        .text()
         .unwrap_err();
     assert!(e.contains("team-a/late") && e.contains("API server"), "{e}");
     assert_eq!(node.api.read_attempts.load(Ordering::SeqCst), attempts + 1);
@@ -718,7 +739,7 @@ async fn a_claim_lifecycle_costs_one_cached_read_and_one_status_write() {
     for (name, uid) in [("train", UID_A), ("other", UID_B)] {
         preparer.unprepare(vec![r(name, uid)]).await[0]
             .1
-            .clone()
+            .text()
             .unwrap();
     }
     preparer.flush_status_writes().await;
@@ -756,11 +777,11 @@ async fn a_cached_copy_of_an_allocation_already_unprepared_is_read_again_with_qu
     let preparer = node.start().await;
     let first = preparer.prepare(vec![r("train", UID_A)]).await[0]
         .1
-        .clone()
+        .text()
         .unwrap();
     preparer.unprepare(vec![r("train", UID_A)]).await[0]
         .1
-        .clone()
+        .text()
         .unwrap();
     preparer.flush_status_writes().await;
 
@@ -778,7 +799,7 @@ async fn a_cached_copy_of_an_allocation_already_unprepared_is_read_again_with_qu
     let quorum_before = node.api.quorum_gets.load(Ordering::SeqCst);
     let second = preparer.prepare(vec![r("train", UID_A)]).await[0]
         .1
-        .clone()
+        .text()
         .unwrap();
     assert_eq!(
         node.api.quorum_gets.load(Ordering::SeqCst),
@@ -835,11 +856,11 @@ async fn a_checkpoint_that_cannot_be_written_fails_the_prepare_and_leaves_nothin
     let before = node.all_files();
     // The checkpoint's log replaced by a folder: PrepareStarted cannot be recorded, while the
     // spec's temp file is being written at the same time.
-    let blocker = checkpoint::log_path(&node.opts.state_dir);
+    let blocker = checkpoint::log_path(&node.opts.layout.state_dir);
     fs::remove_file(&blocker).unwrap();
     fs::create_dir(&blocker).unwrap();
     let answer = preparer.prepare(vec![r("train", UID_A)]).await;
-    let error = answer[0].1.clone().unwrap_err();
+    let error = answer[0].1.text().unwrap_err();
     assert!(error.contains("checkpoint.wal"), "{error}");
     fs::remove_dir(&blocker).unwrap();
     let mut expected = before;
@@ -895,7 +916,7 @@ async fn restart_removes_orphans_and_rolls_back_unfinished_prepares() {
     let preparer = node.start().await;
     let answer = preparer.prepare(vec![r("train", UID_A)]).await[0]
         .1
-        .clone()
+        .text()
         .unwrap();
     drop(preparer);
 
@@ -904,18 +925,21 @@ async fn restart_removes_orphans_and_rolls_back_unfinished_prepares() {
     fs::write(&orphan, b"{}").unwrap();
     let temp = node
         .opts
+        .layout
         .cdi_root
         .join(format!(".gpupool.dev-claim_{UID_C}.json.tmp"));
     fs::write(&temp, b"{").unwrap();
-    let mut data = checkpoint::load(&node.opts.state_dir).unwrap().unwrap();
+    let mut data = checkpoint::load(&node.opts.layout.state_dir)
+        .unwrap()
+        .unwrap();
     let mut started = data.claims[UID_A].clone();
     started.state = ClaimState::PrepareStarted;
     data.claims.insert(UID_D.into(), started);
-    checkpoint::save(&node.opts.state_dir, &data).unwrap();
+    checkpoint::save(&node.opts.layout.state_dir, &data).unwrap();
     fs::write(node.spec_path(UID_D), b"{}").unwrap();
-    fs::create_dir_all(node.opts.run_dir.join("vgpu-cache").join(UID_D)).unwrap();
+    fs::create_dir_all(node.opts.layout.run_dir.join("vgpu-cache").join(UID_D)).unwrap();
     // Someone else's spec is never touched.
-    let foreign = node.opts.cdi_root.join("nvidia.com-gpu.json");
+    let foreign = node.opts.layout.cdi_root.join("nvidia.com-gpu.json");
     fs::write(&foreign, b"{}").unwrap();
 
     let preparer = node.start().await;
@@ -926,8 +950,16 @@ async fn restart_removes_orphans_and_rolls_back_unfinished_prepares() {
             "nvidia.com-gpu.json".to_string()
         ])
     );
-    assert!(!node.opts.run_dir.join("vgpu-cache").join(UID_D).exists());
-    let saved = checkpoint::load(&node.opts.state_dir).unwrap().unwrap();
+    assert!(!node
+        .opts
+        .layout
+        .run_dir
+        .join("vgpu-cache")
+        .join(UID_D)
+        .exists());
+    let saved = checkpoint::load(&node.opts.layout.state_dir)
+        .unwrap()
+        .unwrap();
     assert_eq!(saved.claims.keys().collect::<Vec<_>>(), vec![UID_A]);
     assert_eq!(preparer.prepared(UID_A).await, Some(answer));
 }
@@ -939,24 +971,32 @@ async fn after_a_reboot_specs_come_back_with_identical_ids() {
     let preparer = node.start_with_boot("boot-1").await;
     let answer = preparer.prepare(vec![r("train", UID_A)]).await[0]
         .1
-        .clone()
+        .text()
         .unwrap();
     let spec = node.spec(UID_A);
     drop(preparer);
 
     // A reboot empties /var/run/cdi (tmpfs) and the cache folders' content may go too.
-    fs::remove_dir_all(&node.opts.cdi_root).unwrap();
-    fs::remove_dir_all(node.opts.run_dir.join("vgpu-cache")).unwrap();
+    fs::remove_dir_all(&node.opts.layout.cdi_root).unwrap();
+    fs::remove_dir_all(node.opts.layout.run_dir.join("vgpu-cache")).unwrap();
     node.api.down.store(true, Ordering::SeqCst);
     let preparer = node.start_with_boot("boot-2").await;
     assert_eq!(node.spec(UID_A), spec);
-    assert!(node.opts.run_dir.join("vgpu-cache").join(UID_A).is_dir());
+    assert!(node
+        .opts
+        .layout
+        .run_dir
+        .join("vgpu-cache")
+        .join(UID_A)
+        .is_dir());
     let again = preparer.prepare(vec![r("train", UID_A)]).await[0]
         .1
-        .clone()
+        .text()
         .unwrap();
     assert_eq!(again, answer);
-    let saved = checkpoint::load(&node.opts.state_dir).unwrap().unwrap();
+    let saved = checkpoint::load(&node.opts.layout.state_dir)
+        .unwrap()
+        .unwrap();
     assert_eq!(saved.boot_id, "boot-2");
 }
 
@@ -967,11 +1007,13 @@ async fn after_a_reboot_a_claim_whose_card_is_gone_is_dropped() {
     let preparer = node.start_with_boot("boot-1").await;
     preparer.prepare(vec![r("train", UID_A)]).await[0]
         .1
-        .clone()
+        .text()
         .unwrap();
     drop(preparer);
     // As if the claim had been prepared on a card whose node no longer exists.
-    let mut data = checkpoint::load(&node.opts.state_dir).unwrap().unwrap();
+    let mut data = checkpoint::load(&node.opts.layout.state_dir)
+        .unwrap()
+        .unwrap();
     let spec = data.claims.get_mut(UID_A).unwrap().spec.as_mut().unwrap();
     spec.devices[0]
         .container_edits
@@ -980,7 +1022,7 @@ async fn after_a_reboot_a_claim_whose_card_is_gone_is_dropped() {
             path: "/dev/nvidia-gone-99".into(),
             ..Default::default()
         });
-    checkpoint::save(&node.opts.state_dir, &data).unwrap();
+    checkpoint::save(&node.opts.layout.state_dir, &data).unwrap();
 
     let preparer = node.start_with_boot("boot-2").await;
     assert!(node.cdi_files().is_empty());
@@ -1003,7 +1045,7 @@ async fn a_corrupt_checkpoint_is_moved_aside_and_the_driver_works() {
         let preparer = node.start().await;
         let first = preparer.prepare(vec![r("train", UID_A)]).await[0]
             .1
-            .clone()
+            .text()
             .unwrap();
         // The snapshot's damage on a snapshot that holds the claim (as an orderly stop leaves
         // it), the log's on a log that does (as a crash leaves it).
@@ -1014,9 +1056,9 @@ async fn a_corrupt_checkpoint_is_moved_aside_and_the_driver_works() {
         drop(preparer);
 
         let path = if in_log {
-            checkpoint::log_path(&node.opts.state_dir)
+            checkpoint::log_path(&node.opts.layout.state_dir)
         } else {
-            checkpoint::path(&node.opts.state_dir)
+            checkpoint::path(&node.opts.layout.state_dir)
         };
         let good = fs::read(&path).unwrap();
         let bad: Vec<u8> = match corruption {
@@ -1038,7 +1080,7 @@ async fn a_corrupt_checkpoint_is_moved_aside_and_the_driver_works() {
         fs::write(&junk, b"{}").unwrap();
 
         let preparer = node.start().await;
-        let aside: Vec<_> = fs::read_dir(&node.opts.state_dir)
+        let aside: Vec<_> = fs::read_dir(&node.opts.layout.state_dir)
             .unwrap()
             .map(|e| e.unwrap().file_name().into_string().unwrap())
             .filter(|n| n.starts_with("checkpoint.json.corrupt-"))
@@ -1053,12 +1095,12 @@ async fn a_corrupt_checkpoint_is_moved_aside_and_the_driver_works() {
         // Its answer is not trusted: the next prepare asks the API again and gives the same ids.
         assert_eq!(preparer.prepared(UID_A).await, None);
         let gets = node.api.gets.load(Ordering::SeqCst);
-        let again = preparer.prepare(vec![r("train", UID_A)]).await[0].1.clone();
+        let again = preparer.prepare(vec![r("train", UID_A)]).await[0].1.text();
         assert_eq!(again.unwrap(), first, "{corruption}");
         assert_eq!(node.api.gets.load(Ordering::SeqCst), gets + 1);
         // And a recovered claim can be unprepared.
         drop(preparer);
-        fs::write(checkpoint::path(&node.opts.state_dir), b"").unwrap();
+        fs::write(checkpoint::path(&node.opts.layout.state_dir), b"").unwrap();
         let preparer = node.start().await;
         assert!(preparer.unprepare(vec![r("train", UID_A)]).await[0]
             .1
@@ -1087,17 +1129,24 @@ async fn files_have_the_promised_modes_and_world_writable_roots_are_refused() {
     let preparer = node.start().await;
     preparer.prepare(vec![r("train", UID_A)]).await[0]
         .1
-        .clone()
+        .text()
         .unwrap();
     let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
-    assert_eq!(mode(&node.opts.state_dir), 0o700);
-    assert_eq!(mode(&node.opts.cdi_root), 0o755);
+    assert_eq!(mode(&node.opts.layout.state_dir), 0o700);
+    assert_eq!(mode(&node.opts.layout.cdi_root), 0o755);
     assert_eq!(mode(&node.spec_path(UID_A)), 0o644);
-    assert_eq!(mode(&checkpoint::path(&node.opts.state_dir)), 0o600);
-    assert_eq!(mode(&checkpoint::log_path(&node.opts.state_dir)), 0o600);
+    assert_eq!(mode(&checkpoint::path(&node.opts.layout.state_dir)), 0o600);
+    assert_eq!(
+        mode(&checkpoint::log_path(&node.opts.layout.state_dir)),
+        0o600
+    );
     drop(preparer);
 
-    fs::set_permissions(&node.opts.cdi_root, fs::Permissions::from_mode(0o777)).unwrap();
+    fs::set_permissions(
+        &node.opts.layout.cdi_root,
+        fs::Permissions::from_mode(0o777),
+    )
+    .unwrap();
     let (_tx, rx) = watch::channel(BTreeMap::new());
     let refused = ClaimPreparer::with_api(
         node.opts.clone(),
@@ -1107,7 +1156,7 @@ async fn files_have_the_promised_modes_and_world_writable_roots_are_refused() {
         "boot-1".into(),
     )
     .await;
-    assert!(matches!(refused, Err(PrepareError::CdiRoot { .. })));
+    assert!(matches!(refused, Err(NodeStateError::CdiRoot { .. })));
     let _ = &node.top;
 }
 
@@ -1135,11 +1184,11 @@ async fn crash_child() {
     .unwrap();
     preparer.prepare(vec![r("train", UID_A)]).await[0]
         .1
-        .clone()
+        .text()
         .unwrap();
     preparer.unprepare(vec![r("train", UID_A)]).await[0]
         .1
-        .clone()
+        .text()
         .unwrap();
 }
 
@@ -1161,8 +1210,10 @@ async fn killed_at_every_fault_point_the_node_recovers() {
 
         node.api.add("train", fractional(UID_A));
         let preparer = node.start().await;
-        let saved = checkpoint::load(&node.opts.state_dir).unwrap().unwrap();
-        let cache = node.opts.run_dir.join("vgpu-cache").join(UID_A);
+        let saved = checkpoint::load(&node.opts.layout.state_dir)
+            .unwrap()
+            .unwrap();
+        let cache = node.opts.layout.run_dir.join("vgpu-cache").join(UID_A);
         match saved.claims.get(UID_A) {
             // Killed after completion: the claim is prepared, with a valid spec and its cache.
             Some(entry) => {
@@ -1212,10 +1263,10 @@ async fn real_gpu_fractional_claim_names_the_real_card() {
     println!("card 0: {gpu:?}");
     let root = tempfile::tempdir().unwrap();
     let mut opts = opts_under(root.path());
-    opts.fake_gpus = false;
+    opts.layout.fake_gpus = false;
     // A stand-in library file: the spec is not run here, only rendered.
-    fs::create_dir_all(&opts.vgpu_lib_dir).unwrap();
-    fs::write(opts.vgpu_lib_dir.join("libvgpu.so"), b"").unwrap();
+    fs::create_dir_all(opts.layout.vgpu_lib.parent().unwrap()).unwrap();
+    fs::write(&opts.layout.vgpu_lib, b"").unwrap();
     let api = Arc::new(FakeApi::default());
     api.add(
         "train",
@@ -1236,9 +1287,9 @@ async fn real_gpu_fractional_claim_names_the_real_card() {
     .await
     .unwrap();
     let answer = preparer.prepare(vec![r("train", UID_A)]).await;
-    let devices = answer[0].1.clone().unwrap();
+    let devices = answer[0].1.text().unwrap();
     println!("answer: {devices:?}");
-    let spec_text = fs::read_to_string(cdi::spec_path(&opts.cdi_root, UID_A)).unwrap();
+    let spec_text = fs::read_to_string(opts.layout.spec_path(UID_A)).unwrap();
     println!("spec:\n{spec_text}");
     let spec: gpupool_api::cdi::Spec = serde_json::from_str(&spec_text).unwrap();
     assert_eq!(gpupool_api::cdi::validate(&spec), Vec::<String>::new());
@@ -1263,18 +1314,6 @@ async fn real_gpu_fractional_claim_names_the_real_card() {
     assert_eq!(status[0].data.as_ref().unwrap().0["uuid"], gpu.uuid);
 }
 
-#[test]
-fn a_shared_folder_made_0755_by_a_host_path_mount_becomes_sticky_and_writable_for_all() {
-    use std::os::unix::fs::PermissionsExt;
-    let top = tempfile::tempdir().unwrap();
-    let lock = top.path().join("vgpulock");
-    std::fs::create_dir(&lock).unwrap();
-    std::fs::set_permissions(&lock, std::fs::Permissions::from_mode(0o755)).unwrap();
-    ensure_shared_dir(&lock).unwrap();
-    let mode = std::fs::metadata(&lock).unwrap().permissions().mode() & 0o7777;
-    assert_eq!(mode, 0o1777, "{mode:o}");
-}
-
 /// On a machine with an NVIDIA GPU: the answer carries the node's NVIDIA CDI device beside ours when a
 /// spec for the card exists (in /etc/cdi, /var/run/cdi or $GPUPOOL_TEST_NVIDIA_CDI_DIR), and the claim
 /// fails naming the fix when none does.
@@ -1291,7 +1330,7 @@ async fn real_gpu_driver_libraries_come_from_the_nvidia_cdi_spec() {
 
     let root = tempfile::tempdir().unwrap();
     let mut opts = opts_under(root.path());
-    opts.fake_gpus = false;
+    opts.layout.fake_gpus = false;
     opts.driver_libraries = DriverLibraries::NvidiaCdi { spec_dirs };
     let api = Arc::new(FakeApi::default());
     api.add(
@@ -1310,12 +1349,12 @@ async fn real_gpu_driver_libraries_come_from_the_nvidia_cdi_spec() {
     println!("answer: {:?}", answer[0].1);
     match expected {
         Ok(nvidia_id) => {
-            let devices = answer[0].1.clone().unwrap();
+            let devices = answer[0].1.text().unwrap();
             assert_eq!(devices[0].cdi_device_ids.len(), 2);
             assert_eq!(devices[0].cdi_device_ids[1], nvidia_id);
         }
         Err(_) => {
-            let error = answer[0].1.clone().unwrap_err();
+            let error = answer[0].1.text().unwrap_err();
             assert!(error.contains("nvidia-ctk cdi generate"), "{error}");
         }
     }
@@ -1323,7 +1362,7 @@ async fn real_gpu_driver_libraries_come_from_the_nvidia_cdi_spec() {
 
 /// Two instances on one node's folders, as a rolling update with surge runs them.
 async fn two_instances(node: &mut Node) -> (Arc<ClaimPreparer>, Arc<ClaimPreparer>) {
-    node.opts.serialize_lock = Some(node.top.join("plugins/serialize.lock"));
+    node.opts.layout.serialize_lock = Some(node.top.join("plugins/serialize.lock"));
     let old = node.start().await;
     let new = node.start().await;
     (old, new)
@@ -1338,12 +1377,12 @@ async fn either_instance_serves_a_claim_the_other_prepared() {
 
     let first = old.prepare(vec![r("train", UID_A)]).await[0]
         .1
-        .clone()
+        .text()
         .unwrap();
     let gets = node.api.gets.load(Ordering::SeqCst);
     let again = new.prepare(vec![r("train", UID_A)]).await[0]
         .1
-        .clone()
+        .text()
         .unwrap();
     assert_eq!(again, first, "the same answer from the other instance");
     assert_eq!(
@@ -1354,12 +1393,18 @@ async fn either_instance_serves_a_claim_the_other_prepared() {
 
     new.prepare(vec![r("infer", UID_B)]).await[0]
         .1
-        .clone()
+        .text()
         .unwrap();
     let unprepared = new.unprepare(vec![r("train", UID_A)]).await;
     assert!(unprepared[0].1.is_ok(), "{unprepared:?}");
     assert!(!node.spec_path(UID_A).exists(), "its spec is gone");
-    assert!(!node.opts.run_dir.join("vgpu-cache").join(UID_A).exists());
+    assert!(!node
+        .opts
+        .layout
+        .run_dir
+        .join("vgpu-cache")
+        .join(UID_A)
+        .exists());
     assert_eq!(
         node.cdi_files(),
         BTreeSet::from([gpupool_api::names::cdi_spec_file_name(UID_B)]),
@@ -1369,16 +1414,18 @@ async fn either_instance_serves_a_claim_the_other_prepared() {
     // The old instance learns of both changes at its next call.
     let from_old = old.prepare(vec![r("infer", UID_B)]).await[0]
         .1
-        .clone()
+        .text()
         .unwrap();
     assert_eq!(Some(from_old), new.prepared(UID_B).await);
     assert_eq!(old.prepared(UID_A).await, None);
     old.unprepare(vec![r("infer", UID_B)]).await[0]
         .1
-        .clone()
+        .text()
         .unwrap();
     assert!(node.cdi_files().is_empty());
-    let saved = checkpoint::load(&node.opts.state_dir).unwrap().unwrap();
+    let saved = checkpoint::load(&node.opts.layout.state_dir)
+        .unwrap()
+        .unwrap();
     assert!(saved.claims.is_empty(), "{:?}", saved.claims.keys());
 }
 
@@ -1408,7 +1455,7 @@ async fn an_instance_starting_beside_one_mid_prepare_keeps_its_files() {
         "start-up waits for the other instance's call"
     );
     gate.notify_one();
-    let devices = preparing.await.unwrap()[0].1.clone().unwrap();
+    let devices = preparing.await.unwrap()[0].1.text().unwrap();
     let started = starting.await.unwrap().unwrap();
     assert!(
         node.spec_path(UID_A).exists(),

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::core::v1::{Event, Namespace};
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::api::{ListParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
@@ -27,7 +27,7 @@ use serde_json::Value;
 
 use crate::kubelet::{Kubelet, KubeletConfig, KubeletError, Registration};
 pub use apply::{apply_objects, parse_manifests, ApplyError};
-pub use process::{find_binary, ManagedProcess, ProcessError};
+pub use process::{find_binary, print_log_tail, ManagedProcess, ProcessError};
 
 pub const DRIVER_BIN: &str = "gpupool-driver";
 pub const CONTROLLER_BIN: &str = "gpupool-controller";
@@ -177,6 +177,17 @@ pub struct NodeDirs {
 }
 
 impl NodeDirs {
+    /// The folders of a node whose host folders all lie under `base`, named as on a node.
+    pub fn under(base: &Path) -> NodeDirs {
+        NodeDirs {
+            registry: base.join("plugins_registry"),
+            plugin: base.join("plugins").join(gpupool_api::names::DRIVER_NAME),
+            cdi: base.join("cdi"),
+            state: base.join("state"),
+            run: base.join("run"),
+        }
+    }
+
     /// `gpupool-driver run` for a fake node with these folders: the one command line the harness,
     /// the bench and the crash tests start drivers with.
     pub fn driver_run_args(
@@ -328,7 +339,17 @@ impl Drop for TestCluster {
 }
 
 /// Polls `check` every 50 ms until it yields a value, or fails after `timeout` naming `what`.
-pub async fn wait_for<T, F, Fut>(
+pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, check: F) -> Result<T, HarnessError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    wait_for_every(Duration::from_millis(50), what, timeout, check).await
+}
+
+/// `wait_for`, polling every `interval`.
+pub async fn wait_for_every<T, F, Fut>(
+    interval: Duration,
     what: &str,
     timeout: Duration,
     mut check: F,
@@ -348,7 +369,7 @@ where
                 after: timeout,
             });
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(interval).await;
     }
 }
 
@@ -363,6 +384,66 @@ pub async fn client_for_kubeconfig(path: &Path) -> Result<Client, HarnessError> 
         .await
         .map_err(|e| kubeconfig_err(e.to_string()))?;
     Client::try_from(config).map_err(|e| kubeconfig_err(e.to_string()))
+}
+
+/// Creates the namespace `name`.
+pub async fn create_namespace(client: &Client, name: &str) -> Result<(), HarnessError> {
+    let namespace: Namespace = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}
+    }))
+    .expect("namespace literal");
+    Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &namespace)
+        .await
+        .map_err(|source| HarnessError::Kube {
+            what: format!("creating namespace {name}"),
+            source,
+        })?;
+    Ok(())
+}
+
+/// The ResourceSlices gpupool's driver published for `node`.
+pub async fn node_slices(client: &Client, node: &str) -> Result<Vec<ResourceSlice>, HarnessError> {
+    let list = Api::<ResourceSlice>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .map_err(|source| HarnessError::Kube {
+            what: "listing resourceslices".into(),
+            source,
+        })?;
+    Ok(list
+        .items
+        .into_iter()
+        .filter(|s| {
+            s.spec.driver == gpupool_api::names::DRIVER_NAME
+                && s.spec.node_name.as_deref() == Some(node)
+        })
+        .collect())
+}
+
+/// The Events about one object (`kind` `name`), in `namespace` or, with `None`, in all of them;
+/// none when they cannot be listed.
+pub async fn events_about(
+    client: &Client,
+    namespace: Option<&str>,
+    kind: &str,
+    name: &str,
+) -> Vec<Event> {
+    let events: Api<Event> = match namespace {
+        Some(namespace) => Api::namespaced(client.clone(), namespace),
+        None => Api::all(client.clone()),
+    };
+    events
+        .list(&ListParams::default())
+        .await
+        .map(|l| l.items)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|e| {
+            e.involved_object.kind.as_deref() == Some(kind)
+                && e.involved_object.name.as_deref() == Some(name)
+        })
+        .collect()
 }
 
 /// The real kubectl: `$KUBECTL`, else `/usr/bin/kubectl`, else `kubectl` on PATH.
@@ -408,12 +489,8 @@ impl TestCluster {
 
         let (apiserver, kubeconfig) = match &backend {
             Backend::Emulator => {
-                let server = start_apiserver().await?;
                 let path = workdir.join("kubeconfig");
-                server
-                    .write_kubeconfig(&path)
-                    .map_err(|e| HarnessError::ApiServer(format!("writing kubeconfig: {e}")))?;
-                (Some(server), path)
+                (Some(start_api_emulator(&path).await?), path)
             }
             Backend::Real { .. } => (
                 None,
@@ -528,12 +605,12 @@ impl TestCluster {
                 default
             }
         };
+        let defaults = NodeDirs::under(&base);
         let dirs = NodeDirs {
-            registry: from_env(env::REGISTRY_DIR, base.join("plugins_registry")),
-            plugin: from_env(env::PLUGIN_DIR, base.join("plugins").join("gpupool.dev")),
-            cdi: from_env(env::CDI_DIR, base.join("cdi")),
-            state: base.join("state"),
-            run: base.join("run"),
+            registry: from_env(env::REGISTRY_DIR, defaults.registry),
+            plugin: from_env(env::PLUGIN_DIR, defaults.plugin),
+            cdi: from_env(env::CDI_DIR, defaults.cdi),
+            ..defaults
         };
         for dir in [
             &dirs.registry,
@@ -762,38 +839,13 @@ impl TestCluster {
             "{prefix}-{}",
             &uuid::Uuid::new_v4().simple().to_string()[..6]
         );
-        let namespace: Namespace = serde_json::from_value(serde_json::json!({
-            "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}
-        }))
-        .expect("namespace literal");
-        Api::<Namespace>::all(self.client.clone())
-            .create(&PostParams::default(), &namespace)
-            .await
-            .map_err(|source| HarnessError::Kube {
-                what: format!("creating namespace {name}"),
-                source,
-            })?;
+        create_namespace(&self.client, &name).await?;
         Ok(name)
     }
 
     /// The ResourceSlices a node's driver published.
     pub async fn slices_of(&self, node: &str) -> Result<Vec<ResourceSlice>, HarnessError> {
-        let slices: Api<ResourceSlice> = Api::all(self.client.clone());
-        let list = slices
-            .list(&ListParams::default())
-            .await
-            .map_err(|source| HarnessError::Kube {
-                what: "listing resourceslices".into(),
-                source,
-            })?;
-        Ok(list
-            .items
-            .into_iter()
-            .filter(|s| {
-                s.spec.driver == gpupool_api::names::DRIVER_NAME
-                    && s.spec.node_name.as_deref() == Some(node)
-            })
-            .collect())
+        node_slices(&self.client, node).await
     }
 
     /// Waits until the node's driver has published `devices` devices.
@@ -845,13 +897,7 @@ impl TestCluster {
     /// Prints the last lines of every process log to stderr (the test's output on failure).
     pub fn print_logs(&self) {
         for (name, log) in self.logs() {
-            let lines: Vec<&str> = log.lines().collect();
-            let tail = &lines[lines.len().saturating_sub(150)..];
-            eprintln!(
-                "===== {name} (last {} lines) =====\n{}",
-                tail.len(),
-                tail.join("\n")
-            );
+            print_log_tail(&name, &log, 150);
         }
     }
 
@@ -887,10 +933,15 @@ pub fn shared_runtime() -> &'static tokio::runtime::Runtime {
     })
 }
 
-async fn start_apiserver() -> Result<upstream::ApiServer, HarnessError> {
-    upstream::ApiServer::start()
+/// Starts the API server emulator and writes a kubeconfig for it at `kubeconfig`.
+pub async fn start_api_emulator(kubeconfig: &Path) -> Result<upstream::ApiServer, HarnessError> {
+    let server = upstream::ApiServer::start()
         .await
-        .map_err(|e| HarnessError::ApiServer(format!("{e:#}")))
+        .map_err(|e| HarnessError::ApiServer(format!("{e:#}")))?;
+    server
+        .write_kubeconfig(kubeconfig)
+        .map_err(|e| HarnessError::ApiServer(format!("writing kubeconfig: {e}")))?;
+    Ok(server)
 }
 
 fn start_scheduler(client: Client) -> tokio::task::JoinHandle<()> {

@@ -4,7 +4,7 @@
 use std::fs::File;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{mpsc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -93,16 +93,42 @@ fn spawn_from_keeper(command: Command) -> std::io::Result<Child> {
         .map_err(|_| std::io::Error::other("the spawner thread is gone"))?
 }
 
+/// Prints the last `lines` lines of a process's log to stderr (the test's output on failure).
+pub fn print_log_tail(name: &str, log: &str, lines: usize) {
+    let all: Vec<&str> = log.lines().collect();
+    let tail = &all[all.len().saturating_sub(lines)..];
+    eprintln!(
+        "===== {name} (last {} lines) =====\n{}",
+        tail.len(),
+        tail.join("\n")
+    );
+}
+
 /// A child process whose stdout and stderr go to a log file; killed when dropped.
 pub struct ManagedProcess {
     name: String,
     program: PathBuf,
     args: Vec<String>,
+    /// This process's changes to the environment it inherits, applied in order: `Some` sets the
+    /// variable, `None` removes it.
+    env: Vec<(String, Option<String>)>,
     log_path: PathBuf,
     child: Option<Child>,
 }
 
 impl ManagedProcess {
+    /// `program args`, not started yet: `start` runs it, appending its output to `log_path`.
+    pub fn new(name: &str, program: &Path, args: Vec<String>, log_path: PathBuf) -> ManagedProcess {
+        ManagedProcess {
+            name: name.to_string(),
+            program: program.to_path_buf(),
+            args,
+            env: Vec::new(),
+            log_path,
+            child: None,
+        }
+    }
+
     /// Starts `program args`, appending its output to `log_path`.
     pub fn spawn(
         name: &str,
@@ -110,26 +136,31 @@ impl ManagedProcess {
         args: Vec<String>,
         log_path: PathBuf,
     ) -> Result<ManagedProcess, ProcessError> {
-        let mut process = ManagedProcess {
-            name: name.to_string(),
-            program: program.to_path_buf(),
-            args,
-            log_path,
-            child: None,
-        };
-        process.start()?;
-        Ok(process)
+        ManagedProcess::new(name, program, args, log_path).started()
     }
 
     /// A process that was never started, to hold a place while the real one is moved out.
     pub fn placeholder() -> ManagedProcess {
-        ManagedProcess {
-            name: String::new(),
-            program: PathBuf::new(),
-            args: Vec::new(),
-            log_path: PathBuf::new(),
-            child: None,
-        }
+        ManagedProcess::new("", Path::new(""), Vec::new(), PathBuf::new())
+    }
+
+    /// Sets `key` for this process (every start from now on) over the environment it inherits
+    /// from the test process, which all the tests running in parallel in a binary share.
+    pub fn env(mut self, key: impl Into<String>, value: impl Into<String>) -> ManagedProcess {
+        self.env.push((key.into(), Some(value.into())));
+        self
+    }
+
+    /// Leaves `key` out of the environment this process inherits.
+    pub fn env_remove(mut self, key: impl Into<String>) -> ManagedProcess {
+        self.env.push((key.into(), None));
+        self
+    }
+
+    /// Starts the process and returns it.
+    pub fn started(mut self) -> Result<ManagedProcess, ProcessError> {
+        self.start()?;
+        Ok(self)
     }
 
     pub fn name(&self) -> &str {
@@ -164,6 +195,12 @@ impl ManagedProcess {
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log_err);
+        for (key, value) in &self.env {
+            match value {
+                Some(value) => command.env(key, value),
+                None => command.env_remove(key),
+            };
+        }
         // SAFETY: prctl is async-signal-safe; it only asks the kernel to kill the child when the
         // spawning thread (the keeper, which lives as long as the process) exits, so a crashed or
         // interrupted test leaves no stray process.
@@ -190,9 +227,34 @@ impl ManagedProcess {
         }
     }
 
+    /// How the process ended, once it has exited by itself or by a signal from elsewhere (a fault
+    /// point's SIGKILL). `kill` and `stop` let go of the process: after them this is `None`.
+    pub fn exit_status(&mut self) -> Option<ExitStatus> {
+        let child = self.child.as_mut()?;
+        let status = child.try_wait().ok()??;
+        super::cleanup::forget_pid(child.id());
+        Some(status)
+    }
+
+    /// Waits up to `timeout` for the process to exit; its exit status, or `None` if it still runs
+    /// (or is not started).
+    pub async fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.exit_status() {
+                return Some(status);
+            }
+            if self.child.is_none() || tokio::time::Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     /// SIGKILL, as a crash or an OOM kill would end it.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
+            // A child already reaped is not signalled again (its pid may be another process's).
             let _ = child.kill();
             let _ = child.wait();
             super::cleanup::forget_pid(child.id());
@@ -201,29 +263,27 @@ impl ManagedProcess {
 
     /// SIGTERM, then SIGKILL if it has not exited within `grace`; returns the exit status if it
     /// exited on its own.
-    pub async fn stop(&mut self, grace: Duration) -> Option<std::process::ExitStatus> {
-        let mut child = self.child.take()?;
-        // SAFETY: plain kill(2) on our own child's pid.
-        unsafe {
-            libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
-        }
-        let deadline = tokio::time::Instant::now() + grace;
-        while tokio::time::Instant::now() < deadline {
-            if let Ok(Some(status)) = child.try_wait() {
-                super::cleanup::forget_pid(child.id());
-                return Some(status);
+    pub async fn stop(&mut self, grace: Duration) -> Option<ExitStatus> {
+        let pid = self.pid()?;
+        if self.exit_status().is_none() {
+            // SAFETY: plain kill(2) on our own child, not reaped yet, so the pid is still its.
+            unsafe {
+                libc::kill(pid as libc::pid_t, libc::SIGTERM);
             }
-            tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let _ = child.kill();
-        let _ = child.wait();
-        super::cleanup::forget_pid(child.id());
-        None
+        let status = self.wait_exit(grace).await;
+        self.kill();
+        status
     }
 
     /// Everything the process wrote so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    /// Prints the last `lines` lines of the log to stderr, headed by the process's name.
+    pub fn print_log_tail(&self, lines: usize) {
+        print_log_tail(&self.name, &self.log(), lines);
     }
 }
 

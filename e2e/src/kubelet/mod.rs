@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use gpupool_api::claim::{ClaimRef, PreparedDevice};
 use gpupool_proto::{dra_v1, dra_v1beta1, health_v1alpha1, registration};
 use k8s_openapi::api::core::v1::{Event, Node, ObjectReference, Pod, ResourceHealth};
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -101,34 +102,6 @@ impl KubeletConfig {
             health_timeout: DEFAULT_HEALTH_TIMEOUT,
         }
     }
-}
-
-/// A claim as the kubelet names it in DRA calls.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct ClaimRef {
-    pub namespace: String,
-    pub name: String,
-    pub uid: String,
-}
-
-impl ClaimRef {
-    pub fn of(claim: &ResourceClaim) -> Self {
-        ClaimRef {
-            namespace: claim.metadata.namespace.clone().unwrap_or_default(),
-            name: claim.metadata.name.clone().unwrap_or_default(),
-            uid: claim.metadata.uid.clone().unwrap_or_default(),
-        }
-    }
-}
-
-/// One device of a prepared claim, as the plugin answered (v1beta1 has no share id).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PreparedDevice {
-    pub request_names: Vec<String>,
-    pub pool_name: String,
-    pub device_name: String,
-    pub cdi_device_ids: Vec<String>,
-    pub share_id: Option<String>,
 }
 
 /// A claim the kubelet believes prepared, and the pods on this node that use it.
@@ -430,6 +403,86 @@ impl Kubelet {
         self.inner.call_unprepare(driver, claims).await
     }
 }
+
+/// NodePrepareResources and NodeUnprepareResources of one DRA version, as a module with `prepare`
+/// and `unprepare`: the generated types differ, the calls do not. `|d| share_id` reads a device's
+/// share id (v1beta1 has none).
+macro_rules! dra_calls {
+    ($module:ident, $proto:ident, |$d:ident| $share_id:expr) => {
+        mod $module {
+            use super::*;
+
+            fn to_claims(claims: &[ClaimRef]) -> Vec<$proto::Claim> {
+                claims
+                    .iter()
+                    .map(|c| $proto::Claim {
+                        namespace: c.namespace.clone(),
+                        uid: c.uid.clone(),
+                        name: c.name.clone(),
+                    })
+                    .collect()
+            }
+
+            /// An empty error is success.
+            fn result(error: String) -> Result<(), String> {
+                if error.is_empty() {
+                    Ok(())
+                } else {
+                    Err(error)
+                }
+            }
+
+            pub(super) async fn prepare(
+                channel: Channel,
+                claims: &[ClaimRef],
+            ) -> Result<PrepareOutcome, tonic::Status> {
+                let mut client = $proto::dra_plugin_client::DraPluginClient::new(channel);
+                let request = $proto::NodePrepareResourcesRequest {
+                    claims: to_claims(claims),
+                };
+                let response = client.node_prepare_resources(request).await?;
+                Ok(response
+                    .into_inner()
+                    .claims
+                    .into_iter()
+                    .map(|(uid, r)| {
+                        let devices = r.devices.into_iter().map(|$d| {
+                            let share_id = $share_id;
+                            PreparedDevice {
+                                request_names: $d.request_names,
+                                pool_name: $d.pool_name,
+                                device_name: $d.device_name,
+                                cdi_device_ids: $d.cdi_device_ids,
+                                share_id,
+                            }
+                        });
+                        (uid, result(r.error).map(|()| devices.collect()))
+                    })
+                    .collect())
+            }
+
+            pub(super) async fn unprepare(
+                channel: Channel,
+                claims: &[ClaimRef],
+            ) -> Result<UnprepareOutcome, tonic::Status> {
+                let mut client = $proto::dra_plugin_client::DraPluginClient::new(channel);
+                let request = $proto::NodeUnprepareResourcesRequest {
+                    claims: to_claims(claims),
+                };
+                let response = client.node_unprepare_resources(request).await?;
+                Ok(response
+                    .into_inner()
+                    .claims
+                    .into_iter()
+                    .map(|(uid, r)| (uid, result(r.error)))
+                    .collect())
+            }
+        }
+    };
+}
+
+dra_calls!(dra_calls_v1, dra_v1, |d| d.share_id);
+dra_calls!(dra_calls_v1beta1, dra_v1beta1, |d| None);
 
 fn now_time() -> Time {
     Time(k8s_openapi::jiff::Timestamp::now())
@@ -845,92 +898,15 @@ impl Inner {
         claims: &[ClaimRef],
     ) -> Result<PrepareOutcome, KubeletError> {
         let (channel, version) = self.plugin_channel(driver)?;
-        let rpc_err = |status| KubeletError::Rpc {
+        let outcome = match version {
+            DraVersion::V1 => dra_calls_v1::prepare(channel, claims).await,
+            DraVersion::V1beta1 => dra_calls_v1beta1::prepare(channel, claims).await,
+        };
+        outcome.map_err(|status| KubeletError::Rpc {
             driver: driver.to_string(),
             call: "NodePrepareResources",
             status,
-        };
-        let outcome = match version {
-            DraVersion::V1 => {
-                let mut client = dra_v1::dra_plugin_client::DraPluginClient::new(channel);
-                let request = dra_v1::NodePrepareResourcesRequest {
-                    claims: claims
-                        .iter()
-                        .map(|c| dra_v1::Claim {
-                            namespace: c.namespace.clone(),
-                            uid: c.uid.clone(),
-                            name: c.name.clone(),
-                        })
-                        .collect(),
-                };
-                let response = client
-                    .node_prepare_resources(request)
-                    .await
-                    .map_err(rpc_err)?;
-                response
-                    .into_inner()
-                    .claims
-                    .into_iter()
-                    .map(|(uid, r)| {
-                        let result = if r.error.is_empty() {
-                            Ok(r.devices
-                                .into_iter()
-                                .map(|d| PreparedDevice {
-                                    request_names: d.request_names,
-                                    pool_name: d.pool_name,
-                                    device_name: d.device_name,
-                                    cdi_device_ids: d.cdi_device_ids,
-                                    share_id: d.share_id,
-                                })
-                                .collect())
-                        } else {
-                            Err(r.error)
-                        };
-                        (uid, result)
-                    })
-                    .collect()
-            }
-            DraVersion::V1beta1 => {
-                let mut client = dra_v1beta1::dra_plugin_client::DraPluginClient::new(channel);
-                let request = dra_v1beta1::NodePrepareResourcesRequest {
-                    claims: claims
-                        .iter()
-                        .map(|c| dra_v1beta1::Claim {
-                            namespace: c.namespace.clone(),
-                            uid: c.uid.clone(),
-                            name: c.name.clone(),
-                        })
-                        .collect(),
-                };
-                let response = client
-                    .node_prepare_resources(request)
-                    .await
-                    .map_err(rpc_err)?;
-                response
-                    .into_inner()
-                    .claims
-                    .into_iter()
-                    .map(|(uid, r)| {
-                        let result = if r.error.is_empty() {
-                            Ok(r.devices
-                                .into_iter()
-                                .map(|d| PreparedDevice {
-                                    request_names: d.request_names,
-                                    pool_name: d.pool_name,
-                                    device_name: d.device_name,
-                                    cdi_device_ids: d.cdi_device_ids,
-                                    share_id: None,
-                                })
-                                .collect())
-                        } else {
-                            Err(r.error)
-                        };
-                        (uid, result)
-                    })
-                    .collect()
-            }
-        };
-        Ok(outcome)
+        })
     }
 
     async fn call_unprepare(
@@ -939,61 +915,15 @@ impl Inner {
         claims: &[ClaimRef],
     ) -> Result<UnprepareOutcome, KubeletError> {
         let (channel, version) = self.plugin_channel(driver)?;
-        let rpc_err = |status| KubeletError::Rpc {
+        let outcome = match version {
+            DraVersion::V1 => dra_calls_v1::unprepare(channel, claims).await,
+            DraVersion::V1beta1 => dra_calls_v1beta1::unprepare(channel, claims).await,
+        };
+        outcome.map_err(|status| KubeletError::Rpc {
             driver: driver.to_string(),
             call: "NodeUnprepareResources",
             status,
-        };
-        let to_result = |error: String| if error.is_empty() { Ok(()) } else { Err(error) };
-        let outcome = match version {
-            DraVersion::V1 => {
-                let mut client = dra_v1::dra_plugin_client::DraPluginClient::new(channel);
-                let request = dra_v1::NodeUnprepareResourcesRequest {
-                    claims: claims
-                        .iter()
-                        .map(|c| dra_v1::Claim {
-                            namespace: c.namespace.clone(),
-                            uid: c.uid.clone(),
-                            name: c.name.clone(),
-                        })
-                        .collect(),
-                };
-                let response = client
-                    .node_unprepare_resources(request)
-                    .await
-                    .map_err(rpc_err)?;
-                response
-                    .into_inner()
-                    .claims
-                    .into_iter()
-                    .map(|(uid, r)| (uid, to_result(r.error)))
-                    .collect()
-            }
-            DraVersion::V1beta1 => {
-                let mut client = dra_v1beta1::dra_plugin_client::DraPluginClient::new(channel);
-                let request = dra_v1beta1::NodeUnprepareResourcesRequest {
-                    claims: claims
-                        .iter()
-                        .map(|c| dra_v1beta1::Claim {
-                            namespace: c.namespace.clone(),
-                            uid: c.uid.clone(),
-                            name: c.name.clone(),
-                        })
-                        .collect(),
-                };
-                let response = client
-                    .node_unprepare_resources(request)
-                    .await
-                    .map_err(rpc_err)?;
-                response
-                    .into_inner()
-                    .claims
-                    .into_iter()
-                    .map(|(uid, r)| (uid, to_result(r.error)))
-                    .collect()
-            }
-        };
-        Ok(outcome)
+        })
     }
 
     async fn sync_pods(&self) -> Result<(), KubeletError> {

@@ -4,8 +4,9 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use gpupool_e2e::harness::{wait_for, TestCluster, TestNode};
-use gpupool_e2e::kubelet::{ClaimRef, PreparedClaim, PreparedDevice};
+use gpupool_api::claim::{ClaimRef, PreparedDevice};
+use gpupool_e2e::harness::{self, wait_for, TestCluster, TestNode};
+use gpupool_e2e::kubelet::PreparedClaim;
 use k8s_openapi::api::core::v1::{Event, Pod};
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::api::{DeleteParams, ListParams};
@@ -34,18 +35,7 @@ pub async fn events_about(
     kind: &str,
     name: &str,
 ) -> Vec<Event> {
-    let events = Api::<Event>::namespaced(cluster.client(), namespace)
-        .list(&ListParams::default())
-        .await
-        .map(|l| l.items)
-        .unwrap_or_default();
-    events
-        .into_iter()
-        .filter(|e| {
-            e.involved_object.kind.as_deref() == Some(kind)
-                && e.involved_object.name.as_deref() == Some(name)
-        })
-        .collect()
+    harness::events_about(&cluster.client(), Some(namespace), kind, name).await
 }
 
 /// Waits for the pod to run; on timeout the panic says where it is stuck.

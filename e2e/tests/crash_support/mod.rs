@@ -1,43 +1,39 @@
 //! A node for the crash, outage and hostile-input scenarios: the API server emulator, a kubelet
-//! emulator that only does what the test tells it, and the real `gpupool-driver` started by hand, so
-//! every start can carry its own environment (an armed fault point, a boot id) and be killed at will.
-//!
-//! The harness's `TestCluster` runs the driver through `ManagedProcess`, which inherits the test
-//! process's environment; setting `GPUPOOL_FAULT_POINT` there would arm every driver of every test
-//! running in parallel in this binary, hence this local helper.
+//! emulator that only does what the test tells it, and the real `gpupool-driver` started by the
+//! test, where every start carries its own environment (an armed fault point, a boot id) and can be
+//! killed at will. The environment goes to that one process, never to the test process's, which
+//! every test running in parallel in the binary shares.
 #![allow(dead_code)]
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::fs::File;
-use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::future::Future;
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, ExitStatus};
 use std::time::{Duration, Instant};
 
+use gpupool_api::claim::{ClaimRef, PreparedDevice};
 use gpupool_apiserver::ApiServer;
-use gpupool_e2e::harness::{client_for_kubeconfig, find_binary, NodeDirs, DRIVER_BIN};
-use gpupool_e2e::kubelet::{
-    ClaimRef, Kubelet, KubeletConfig, KubeletError, PrepareOutcome, PreparedDevice,
-    UnprepareOutcome,
+use gpupool_e2e::harness::{
+    client_for_kubeconfig, create_namespace, events_about, find_binary, node_slices,
+    start_api_emulator, wait_for_every, ManagedProcess, NodeDirs, DRIVER_BIN,
 };
-use k8s_openapi::api::core::v1::{Event, Namespace};
-use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
-use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use gpupool_e2e::kubelet::{
+    Kubelet, KubeletConfig, KubeletError, PrepareOutcome, UnprepareOutcome,
+};
+use k8s_openapi::api::core::v1::Event;
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kube::api::{Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::{json, Value};
 
 pub const DRIVER: &str = gpupool_api::names::DRIVER_NAME;
-pub const FAULT_POINT_ENV: &str = "GPUPOOL_FAULT_POINT";
-pub const BOOT_ID_ENV: &str = "GPUPOOL_BOOT_ID";
-pub const CHECKPOINT_FILE: &str = "checkpoint.json";
-/// Files the driver keeps in its state folder besides the per-claim cache folders.
-const STATE_FILES: &[&str] = &[
-    "checkpoint.json",
-    "checkpoint.wal",
-    "checkpoint.lock",
-    "ld.so.preload",
-];
-const CACHE_DIR: &str = "vgpu-cache";
+// The driver's own names for its files and test hooks: a test that re-declared them would keep
+// passing after the driver renamed one.
+pub use gpupool_driver::node_state::fault::FAULT_POINT_ENV;
+use gpupool_driver::node_state::layout::{ClaimFolder, STATE_FILES};
+pub use gpupool_driver::node_state::BOOT_ID_ENV;
+const CACHE_DIR: &str = ClaimFolder::VgpuCache.dir_name();
 pub const TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How one start of the driver ended up.
@@ -58,10 +54,10 @@ pub struct CrashNode {
     pub root: PathBuf,
     kubeconfig: PathBuf,
     vgpu_dir: PathBuf,
-    log_path: PathBuf,
     binary: PathBuf,
     fake_gpus: String,
-    driver: Option<Child>,
+    /// The driver of the last start; every start is a new process, all writing to one log.
+    driver: ManagedProcess,
     pub boot_id: String,
     _guard: tempfile::TempDir,
 }
@@ -69,13 +65,7 @@ pub struct CrashNode {
 impl Drop for CrashNode {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            let log = self.log();
-            let lines: Vec<&str> = log.lines().collect();
-            eprintln!(
-                "===== driver log of {} (last 200 lines) =====\n{}",
-                self.name,
-                lines[lines.len().saturating_sub(200)..].join("\n")
-            );
+            self.driver.print_log_tail(200);
         }
         self.kill_driver();
     }
@@ -89,22 +79,15 @@ impl CrashNode {
             .tempdir()
             .expect("creating the work folder");
         let root = guard.path().to_path_buf();
-        let apiserver = ApiServer::start().await.expect("starting the API emulator");
         let kubeconfig = root.join("kubeconfig");
-        apiserver
-            .write_kubeconfig(&kubeconfig)
-            .expect("writing kubeconfig");
+        let apiserver = start_api_emulator(&kubeconfig)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
         let client = client_for_kubeconfig(&kubeconfig)
             .await
             .unwrap_or_else(|e| panic!("{e}"));
         let host = root.join("host");
-        let dirs = NodeDirs {
-            registry: host.join("plugins_registry"),
-            plugin: host.join("plugins").join(DRIVER),
-            cdi: host.join("cdi"),
-            state: host.join("state"),
-            run: host.join("run"),
-        };
+        let dirs = NodeDirs::under(&host);
         let vgpu_dir = host.join("vgpu");
         for dir in [&dirs.registry, &dirs.plugin, &vgpu_dir] {
             std::fs::create_dir_all(dir).expect("creating the node's folders");
@@ -116,19 +99,26 @@ impl CrashNode {
         let kubelet = Kubelet::start(client.clone(), config)
             .await
             .unwrap_or_else(|e| panic!("starting the kubelet emulator: {e}"));
+        let binary = find_binary(DRIVER_BIN).unwrap_or_else(|e| panic!("{e}"));
+        // Not started: it names the driver and its log until the first start.
+        let driver = ManagedProcess::new(
+            &format!("{DRIVER_BIN} on {name}"),
+            &binary,
+            Vec::new(),
+            root.join("driver.log"),
+        );
         CrashNode {
             name: name.to_string(),
             apiserver,
             client,
             kubelet,
             dirs,
-            log_path: root.join("driver.log"),
             root,
             kubeconfig,
             vgpu_dir,
-            binary: find_binary(DRIVER_BIN).unwrap_or_else(|e| panic!("{e}")),
+            binary,
             fake_gpus: fake_gpus.to_string(),
-            driver: None,
+            driver,
             boot_id: uuid::Uuid::new_v4().to_string(),
             _guard: guard,
         }
@@ -169,14 +159,10 @@ impl CrashNode {
 
     /// The devices this node's driver has published, by name, with the pool generation they carry.
     pub async fn published_devices(&self) -> Option<(i64, BTreeMap<String, Value>)> {
-        let slices = Api::<ResourceSlice>::all(self.client.clone())
-            .list(&ListParams::default())
+        let ours: Vec<Value> = node_slices(&self.client, &self.name)
             .await
             .ok()?
-            .items;
-        let ours: Vec<Value> = slices
             .into_iter()
-            .filter(|s| s.spec.driver == DRIVER && s.spec.node_name.as_deref() == Some(&self.name))
             .map(|s| serde_json::to_value(s).expect("a slice serialises"))
             .collect();
         let generation = ours
@@ -196,43 +182,7 @@ impl CrashNode {
     }
 
     pub fn log(&self) -> String {
-        std::fs::read_to_string(&self.log_path).unwrap_or_default()
-    }
-
-    fn spawn(&mut self, env: &[(&str, &str)]) -> Child {
-        let log = File::options()
-            .create(true)
-            .append(true)
-            .open(&self.log_path)
-            .expect("opening the driver log");
-        let log_err = log.try_clone().expect("cloning the log handle");
-        let mut command = Command::new(&self.binary);
-        command
-            .args(self.dirs.driver_run_args(
-                &self.name,
-                &self.kubeconfig,
-                &self.fake_gpus,
-                &self.vgpu_dir,
-            ))
-            .env("NO_COLOR", "1")
-            .env(BOOT_ID_ENV, &self.boot_id)
-            .env_remove(FAULT_POINT_ENV)
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log_err);
-        for (key, value) in env {
-            command.env(key, value);
-        }
-        // SAFETY: prctl is async-signal-safe. The driver dies with the thread that started it (a
-        // runtime worker, which outlives the test body), so a test killed from outside leaves no
-        // driver behind.
-        unsafe {
-            command.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
-        command.spawn().expect("starting gpupool-driver")
+        self.driver.log()
     }
 
     /// Kills a running driver and starts it again (armed at `fault` when given); waits until it has
@@ -242,31 +192,46 @@ impl CrashNode {
             .await
     }
 
+    /// `start_driver` with `env` set for this start only (over the boot id, without a fault point).
     pub async fn start_driver_with(&mut self, env: &[(&str, &str)]) -> Started {
         self.kill_driver();
         let before = self.kubelet.registration(DRIVER).map_or(0, |r| r.sequence);
-        let child = self.spawn(env);
-        self.driver = Some(child);
-        let deadline = Instant::now() + TIMEOUT;
-        loop {
-            if let Some(status) = self.exited() {
-                return Started::Exited(status);
-            }
-            if self
-                .kubelet
-                .registration(DRIVER)
-                .is_some_and(|r| r.sequence > before)
-            {
-                return Started::Registered;
-            }
-            if Instant::now() >= deadline {
-                panic!(
-                    "the driver did not register within {TIMEOUT:?}\n{}",
-                    self.log()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
+        let args = self.dirs.driver_run_args(
+            &self.name,
+            &self.kubeconfig,
+            &self.fake_gpus,
+            &self.vgpu_dir,
+        );
+        let mut driver = ManagedProcess::new(
+            self.driver.name(),
+            &self.binary,
+            args,
+            self.driver.log_path().to_path_buf(),
+        )
+        .env(BOOT_ID_ENV, &self.boot_id)
+        .env_remove(FAULT_POINT_ENV);
+        for (key, value) in env {
+            driver = driver.env(*key, *value);
         }
+        self.driver = driver.started().unwrap_or_else(|e| panic!("{e}"));
+        let started = wait_for_every(
+            Duration::from_millis(10),
+            "the driver to register",
+            TIMEOUT,
+            || {
+                let started = match self.driver.exit_status() {
+                    Some(status) => Some(Started::Exited(status)),
+                    None => self
+                        .kubelet
+                        .registration(DRIVER)
+                        .is_some_and(|r| r.sequence > before)
+                        .then_some(Started::Registered),
+                };
+                std::future::ready(started)
+            },
+        )
+        .await;
+        started.unwrap_or_else(|e| panic!("{e}\n{}", self.log()))
     }
 
     /// Starts the driver unarmed and panics (with its log) unless it registers.
@@ -276,65 +241,29 @@ impl CrashNode {
         }
     }
 
-    /// The driver's exit status once it has exited.
-    pub fn exited(&mut self) -> Option<ExitStatus> {
-        let child = self.driver.as_mut()?;
-        match child.try_wait() {
-            Ok(Some(status)) => {
-                self.driver = None;
-                Some(status)
-            }
-            _ => None,
-        }
-    }
-
     pub fn is_running(&mut self) -> bool {
-        self.driver.is_some() && self.exited().is_none()
+        self.driver.is_running()
     }
 
     /// Waits up to `timeout` for the driver to exit on its own.
     pub async fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(status) = self.exited() {
-                return Some(status);
-            }
-            if self.driver.is_none() || Instant::now() >= deadline {
-                return None;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        self.driver.wait_exit(timeout).await
     }
 
     /// SIGKILL (a crash); nothing is cleaned up.
     pub fn kill_driver(&mut self) {
-        if let Some(mut child) = self.driver.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.driver.kill();
     }
 
     /// SIGTERM and wait for the driver to exit (it removes its sockets).
     pub async fn stop_driver(&mut self) -> Option<ExitStatus> {
-        let pid = self.driver.as_ref()?.id();
-        // SAFETY: plain kill(2) on our own child's pid.
-        unsafe {
-            libc::kill(pid as libc::pid_t, libc::SIGTERM);
-        }
-        let status = self.wait_exit(Duration::from_secs(15)).await;
-        self.kill_driver();
-        status
+        self.driver.stop(Duration::from_secs(15)).await
     }
 
     pub async fn create_namespace(&self, name: &str) {
-        let namespace: Namespace = serde_json::from_value(json!({
-            "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}
-        }))
-        .expect("namespace literal");
-        Api::<Namespace>::all(self.client.clone())
-            .create(&PostParams::default(), &namespace)
+        create_namespace(&self.client, name)
             .await
-            .unwrap_or_else(|e| panic!("creating namespace {name}: {e}"));
+            .unwrap_or_else(|e| panic!("{e}"));
     }
 
     /// Creates a claim and writes its allocation, as the scheduler would; `results` and `config` are
@@ -374,64 +303,64 @@ impl CrashNode {
     /// NodePrepareResources through the kubelet emulator, retried while the driver is unreachable
     /// (restarting, not registered yet), as the kubelet does.
     pub async fn prepare_retrying(&self, claims: &[ClaimRef]) -> PrepareOutcome {
-        let deadline = Instant::now() + TIMEOUT;
-        loop {
-            match self.kubelet.prepare(DRIVER, claims).await {
-                Ok(outcome) => return outcome,
-                Err(e) if Instant::now() < deadline && is_transient(&e) => {
-                    tokio::time::sleep(Duration::from_millis(20)).await
-                }
-                Err(e) => panic!("NodePrepareResources kept failing: {e}\n{}", self.log()),
-            }
-        }
+        self.retrying("NodePrepareResources", || {
+            self.kubelet.prepare(DRIVER, claims)
+        })
+        .await
     }
 
     pub async fn unprepare_retrying(&self, claims: &[ClaimRef]) -> UnprepareOutcome {
+        self.retrying("NodeUnprepareResources", || {
+            self.kubelet.unprepare(DRIVER, claims)
+        })
+        .await
+    }
+
+    async fn retrying<T, F, Fut>(&self, call: &str, mut attempt: F) -> T
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, KubeletError>>,
+    {
         let deadline = Instant::now() + TIMEOUT;
         loop {
-            match self.kubelet.unprepare(DRIVER, claims).await {
+            match attempt().await {
                 Ok(outcome) => return outcome,
                 Err(e) if Instant::now() < deadline && is_transient(&e) => {
                     tokio::time::sleep(Duration::from_millis(20)).await
                 }
-                Err(e) => panic!("NodeUnprepareResources kept failing: {e}\n{}", self.log()),
+                Err(e) => panic!("{call} kept failing: {e}\n{}", self.log()),
             }
         }
     }
 
     /// Warning Events about this Node.
     pub async fn node_events(&self) -> Vec<Event> {
-        Api::<Event>::all(self.client.clone())
-            .list(&ListParams::default())
-            .await
-            .map(|l| l.items)
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|e| {
-                e.involved_object.kind.as_deref() == Some("Node")
-                    && e.involved_object.name.as_deref() == Some(self.name.as_str())
-            })
-            .collect()
+        events_about(&self.client, None, "Node", &self.name).await
     }
 
     /// The checkpoint's data (`bootId`, `claims`) as the driver reads it: the snapshot with its
     /// log replayed.
     pub fn checkpoint(&self) -> Option<Value> {
-        let data = gpupool_driver::prepare::checkpoint::load(&self.dirs.state).ok()??;
+        let data = gpupool_driver::node_state::checkpoint::load(&self.dirs.state).ok()??;
         serde_json::to_value(data).ok()
+    }
+
+    /// The checkpoint's entries by claim uid.
+    fn checkpoint_entries(&self) -> Result<serde_json::Map<String, Value>, String> {
+        let checkpoint = self
+            .checkpoint()
+            .ok_or_else(|| "no readable checkpoint in the state folder".to_string())?;
+        Ok(checkpoint["claims"]
+            .as_object()
+            .cloned()
+            .unwrap_or_default())
     }
 
     /// What start-up reconciliation must leave, whatever the kubelet believes: only completed
     /// checkpoint entries, exactly one spec per entry, no temp or foreign files in either folder.
     pub fn check_reconciled(&self) -> Result<(), String> {
         let mut problems = Vec::new();
-        let checkpoint = self
-            .checkpoint()
-            .ok_or_else(|| "no readable checkpoint in the state folder".to_string())?;
-        let entries = checkpoint["claims"]
-            .as_object()
-            .cloned()
-            .unwrap_or_default();
+        let entries = self.checkpoint_entries()?;
         for (uid, entry) in &entries {
             if entry["state"] != "PrepareCompleted" {
                 problems.push(format!(
@@ -475,13 +404,7 @@ impl CrashNode {
     /// `PrepareCompleted` entry with the same ids; nothing else is in the CDI and state folders.
     pub fn check_files(&self, believed: &BTreeMap<String, Vec<String>>) -> Result<(), String> {
         let mut problems = Vec::new();
-        let checkpoint = self
-            .checkpoint()
-            .ok_or_else(|| "no readable checkpoint in the state folder".to_string())?;
-        let entries = checkpoint["claims"]
-            .as_object()
-            .cloned()
-            .unwrap_or_default();
+        let entries = self.checkpoint_entries()?;
 
         let mut expected_files: BTreeSet<String> = BTreeSet::new();
         for (uid, ids) in believed {

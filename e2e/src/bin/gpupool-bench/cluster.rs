@@ -10,9 +10,10 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use gpupool_api::claim::ClaimRef;
 use gpupool_apiserver::{ApiServer, ApiServerOptions};
 use gpupool_e2e::harness::{ManagedProcess, NodeDirs};
-use gpupool_e2e::kubelet::{ClaimRef, Kubelet, KubeletConfig};
+use gpupool_e2e::kubelet::{Kubelet, KubeletConfig};
 use k8s_openapi::api::core::v1::{Namespace, Node};
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::api::{ListParams, Patch, PatchParams, PostParams};

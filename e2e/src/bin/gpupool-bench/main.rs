@@ -15,9 +15,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Parser;
+use gpupool_api::claim::ClaimRef;
 use gpupool_apiserver::{ApiProfile, ApiServerOptions};
 use gpupool_e2e::harness::{find_binary, DRIVER_BIN};
-use gpupool_e2e::kubelet::{ClaimRef, Kubelet};
+use gpupool_e2e::kubelet::Kubelet;
 use kube::api::GetParams;
 
 use cluster::{prepare_one, unprepare_one, Bench};

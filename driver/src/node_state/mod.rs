@@ -1,0 +1,254 @@
+//! A claim's state on the node: its CDI spec, its per-claim folders and its checkpoint entry, the
+//! lock that lets two driver instances share them, and the start-up recovery that makes them agree
+//! after a crash. Files only: what a claim means and what the API server says is `prepare/`'s.
+//!
+//! The write order is what makes a crash at any point repairable (docs/architecture.md):
+//! - [`NodeState::prepare`]: entry `PrepareStarted`, then the folders and the spec (temp file,
+//!   rename), then entry `PrepareCompleted`; undone on failure. A spec never has its final name
+//!   without at least a started entry.
+//! - [`NodeState::remove`]: the spec and folders first, the entry last: a crash in between leaves
+//!   an entry whose spec start-up writes again, and the kubelet's retry removes both.
+//! - [`NodeState::recover`]: completed entries get their spec back, anything else is rolled back,
+//!   files no completed entry accounts for are removed.
+
+pub mod checkpoint;
+pub mod fault;
+mod files;
+mod fsutil;
+pub mod layout;
+mod recovery;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use gpupool_api::cdi::Spec;
+use thiserror::Error;
+
+use self::checkpoint::{Change, CheckpointData, CheckpointError, ClaimEntry, ClaimState};
+use self::fault::fault_point;
+pub use self::layout::NodeLayout;
+
+/// Test hook: a boot id to use instead of the kernel's (reboot simulation in e2e tests).
+pub const BOOT_ID_ENV: &str = "GPUPOOL_BOOT_ID";
+const BOOT_ID_FILE: &str = "/proc/sys/kernel/random/boot_id";
+
+/// The node's boot id: the kernel's, unless [`BOOT_ID_ENV`] overrides it.
+pub fn current_boot_id() -> String {
+    if let Ok(id) = std::env::var(BOOT_ID_ENV) {
+        return id;
+    }
+    std::fs::read_to_string(BOOT_ID_FILE)
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
+#[derive(Debug, Error)]
+pub enum NodeStateError {
+    #[error("state folder {path}: {source}")]
+    StateDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("CDI root {path}: {source}")]
+    CdiRoot {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("taking the lock {path}: {source}")]
+    Lock {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("a completed entry without a CDI spec")]
+    NoSpec,
+    #[error("writing the CDI spec: {0}")]
+    WriteSpec(#[source] std::io::Error),
+    #[error("rewriting the CDI spec: {0}")]
+    RestoreSpec(#[source] std::io::Error),
+    #[error("removing its files: {0}")]
+    RemoveFiles(#[source] std::io::Error),
+    #[error("reading the checkpoint: {0}")]
+    Refresh(#[source] CheckpointError),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+}
+
+/// This instance's turn on the node's shared folders; released on drop.
+pub struct Turn {
+    _file: std::fs::File,
+    _local: tokio::sync::OwnedMutexGuard<()>,
+}
+
+/// The node's prepared claims as files and checkpoint. Methods that touch files block: call them
+/// off the runtime's threads. Send + Sync; share it in an `Arc`.
+pub struct NodeState {
+    layout: NodeLayout,
+    checkpoint: checkpoint::Store,
+    /// Taken before the lock file, so that this process's own calls queue here rather than each
+    /// holding a blocking thread in `flock` (the threads the call holding the lock needs).
+    turn: Arc<tokio::sync::Mutex<()>>,
+}
+
+impl NodeState {
+    /// Start-up (blocking): folders, then the checkpoint against the files (see [`recovery`]).
+    /// Returns, besides the state, what was moved aside when the checkpoint was unreadable.
+    pub fn recover(
+        layout: NodeLayout,
+        boot_id: &str,
+    ) -> Result<(Self, Option<String>), NodeStateError> {
+        // Another instance may be preparing a claim right now: its spec would look like an orphan
+        // to the sweep.
+        let _turn = layout
+            .serialize_lock
+            .as_deref()
+            .map(lock_shared_folders)
+            .transpose()?;
+        let recovered = recovery::recover(&layout, boot_id)?;
+        let checkpoint = checkpoint::Store::new(layout.state_dir.clone(), recovered.data);
+        let state = NodeState {
+            layout,
+            checkpoint,
+            turn: Arc::default(),
+        };
+        Ok((state, recovered.corrupt))
+    }
+
+    pub fn layout(&self) -> &NodeLayout {
+        &self.layout
+    }
+
+    /// With other instances on the node: wait for this one's turn and catch up with what they
+    /// changed. `Ok(None)` when this process is alone.
+    pub async fn take_turn(self: &Arc<Self>) -> Result<Option<Turn>, NodeStateError> {
+        let Some(path) = self.layout.serialize_lock.clone() else {
+            return Ok(None);
+        };
+        let local = self.turn.clone().lock_owned().await;
+        let this = self.clone();
+        let file = tokio::task::spawn_blocking(move || {
+            let file = lock_shared_folders(&path)?;
+            this.checkpoint.refresh().map_err(NodeStateError::Refresh)?;
+            Ok::<_, NodeStateError>(file)
+        })
+        .await
+        .expect("taking the turn does not panic")?;
+        Ok(Some(Turn {
+            _file: file,
+            _local: local,
+        }))
+    }
+
+    /// Reads the checkpoint as this instance holds it.
+    pub fn read<R>(&self, f: impl FnOnce(&CheckpointData) -> R) -> R {
+        self.checkpoint.read(f)
+    }
+
+    /// The claim's entry when it is prepared (and not only known from a spec found without a
+    /// checkpoint).
+    pub fn prepared(&self, uid: &str) -> Option<ClaimEntry> {
+        self.read(|data| {
+            data.claims
+                .get(uid)
+                .filter(|e| e.state == ClaimState::PrepareCompleted && !e.recovered)
+                .cloned()
+        })
+    }
+
+    /// Whether the claim's spec is in the CDI root (one stat).
+    pub fn spec_exists(&self, uid: &str) -> bool {
+        self.layout.spec_path(uid).exists()
+    }
+
+    /// Write a completed claim's spec again when it vanished (someone cleaned the CDI folder).
+    /// Blocking.
+    pub fn restore_spec(&self, uid: &str, spec: &Spec) -> Result<(), NodeStateError> {
+        if !self.spec_exists(uid) {
+            files::write_spec_with_sources(&self.layout, uid, spec)
+                .map_err(NodeStateError::RestoreSpec)?;
+        }
+        Ok(())
+    }
+
+    /// HAMi-core's lock folder, created world-writable and sticky: the runtime needs it to exist
+    /// before it can mount it.
+    pub fn ensure_vgpu_lock_dir(&self) -> Result<(), NodeStateError> {
+        files::ensure_shared_dir(&self.layout.vgpu_lock_dir).map_err(|source| NodeStateError::Io {
+            path: self.layout.vgpu_lock_dir.clone(),
+            source,
+        })
+    }
+
+    /// Record the claim `PrepareStarted`, write its folders and the spec `completed` carries, then
+    /// record `completed`; undone on failure. Blocking.
+    pub fn prepare(&self, uid: &str, completed: ClaimEntry) -> Result<(), NodeStateError> {
+        let spec = completed.spec.clone().ok_or(NodeStateError::NoSpec)?;
+        let started = ClaimEntry {
+            state: ClaimState::PrepareStarted,
+            devices: Vec::new(),
+            spec: None,
+            ..completed.clone()
+        };
+        self.checkpoint
+            .commit(Change::Put(uid.to_string(), Box::new(started)))?;
+        fault_point("after-prepare-started");
+        let done = files::write_spec_with_sources(&self.layout, uid, &spec)
+            .map_err(NodeStateError::WriteSpec)
+            .and_then(|()| {
+                self.checkpoint
+                    .commit(Change::Put(uid.to_string(), Box::new(completed)))
+                    .map_err(NodeStateError::from)
+            });
+        if done.is_err() {
+            self.roll_back(uid);
+        }
+        done?;
+        fault_point("after-prepare-completed");
+        Ok(())
+    }
+
+    /// Undo a prepare that failed after `PrepareStarted` was recorded.
+    fn roll_back(&self, uid: &str) {
+        if files::remove_claim_files(&self.layout, uid, || {}).is_err() {
+            tracing::error!(
+                uid,
+                "rolling back a failed prepare could not remove its files; the next start will"
+            );
+        }
+        if let Err(e) = self.checkpoint.commit(Change::Remove(uid.to_string())) {
+            tracing::error!(uid, error = %e, "rolling back a failed prepare could not update the checkpoint; the next start will");
+        }
+    }
+
+    /// The claim's spec and folders, then its entry if it has one. Blocking.
+    pub fn remove(&self, uid: &str) -> Result<(), NodeStateError> {
+        files::remove_claim_files(&self.layout, uid, || fault_point("mid-unprepare"))
+            .map_err(NodeStateError::RemoveFiles)?;
+        if self.read(|data| data.claims.contains_key(uid)) {
+            self.checkpoint.commit(Change::Remove(uid.to_string()))?;
+        }
+        Ok(())
+    }
+
+    /// Fold the checkpoint's log into its snapshot (orderly shutdown). Blocking.
+    pub fn compact(&self) -> Result<(), NodeStateError> {
+        Ok(self.checkpoint.compact()?)
+    }
+}
+
+/// Wait (blocking) for the exclusive lock other instances on the node take too, creating the file
+/// and its folder.
+fn lock_shared_folders(path: &std::path::Path) -> Result<std::fs::File, NodeStateError> {
+    let lock_err = |source| NodeStateError::Lock {
+        path: path.to_path_buf(),
+        source,
+    };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(lock_err)?;
+    }
+    fsutil::lock_exclusive(path).map_err(lock_err)
+}
