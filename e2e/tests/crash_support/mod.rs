@@ -31,9 +31,8 @@ pub const DRIVER: &str = gpupool_api::names::DRIVER_NAME;
 // The driver's own names for its files and test hooks: a test that re-declared them would keep
 // passing after the driver renamed one.
 pub use gpupool_driver::node_state::fault::FAULT_POINT_ENV;
-use gpupool_driver::node_state::layout::{ClaimFolder, STATE_FILES};
+use gpupool_driver::node_state::layout::{CLAIM_FOLDERS, STATE_FILES};
 pub use gpupool_driver::node_state::BOOT_ID_ENV;
-const CACHE_DIR: &str = ClaimFolder::VgpuCache.dir_name();
 pub const TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How one start of the driver ended up.
@@ -385,11 +384,13 @@ impl CrashNode {
                 problems.push(format!("state folder: unexpected file {name}"));
             }
         }
-        for claim_dir in list_dir(&self.dirs.run.join(CACHE_DIR)) {
-            if !entries.contains_key(&claim_dir) {
-                problems.push(format!(
-                    "run folder: {CACHE_DIR}/{claim_dir} without a completed entry"
-                ));
+        for kind in CLAIM_FOLDERS.iter().map(|k| k.dir_name()) {
+            for claim_dir in list_dir(&self.dirs.run.join(kind)) {
+                if !entries.contains_key(&claim_dir) {
+                    problems.push(format!(
+                        "run folder: {kind}/{claim_dir} without a completed entry"
+                    ));
+                }
             }
         }
         if problems.is_empty() {
@@ -472,19 +473,24 @@ impl CrashNode {
         }
         // Besides the cache folders the run folder holds the driver's health socket and, once a
         // device had a fault, the faults it keeps across restarts.
-        let run_files = [
-            CACHE_DIR,
-            gpupool_driver::health::inject::SOCKET_FILE,
-            gpupool_driver::health::monitor::STATE_FILE,
-        ];
+        let run_files: Vec<&str> = CLAIM_FOLDERS
+            .iter()
+            .map(|k| k.dir_name())
+            .chain([
+                gpupool_driver::health::inject::SOCKET_FILE,
+                gpupool_driver::health::monitor::STATE_FILE,
+            ])
+            .collect();
         for name in list_dir(&self.dirs.run) {
             if !run_files.contains(&name.as_str()) {
                 problems.push(format!("run folder: unexpected file {name}"));
             }
         }
-        for claim_dir in list_dir(&self.dirs.run.join(CACHE_DIR)) {
-            if !believed.contains_key(&claim_dir) {
-                problems.push(format!("run folder: leftover {CACHE_DIR}/{claim_dir}"));
+        for kind in CLAIM_FOLDERS.iter().map(|k| k.dir_name()) {
+            for claim_dir in list_dir(&self.dirs.run.join(kind)) {
+                if !believed.contains_key(&claim_dir) {
+                    problems.push(format!("run folder: leftover {kind}/{claim_dir}"));
+                }
             }
         }
         if problems.is_empty() {
