@@ -72,6 +72,25 @@ fn claim(name: &str, uid: &str) -> dra_v1::Claim {
     }
 }
 
+/// The DRA socket at `path` for `preparer`, with health for `gpus` of node-1, until `stop`.
+fn serve_dra(
+    path: &Path,
+    preparer: impl Preparer,
+    gpus: &[&str],
+    stop: &CancellationToken,
+) -> (server::ServedSocket, watch::Sender<HealthMap>) {
+    let (devices_tx, devices_rx) =
+        watch::channel(HealthMap::new(gpus.iter().map(|g| g.to_string())));
+    let dra = server::serve_dra(
+        path,
+        Arc::new(preparer),
+        HealthService::new("node-1", devices_rx, stop.clone()),
+        stop.clone(),
+    )
+    .unwrap();
+    (dra, devices_tx)
+}
+
 #[tokio::test]
 async fn kubelet_registers_prepares_and_watches_health_then_sockets_go_away() {
     let dir = tempfile::tempdir().unwrap();
@@ -82,15 +101,7 @@ async fn kubelet_registers_prepares_and_watches_health_then_sockets_go_away() {
     std::fs::write(&dra_path, b"stale").unwrap();
 
     let stop = CancellationToken::new();
-    let (_devices_tx, devices_rx) =
-        watch::channel(HealthMap::new(["gpu-0".to_string(), "gpu-1".to_string()]));
-    let dra = server::serve_dra(
-        &dra_path,
-        Arc::new(FakePreparer),
-        HealthService::new("node-1", devices_rx, stop.clone()),
-        stop.clone(),
-    )
-    .unwrap();
+    let (dra, _devices_tx) = serve_dra(&dra_path, FakePreparer, &["gpu-0", "gpu-1"], &stop);
     let (outcome_tx, mut outcome_rx) = watch::channel(None);
     let registration = server::serve_registration(
         &reg_path,
@@ -256,14 +267,7 @@ async fn a_call_in_flight_at_shutdown_still_gets_its_answer() {
     let dir = tempfile::tempdir().unwrap();
     let dra_path = dir.path().join("dra.sock");
     let stop = CancellationToken::new();
-    let (_devices_tx, devices_rx) = watch::channel(HealthMap::new(["gpu-0".to_string()]));
-    let dra = server::serve_dra(
-        &dra_path,
-        Arc::new(SlowPreparer),
-        HealthService::new("node-1", devices_rx, stop.clone()),
-        stop.clone(),
-    )
-    .unwrap();
+    let (dra, _devices_tx) = serve_dra(&dra_path, SlowPreparer, &["gpu-0"], &stop);
     let mut client = dra_v1::dra_plugin_client::DraPluginClient::new(channel(&dra_path).await);
     let call = tokio::spawn(async move {
         client

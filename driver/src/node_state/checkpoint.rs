@@ -916,6 +916,17 @@ mod tests {
     }
 
     /// The claims the files hold, as a restarted driver would read them.
+    /// A store with one committed claim, `kept`, and its data as committed.
+    fn store_holding_one_claim() -> (tempfile::TempDir, Arc<Store>, CheckpointData) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_in(dir.path());
+        store
+            .commit(Change::Put("kept".into(), entry("a")))
+            .unwrap();
+        let before = store.read(|d| d.clone());
+        (dir, store, before)
+    }
+
     fn claim_uids(dir: &Path) -> Vec<String> {
         load(dir).unwrap().unwrap().claims.into_keys().collect()
     }
@@ -1047,12 +1058,7 @@ mod tests {
 
     #[test]
     fn a_failed_snapshot_leaves_the_in_memory_copy_as_it_was() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = store_in(dir.path());
-        store
-            .commit(Change::Put("kept".into(), entry("a")))
-            .unwrap();
-        let before = store.read(|d| d.clone());
+        let (dir, store, before) = store_holding_one_claim();
         store.compact().unwrap();
         // No log: the next change writes a snapshot, and the temp file's name taken by a folder
         // makes that impossible.
@@ -1075,12 +1081,7 @@ mod tests {
 
     #[test]
     fn a_failed_append_is_never_replayed() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = store_in(dir.path());
-        store
-            .commit(Change::Put("kept".into(), entry("a")))
-            .unwrap();
-        let before = store.read(|d| d.clone());
+        let (dir, store, before) = store_holding_one_claim();
         // The writer's log handle goes read-only: the append fails.
         store
             .writer

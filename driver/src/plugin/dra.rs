@@ -11,14 +11,6 @@ use super::Preparer;
 use crate::prepare::PrepareError;
 use gpupool_api::claim::{ClaimRef, PreparedDevice};
 
-fn claim_ref(namespace: String, name: String, uid: String) -> ClaimRef {
-    ClaimRef {
-        namespace,
-        name,
-        uid,
-    }
-}
-
 fn log_results<T>(what: &str, results: &[(ClaimRef, Result<T, PrepareError>)]) {
     for (claim, result) in results {
         match result {
@@ -49,6 +41,17 @@ macro_rules! dra_service {
             pub fn into_server(self) -> $proto::dra_plugin_server::DraPluginServer<Self> {
                 $proto::dra_plugin_server::DraPluginServer::new(self)
             }
+
+            fn claim_refs(claims: Vec<$proto::Claim>) -> Vec<ClaimRef> {
+                claims
+                    .into_iter()
+                    .map(|c| ClaimRef {
+                        namespace: c.namespace,
+                        name: c.name,
+                        uid: c.uid,
+                    })
+                    .collect()
+            }
         }
 
         #[tonic::async_trait]
@@ -57,12 +60,7 @@ macro_rules! dra_service {
                 &self,
                 request: Request<$proto::NodePrepareResourcesRequest>,
             ) -> Result<Response<$proto::NodePrepareResourcesResponse>, Status> {
-                let claims = request
-                    .into_inner()
-                    .claims
-                    .into_iter()
-                    .map(|c| claim_ref(c.namespace, c.name, c.uid))
-                    .collect();
+                let claims = Self::claim_refs(request.into_inner().claims);
                 let results = self.preparer.prepare(claims).await;
                 log_results("prepared", &results);
                 let claims: HashMap<_, _> = results
@@ -89,12 +87,7 @@ macro_rules! dra_service {
                 &self,
                 request: Request<$proto::NodeUnprepareResourcesRequest>,
             ) -> Result<Response<$proto::NodeUnprepareResourcesResponse>, Status> {
-                let claims = request
-                    .into_inner()
-                    .claims
-                    .into_iter()
-                    .map(|c| claim_ref(c.namespace, c.name, c.uid))
-                    .collect();
+                let claims = Self::claim_refs(request.into_inner().claims);
                 let results = self.preparer.unprepare(claims).await;
                 log_results("unprepared", &results);
                 let claims = results

@@ -11,6 +11,7 @@ use tokio::net::UnixListener;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
+use tonic::transport::server::Router;
 use tonic::transport::Server;
 
 use super::authority::AuthorityRepair;
@@ -123,20 +124,14 @@ pub fn serve_dra(
     health: HealthService,
     stop: CancellationToken,
 ) -> Result<ServedSocket, ServerError> {
-    let listener = bind(path)?;
     let router = Server::builder()
         .add_service(DraV1::new(preparer.clone()).into_server())
         .add_service(DraV1beta1::new(preparer).into_server())
         .add_service(health.clone().into_v1_server())
         .add_service(health.into_server());
-    let task = tokio::spawn(
-        router.serve_with_incoming_shutdown(connections(listener), stop.cancelled_owned()),
-    );
+    let served = serve(path, router, stop)?;
     tracing::info!(path = %path.display(), "serving DRA v1, v1beta1 and resource health");
-    Ok(ServedSocket {
-        path: path.to_path_buf(),
-        task,
-    })
+    Ok(served)
 }
 
 /// Serves plugin registration on `path` until `stop`. Creating this socket is what makes the kubelet
@@ -146,12 +141,25 @@ pub fn serve_registration(
     service: RegistrationService,
     stop: CancellationToken,
 ) -> Result<ServedSocket, ServerError> {
+    let served = serve(
+        path,
+        Server::builder().add_service(service.into_server()),
+        stop,
+    )?;
+    tracing::info!(path = %path.display(), "registration socket ready");
+    Ok(served)
+}
+
+/// Binds `path` and serves `router` on it until `stop`.
+fn serve(
+    path: &Path,
+    router: Router,
+    stop: CancellationToken,
+) -> Result<ServedSocket, ServerError> {
     let listener = bind(path)?;
-    let router = Server::builder().add_service(service.into_server());
     let task = tokio::spawn(
         router.serve_with_incoming_shutdown(connections(listener), stop.cancelled_owned()),
     );
-    tracing::info!(path = %path.display(), "registration socket ready");
     Ok(ServedSocket {
         path: path.to_path_buf(),
         task,

@@ -215,10 +215,20 @@ impl ClaimPreparer {
     }
 
     async fn prepare_claim(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, PrepareError> {
+        self.one_at_a_time(claim, self.prepare_locked(claim)).await
+    }
+
+    /// `work` once the reference is checked (its names and UID become paths) and no other call
+    /// works on the same claim.
+    async fn one_at_a_time<T>(
+        &self,
+        claim: &ClaimRef,
+        work: impl std::future::Future<Output = Result<T, PrepareError>>,
+    ) -> Result<T, PrepareError> {
         claim::validate_ref(claim).map_err(|e| PrepareError::new(claim, e))?;
         let lock = self.claim_lock(&claim.uid);
         let guard = lock.lock().await;
-        let result = self.prepare_locked(claim).await;
+        let result = work.await;
         drop(guard);
         self.forget_claim_lock(&claim.uid, &lock);
         result
@@ -434,13 +444,8 @@ impl ClaimPreparer {
     }
 
     async fn unprepare_claim(&self, claim: &ClaimRef) -> Result<(), PrepareError> {
-        claim::validate_ref(claim).map_err(|e| PrepareError::new(claim, e))?;
-        let lock = self.claim_lock(&claim.uid);
-        let guard = lock.lock().await;
-        let result = self.unprepare_locked(claim).await;
-        drop(guard);
-        self.forget_claim_lock(&claim.uid, &lock);
-        result
+        self.one_at_a_time(claim, self.unprepare_locked(claim))
+            .await
     }
 
     /// Files and checkpoint entry only: no API request. The claim's `status.devices` entries go

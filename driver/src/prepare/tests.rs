@@ -30,6 +30,19 @@ impl<T: Clone> KubeletText<T> for Result<T, PrepareError> {
     }
 }
 
+/// The kubelet's answer for one claim, as it reads it.
+async fn prepare_one(
+    preparer: &ClaimPreparer,
+    name: &str,
+    uid: &str,
+) -> Result<Vec<PreparedDevice>, String> {
+    preparer.prepare(vec![r(name, uid)]).await[0].1.text()
+}
+
+async fn unprepare_one(preparer: &ClaimPreparer, name: &str, uid: &str) -> Result<(), String> {
+    preparer.unprepare(vec![r(name, uid)]).await[0].1.text()
+}
+
 const NODE: &str = "node-a";
 const UID_A: &str = "0b7c4a49-6f1e-4a52-9d0e-6d1f3f7a5b10";
 const UID_B: &str = "1c8d5b5a-7a2f-4b63-8e1f-7e2a4a8b6c21";
@@ -384,24 +397,15 @@ async fn a_second_prepare_returns_the_recorded_answer_without_the_api() {
     let node = Node::new();
     node.api.add("train", fractional(UID_A));
     let preparer = node.start().await;
-    let first = preparer.prepare(vec![r("train", UID_A)]).await[0]
-        .1
-        .text()
-        .unwrap();
+    let first = prepare_one(&preparer, "train", UID_A).await.unwrap();
     node.api.down.store(true, Ordering::SeqCst);
-    let second = preparer.prepare(vec![r("train", UID_A)]).await[0]
-        .1
-        .text()
-        .unwrap();
+    let second = prepare_one(&preparer, "train", UID_A).await.unwrap();
     assert_eq!(first, second);
     assert_eq!(node.api.gets.load(Ordering::SeqCst), 1);
 
     // A spec removed behind our back comes back on the next prepare.
     fs::remove_file(node.spec_path(UID_A)).unwrap();
-    let third = preparer.prepare(vec![r("train", UID_A)]).await[0]
-        .1
-        .text()
-        .unwrap();
+    let third = prepare_one(&preparer, "train", UID_A).await.unwrap();
     assert_eq!(third, first);
     assert!(node.spec_path(UID_A).exists());
 }
@@ -594,10 +598,7 @@ async fn two_shares_of_different_cards_get_ordinals_in_cdi_id_order() {
         ),
     );
     let preparer = node.start().await;
-    let devices = preparer.prepare(vec![r("pair", UID_A)]).await[0]
-        .1
-        .text()
-        .unwrap();
+    let devices = prepare_one(&preparer, "pair", UID_A).await.unwrap();
     let ids: Vec<&str> = devices
         .iter()
         .map(|d| d.cdi_device_ids[0].as_str())
@@ -613,22 +614,15 @@ async fn two_shares_of_different_cards_get_ordinals_in_cdi_id_order() {
     let d0 = &spec.devices[0];
     let d1 = &spec.devices[1];
     assert_eq!(format!("gpupool.dev/claim={}", d0.name), ids[0]);
-    assert!(d0
-        .container_edits
-        .env
-        .contains(&"CUDA_DEVICE_MEMORY_LIMIT_0=16384m".into()));
-    assert!(d0
-        .container_edits
-        .env
-        .contains(&"GPUPOOL_DEVICE_MODEL_0=V100-SXM2-32GB".into()));
-    assert!(d1
-        .container_edits
-        .env
-        .contains(&"CUDA_DEVICE_MEMORY_LIMIT_1=8192m".into()));
-    assert!(d1
-        .container_edits
-        .env
-        .contains(&"CUDA_DEVICE_SM_LIMIT_1=50".into()));
+    for (device, env) in [
+        (d0, "CUDA_DEVICE_MEMORY_LIMIT_0=16384m"),
+        (d0, "GPUPOOL_DEVICE_MODEL_0=V100-SXM2-32GB"),
+        (d1, "CUDA_DEVICE_MEMORY_LIMIT_1=8192m"),
+        (d1, "CUDA_DEVICE_SM_LIMIT_1=50"),
+    ] {
+        let all = &device.container_edits.env;
+        assert!(all.contains(&env.to_string()), "{env} not in {all:?}");
+    }
     preparer.flush_status_writes().await;
     assert_eq!(node.api.device_status("pair").len(), 2);
 }
@@ -712,10 +706,7 @@ async fn unprepare_removes_everything_and_works_without_the_api() {
     // that cannot answer from its cache is not asked again with quorum.
     node.api.add("late", fractional(UID_C));
     let attempts = node.api.read_attempts.load(Ordering::SeqCst);
-    let e = preparer.prepare(vec![r("late", UID_C)]).await[0]
-        .1
-        .text()
-        .unwrap_err();
+    let e = prepare_one(&preparer, "late", UID_C).await.unwrap_err();
     assert!(e.contains("team-a/late") && e.contains("API server"), "{e}");
     assert_eq!(node.api.read_attempts.load(Ordering::SeqCst), attempts + 1);
 }
@@ -737,10 +728,7 @@ async fn a_claim_lifecycle_costs_one_cached_read_and_one_status_write() {
 
     // Unprepare asks nothing of the API server.
     for (name, uid) in [("train", UID_A), ("other", UID_B)] {
-        preparer.unprepare(vec![r(name, uid)]).await[0]
-            .1
-            .text()
-            .unwrap();
+        unprepare_one(&preparer, name, uid).await.unwrap();
     }
     preparer.flush_status_writes().await;
     assert_eq!(reads(&node.api), (2, 0));
@@ -775,14 +763,8 @@ async fn a_cached_copy_of_an_allocation_already_unprepared_is_read_again_with_qu
     let node = Node::new();
     node.api.add("train", fractional(UID_A));
     let preparer = node.start().await;
-    let first = preparer.prepare(vec![r("train", UID_A)]).await[0]
-        .1
-        .text()
-        .unwrap();
-    preparer.unprepare(vec![r("train", UID_A)]).await[0]
-        .1
-        .text()
-        .unwrap();
+    let first = prepare_one(&preparer, "train", UID_A).await.unwrap();
+    unprepare_one(&preparer, "train", UID_A).await.unwrap();
     preparer.flush_status_writes().await;
 
     // The claim was deallocated and allocated again on this node: same device, new share. The
@@ -797,10 +779,7 @@ async fn a_cached_copy_of_an_allocation_already_unprepared_is_read_again_with_qu
         ),
     );
     let quorum_before = node.api.quorum_gets.load(Ordering::SeqCst);
-    let second = preparer.prepare(vec![r("train", UID_A)]).await[0]
-        .1
-        .text()
-        .unwrap();
+    let second = prepare_one(&preparer, "train", UID_A).await.unwrap();
     assert_eq!(
         node.api.quorum_gets.load(Ordering::SeqCst),
         quorum_before + 1
@@ -914,10 +893,7 @@ async fn restart_removes_orphans_and_rolls_back_unfinished_prepares() {
     let node = Node::new();
     node.api.add("train", fractional(UID_A));
     let preparer = node.start().await;
-    let answer = preparer.prepare(vec![r("train", UID_A)]).await[0]
-        .1
-        .text()
-        .unwrap();
+    let answer = prepare_one(&preparer, "train", UID_A).await.unwrap();
     drop(preparer);
 
     // What a crash can leave: a spec with no entry, a temp file, a started entry with its spec.
@@ -969,10 +945,7 @@ async fn after_a_reboot_specs_come_back_with_identical_ids() {
     let node = Node::new();
     node.api.add("train", fractional(UID_A));
     let preparer = node.start_with_boot("boot-1").await;
-    let answer = preparer.prepare(vec![r("train", UID_A)]).await[0]
-        .1
-        .text()
-        .unwrap();
+    let answer = prepare_one(&preparer, "train", UID_A).await.unwrap();
     let spec = node.spec(UID_A);
     drop(preparer);
 
@@ -989,10 +962,7 @@ async fn after_a_reboot_specs_come_back_with_identical_ids() {
         .join("vgpu-cache")
         .join(UID_A)
         .is_dir());
-    let again = preparer.prepare(vec![r("train", UID_A)]).await[0]
-        .1
-        .text()
-        .unwrap();
+    let again = prepare_one(&preparer, "train", UID_A).await.unwrap();
     assert_eq!(again, answer);
     let saved = checkpoint::load(&node.opts.layout.state_dir)
         .unwrap()
@@ -1005,10 +975,7 @@ async fn after_a_reboot_a_claim_whose_card_is_gone_is_dropped() {
     let node = Node::new();
     node.api.add("train", fractional(UID_A));
     let preparer = node.start_with_boot("boot-1").await;
-    preparer.prepare(vec![r("train", UID_A)]).await[0]
-        .1
-        .text()
-        .unwrap();
+    prepare_one(&preparer, "train", UID_A).await.unwrap();
     drop(preparer);
     // As if the claim had been prepared on a card whose node no longer exists.
     let mut data = checkpoint::load(&node.opts.layout.state_dir)
@@ -1043,10 +1010,7 @@ async fn a_corrupt_checkpoint_is_moved_aside_and_the_driver_works() {
         let node = Node::new();
         node.api.add("train", fractional(UID_A));
         let preparer = node.start().await;
-        let first = preparer.prepare(vec![r("train", UID_A)]).await[0]
-            .1
-            .text()
-            .unwrap();
+        let first = prepare_one(&preparer, "train", UID_A).await.unwrap();
         // The snapshot's damage on a snapshot that holds the claim (as an orderly stop leaves
         // it), the log's on a log that does (as a crash leaves it).
         let in_log = corruption.ends_with("log line");
@@ -1095,7 +1059,7 @@ async fn a_corrupt_checkpoint_is_moved_aside_and_the_driver_works() {
         // Its answer is not trusted: the next prepare asks the API again and gives the same ids.
         assert_eq!(preparer.prepared(UID_A).await, None);
         let gets = node.api.gets.load(Ordering::SeqCst);
-        let again = preparer.prepare(vec![r("train", UID_A)]).await[0].1.text();
+        let again = prepare_one(&preparer, "train", UID_A).await;
         assert_eq!(again.unwrap(), first, "{corruption}");
         assert_eq!(node.api.gets.load(Ordering::SeqCst), gets + 1);
         // And a recovered claim can be unprepared.
@@ -1127,10 +1091,7 @@ async fn files_have_the_promised_modes_and_world_writable_roots_are_refused() {
     let node = Node::new();
     node.api.add("train", fractional(UID_A));
     let preparer = node.start().await;
-    preparer.prepare(vec![r("train", UID_A)]).await[0]
-        .1
-        .text()
-        .unwrap();
+    prepare_one(&preparer, "train", UID_A).await.unwrap();
     let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode(&node.opts.layout.state_dir), 0o700);
     assert_eq!(mode(&node.opts.layout.cdi_root), 0o755);
@@ -1182,14 +1143,8 @@ async fn crash_child() {
     )
     .await
     .unwrap();
-    preparer.prepare(vec![r("train", UID_A)]).await[0]
-        .1
-        .text()
-        .unwrap();
-    preparer.unprepare(vec![r("train", UID_A)]).await[0]
-        .1
-        .text()
-        .unwrap();
+    prepare_one(&preparer, "train", UID_A).await.unwrap();
+    unprepare_one(&preparer, "train", UID_A).await.unwrap();
 }
 
 #[cfg(any(debug_assertions, feature = "fault-injection"))]
@@ -1375,15 +1330,9 @@ async fn either_instance_serves_a_claim_the_other_prepared() {
     node.api.add("infer", fractional(UID_B));
     let (old, new) = two_instances(&mut node).await;
 
-    let first = old.prepare(vec![r("train", UID_A)]).await[0]
-        .1
-        .text()
-        .unwrap();
+    let first = prepare_one(&old, "train", UID_A).await.unwrap();
     let gets = node.api.gets.load(Ordering::SeqCst);
-    let again = new.prepare(vec![r("train", UID_A)]).await[0]
-        .1
-        .text()
-        .unwrap();
+    let again = prepare_one(&new, "train", UID_A).await.unwrap();
     assert_eq!(again, first, "the same answer from the other instance");
     assert_eq!(
         node.api.gets.load(Ordering::SeqCst),
@@ -1391,10 +1340,7 @@ async fn either_instance_serves_a_claim_the_other_prepared() {
         "from the checkpoint, not a new prepare"
     );
 
-    new.prepare(vec![r("infer", UID_B)]).await[0]
-        .1
-        .text()
-        .unwrap();
+    prepare_one(&new, "infer", UID_B).await.unwrap();
     let unprepared = new.unprepare(vec![r("train", UID_A)]).await;
     assert!(unprepared[0].1.is_ok(), "{unprepared:?}");
     assert!(!node.spec_path(UID_A).exists(), "its spec is gone");
@@ -1412,16 +1358,10 @@ async fn either_instance_serves_a_claim_the_other_prepared() {
     );
 
     // The old instance learns of both changes at its next call.
-    let from_old = old.prepare(vec![r("infer", UID_B)]).await[0]
-        .1
-        .text()
-        .unwrap();
+    let from_old = prepare_one(&old, "infer", UID_B).await.unwrap();
     assert_eq!(Some(from_old), new.prepared(UID_B).await);
     assert_eq!(old.prepared(UID_A).await, None);
-    old.unprepare(vec![r("infer", UID_B)]).await[0]
-        .1
-        .text()
-        .unwrap();
+    unprepare_one(&old, "infer", UID_B).await.unwrap();
     assert!(node.cdi_files().is_empty());
     let saved = checkpoint::load(&node.opts.layout.state_dir)
         .unwrap()
