@@ -12,3 +12,5 @@ pub mod plan;
 pub mod profiles;
 pub mod reconcile;
 pub mod status;
+#[cfg(test)]
+pub(crate) mod testing;

@@ -45,28 +45,38 @@ struct ModelCollector {
 impl Collector for ModelCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let pools = self.pools.lock().expect("pools are never poisoned").clone();
-        let mut devices = encoder.encode_descriptor(
+        encode_per_model(
+            &mut encoder,
             "gpupool_model_devices",
             "GPUs the drivers publish, per model (as of this replica's last pass as leader)",
-            None,
-            MetricType::Gauge,
+            &pools,
+            |pool| pool.devices,
         )?;
-        for (model, pool) in &pools {
-            let labels = [("model", model.as_str())];
-            ConstGauge::new(pool.devices).encode(devices.encode_family(&labels)?)?;
-        }
-        let mut memory = encoder.encode_descriptor(
+        encode_per_model(
+            &mut encoder,
             "gpupool_model_memory_bytes",
             "GPU memory the drivers publish, per model (as of this replica's last pass as leader)",
-            None,
-            MetricType::Gauge,
+            &pools,
+            |pool| pool.memory_bytes as i64,
         )?;
-        for (model, pool) in &pools {
-            let labels = [("model", model.as_str())];
-            ConstGauge::new(pool.memory_bytes as i64).encode(memory.encode_family(&labels)?)?;
-        }
         Ok(())
     }
+}
+
+/// One gauge family with a sample per model, labelled `model`.
+fn encode_per_model(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    pools: &BTreeMap<String, ModelPool>,
+    value: impl Fn(&ModelPool) -> i64,
+) -> Result<(), std::fmt::Error> {
+    let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for (model, pool) in pools {
+        let labels = [("model", model.as_str())];
+        ConstGauge::new(value(pool)).encode(family.encode_family(&labels)?)?;
+    }
+    Ok(())
 }
 
 /// Every metric of the controller.

@@ -595,13 +595,12 @@ fn all_gpus_class() -> DeviceClass {
 mod tests {
     use super::*;
     use crate::status::is_true;
+    use crate::testing::{at, condition};
     use gpupool_api::crd::GpuModelSpec;
     use k8s_openapi::api::resource::v1::{
         Device, DeviceAttribute, DeviceCapacity, ResourcePool, ResourceSliceSpec,
     };
     use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-    use k8s_openapi::jiff::Timestamp;
 
     const GI: u64 = 1 << 30;
     const ON: ClassOptions = ClassOptions {
@@ -621,8 +620,34 @@ mod tests {
         );
         m.metadata.uid = Some(format!("uid-{name}"));
         m.metadata.generation = Some(1);
-        m.metadata.creation_timestamp = Some(Time(Timestamp::from_second(created).unwrap()));
+        m.metadata.creation_timestamp = Some(at(created));
         m
+    }
+
+    /// A GpuModel that matches by productName instead of model.
+    fn gpumodel_by_product(name: &str, product: &str, weight: i64, created: i64) -> GpuModel {
+        let mut m = gpumodel(name, "unused", weight, created);
+        m.spec.model = None;
+        m.spec.product_name = Some(product.to_string());
+        m
+    }
+
+    /// The optional GpuModel fields, set in a chain.
+    trait GpuModelExt {
+        fn class_name(self, class: &str) -> Self;
+        fn tier(self, tier: &str) -> Self;
+    }
+
+    impl GpuModelExt for GpuModel {
+        fn class_name(mut self, class: &str) -> Self {
+            self.spec.device_class_name = Some(class.to_string());
+            self
+        }
+
+        fn tier(mut self, tier: &str) -> Self {
+            self.spec.tier = Some(tier.to_string());
+            self
+        }
     }
 
     fn device(index: u32, model: &str, product: &str, memory: &str) -> Device {
@@ -679,25 +704,11 @@ mod tests {
 
     /// Two nodes: node-a with two A100s, node-b with an A100 and a V100.
     fn pool() -> Vec<PublishedDevice> {
+        let a100 = |i| device(i, "A100-SXM4-40GB", "NVIDIA A100-SXM4-40GB", "40Gi");
+        let v100 = |i| device(i, "V100-SXM2-32GB", "Tesla V100-SXM2-32GB", "32Gi");
         published_devices(&[
-            slice(
-                "node-a",
-                2,
-                DRIVER_NAME,
-                vec![
-                    device(0, "A100-SXM4-40GB", "NVIDIA A100-SXM4-40GB", "40Gi"),
-                    device(1, "A100-SXM4-40GB", "NVIDIA A100-SXM4-40GB", "40Gi"),
-                ],
-            ),
-            slice(
-                "node-b",
-                1,
-                DRIVER_NAME,
-                vec![
-                    device(0, "A100-SXM4-40GB", "NVIDIA A100-SXM4-40GB", "40Gi"),
-                    device(1, "V100-SXM2-32GB", "Tesla V100-SXM2-32GB", "32Gi"),
-                ],
-            ),
+            slice("node-a", 2, DRIVER_NAME, vec![a100(0), a100(1)]),
+            slice("node-b", 1, DRIVER_NAME, vec![a100(0), v100(1)]),
         ])
     }
 
@@ -720,7 +731,7 @@ mod tests {
     }
 
     fn status_of(plan: &ModelsPlan, name: &str) -> GpuModelStatus {
-        outcome(plan, name).status(None, &Time(Timestamp::from_second(1000).unwrap()))
+        outcome(plan, name).status(None, &at(1000))
     }
 
     #[test]
@@ -771,10 +782,8 @@ mod tests {
 
     #[test]
     fn product_name_matcher_and_explicit_class_name() {
-        let mut model = gpumodel("v100", "unused", 256, 1);
-        model.spec.model = None;
-        model.spec.product_name = Some("Tesla V100-SXM2-32GB".to_string());
-        model.spec.device_class_name = Some("v100.example.com".to_string());
+        let model = gpumodel_by_product("v100", "Tesla V100-SXM2-32GB", 256, 1)
+            .class_name("v100.example.com");
         let plan = plan(&[model], &pool(), ON);
         let class = class_named(&plan, "v100.example.com").expect("explicit class name");
         assert!(expression(class).ends_with(
@@ -785,9 +794,7 @@ mod tests {
 
     #[test]
     fn product_name_default_class_is_named_after_the_drivers_model_name() {
-        let mut model = gpumodel("rtx", "unused", 71, 1);
-        model.spec.model = None;
-        model.spec.product_name = Some("NVIDIA GeForce RTX 3090".to_string());
+        let model = gpumodel_by_product("rtx", "NVIDIA GeForce RTX 3090", 71, 1);
         let plan = plan(&[model], &[], ON);
         let class = class_named(&plan, "rtx-3090.gpupool.dev").expect("derived class name");
         assert_eq!(
@@ -840,11 +847,7 @@ mod tests {
                 ON,
             );
             let status = status_of(&plan, "a100");
-            let invalid = status
-                .conditions
-                .iter()
-                .find(|c| c.type_ == INVALID)
-                .unwrap();
+            let invalid = condition(&status.conditions, INVALID);
             assert_eq!(invalid.status, "True");
             assert_eq!(invalid.reason, "InvalidComputeWeight");
             assert!(invalid.message.contains("spec.computeWeight"));
@@ -863,11 +866,7 @@ mod tests {
         for name in ["neither", "both"] {
             let status = status_of(&plan, name);
             assert!(is_true(&status.conditions, INVALID), "{name}");
-            let invalid = status
-                .conditions
-                .iter()
-                .find(|c| c.type_ == INVALID)
-                .unwrap();
+            let invalid = condition(&status.conditions, INVALID);
             assert_eq!(invalid.reason, "InvalidMatch");
         }
         // Only the all-GPUs class is left.
@@ -876,32 +875,23 @@ mod tests {
 
     #[test]
     fn bad_class_name_is_invalid() {
-        let mut model = gpumodel("a100", "A100-SXM4-40GB", 312, 1);
-        model.spec.device_class_name = Some("Not_A_Name".to_string());
+        let model = gpumodel("a100", "A100-SXM4-40GB", 312, 1).class_name("Not_A_Name");
         let plan = plan(&[model], &pool(), ON);
         let status = status_of(&plan, "a100");
-        let invalid = status
-            .conditions
-            .iter()
-            .find(|c| c.type_ == INVALID)
-            .unwrap();
-        assert_eq!(invalid.reason, "InvalidDeviceClassName");
+        assert_eq!(
+            condition(&status.conditions, INVALID).reason,
+            "InvalidDeviceClassName"
+        );
     }
 
     #[test]
     fn same_class_name_conflicts_on_the_later_model_only() {
-        let mut early = gpumodel("zeta", "A100-SXM4-40GB", 312, 1);
-        early.spec.device_class_name = Some("fast.example.com".to_string());
-        let mut late = gpumodel("alpha", "V100-SXM2-32GB", 256, 2);
-        late.spec.device_class_name = Some("fast.example.com".to_string());
+        let early = gpumodel("zeta", "A100-SXM4-40GB", 312, 1).class_name("fast.example.com");
+        let late = gpumodel("alpha", "V100-SXM2-32GB", 256, 2).class_name("fast.example.com");
         let plan = plan(&[late, early], &pool(), ON);
         assert!(is_true(&status_of(&plan, "zeta").conditions, READY));
         let late_status = status_of(&plan, "alpha");
-        let conflict = late_status
-            .conditions
-            .iter()
-            .find(|c| c.type_ == CONFLICT)
-            .unwrap();
+        let conflict = condition(&late_status.conditions, CONFLICT);
         assert_eq!(
             (conflict.status.as_str(), conflict.reason.as_str()),
             ("True", "DeviceClassNameConflict")
@@ -913,10 +903,8 @@ mod tests {
 
     #[test]
     fn same_creation_time_breaks_the_tie_by_name() {
-        let mut b = gpumodel("b", "A100-SXM4-40GB", 312, 5);
-        b.spec.device_class_name = Some("x.example.com".to_string());
-        let mut a = gpumodel("a", "V100-SXM2-32GB", 256, 5);
-        a.spec.device_class_name = Some("x.example.com".to_string());
+        let b = gpumodel("b", "A100-SXM4-40GB", 312, 5).class_name("x.example.com");
+        let a = gpumodel("a", "V100-SXM2-32GB", 256, 5).class_name("x.example.com");
         let plan = plan(&[b, a], &pool(), ON);
         assert!(is_true(&status_of(&plan, "b").conditions, CONFLICT));
         assert!(!is_true(&status_of(&plan, "a").conditions, CONFLICT));
@@ -925,17 +913,11 @@ mod tests {
     #[test]
     fn two_models_matching_one_device_conflict() {
         let by_model = gpumodel("by-model", "V100-SXM2-32GB", 256, 1);
-        let mut by_product = gpumodel("by-product", "unused", 250, 2);
-        by_product.spec.model = None;
-        by_product.spec.product_name = Some("Tesla V100-SXM2-32GB".to_string());
-        by_product.spec.device_class_name = Some("other.example.com".to_string());
+        let by_product = gpumodel_by_product("by-product", "Tesla V100-SXM2-32GB", 250, 2)
+            .class_name("other.example.com");
         let plan = plan(&[by_model, by_product], &pool(), ON);
         let status = status_of(&plan, "by-product");
-        let conflict = status
-            .conditions
-            .iter()
-            .find(|c| c.type_ == CONFLICT)
-            .unwrap();
+        let conflict = condition(&status.conditions, CONFLICT);
         assert_eq!(conflict.reason, "DeviceConflict");
         assert!(
             conflict.message.contains("node-b/gpu-1"),
@@ -949,16 +931,14 @@ mod tests {
     #[test]
     fn identical_matchers_conflict_even_without_devices() {
         let first = gpumodel("first", "H100", 989, 1);
-        let mut second = gpumodel("second", "H100", 900, 2);
-        second.spec.device_class_name = Some("h100-b.example.com".to_string());
+        let second = gpumodel("second", "H100", 900, 2).class_name("h100-b.example.com");
         let plan = plan(&[first, second], &[], ON);
         assert!(is_true(&status_of(&plan, "second").conditions, CONFLICT));
     }
 
     #[test]
     fn class_name_held_by_someone_else_is_a_conflict() {
-        let mut a100 = gpumodel("a100", "A100-SXM4-40GB", 312, 1);
-        a100.spec.tier = Some("fast".to_string());
+        let a100 = gpumodel("a100", "A100-SXM4-40GB", 312, 1).tier("fast");
         let plan = plan_with_taken(
             &[a100],
             &pool(),
@@ -966,11 +946,7 @@ mod tests {
             &BTreeSet::from(["a100-sxm4-40gb.gpupool.dev".to_string()]),
         );
         let status = status_of(&plan, "a100");
-        let conflict = status
-            .conditions
-            .iter()
-            .find(|c| c.type_ == CONFLICT)
-            .unwrap();
+        let conflict = condition(&status.conditions, CONFLICT);
         assert_eq!(
             (conflict.status.as_str(), conflict.reason.as_str()),
             ("True", "DeviceClassNotManaged")
@@ -983,12 +959,9 @@ mod tests {
 
     #[test]
     fn tier_class_selects_any_usable_model_of_the_tier() {
-        let mut a100 = gpumodel("a100", "A100-SXM4-40GB", 312, 1);
-        a100.spec.tier = Some("Datacenter".to_string());
-        let mut v100 = gpumodel("v100", "V100-SXM2-32GB", 256, 2);
-        v100.spec.tier = Some("datacenter".to_string());
-        let mut broken = gpumodel("broken", "RTX-3090", 0, 3);
-        broken.spec.tier = Some("datacenter".to_string());
+        let a100 = gpumodel("a100", "A100-SXM4-40GB", 312, 1).tier("Datacenter");
+        let v100 = gpumodel("v100", "V100-SXM2-32GB", 256, 2).tier("datacenter");
+        let broken = gpumodel("broken", "RTX-3090", 0, 3).tier("datacenter");
         let plan = plan(&[a100, v100, broken], &pool(), ON);
         let tier = class_named(&plan, "tier-datacenter.gpupool.dev").expect("tier class");
         assert_eq!(

@@ -419,6 +419,7 @@ impl LabelMatcher {
 mod tests {
     use super::*;
     use crate::status::is_true;
+    use crate::testing::{at, condition};
     use gpupool_api::crd::ComputeProfileSpec;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelectorRequirement;
 
@@ -559,7 +560,7 @@ mod tests {
         assert!(outcome.verdicts[0]
             .message
             .contains("RTX-3090 left out: compute 156 is more than one card (weight 71)"));
-        let status = outcome.status(None, &Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH));
+        let status = outcome.status(None, &at(0));
         assert!(is_true(&status.conditions, READY));
         assert_eq!(status.observed_generation, Some(3));
     }
@@ -618,12 +619,8 @@ mod tests {
     fn no_model_can_serve_is_invalid() {
         let outcome = plan(&profile(400, None), &pool(), &team_a());
         assert_eq!(outcome.template, None);
-        let status = outcome.status(None, &Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH));
-        let invalid = status
-            .conditions
-            .iter()
-            .find(|c| c.type_ == INVALID)
-            .unwrap();
+        let status = outcome.status(None, &at(0));
+        let invalid = condition(&status.conditions, INVALID);
         assert_eq!(invalid.status, "True");
         assert_eq!(invalid.message, "no model can serve compute 400");
     }

@@ -23,6 +23,7 @@ use kube::{Client, CustomResourceExt, Resource};
 use serde::de::DeserializeOwned;
 use thiserror::Error;
 use tokio::sync::{watch, Notify};
+use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
@@ -293,41 +294,45 @@ impl Reconciler {
                 continue;
             };
             let status = outcome.status(model.status.as_ref(), &now);
-            if let Some(patch) = plan::status_patch(model.status.as_ref(), &status) {
-                if let Err(e) = self
-                    .write_status(&model_api, &outcome.name, patch, "GpuModel")
-                    .await
-                {
-                    report.failures.push(e);
-                }
+            let old = model.status.as_ref();
+            if let Err(e) = self
+                .write_status(&model_api, &outcome.name, old, &status, "GpuModel")
+                .await
+            {
+                report.failures.push(e);
             }
         }
         let profile_api = Api::<ComputeProfile>::all(client.clone());
         for (outcome, profile) in &profile_outcomes {
             let status = outcome.status(profile.status.as_ref(), &now);
-            if let Some(patch) = plan::status_patch(profile.status.as_ref(), &status) {
-                if let Err(e) = self
-                    .write_status(&profile_api, &outcome.name, patch, "ComputeProfile")
-                    .await
-                {
-                    report.failures.push(e);
-                }
+            let old = profile.status.as_ref();
+            if let Err(e) = self
+                .write_status(&profile_api, &outcome.name, old, &status, "ComputeProfile")
+                .await
+            {
+                report.failures.push(e);
             }
         }
         report.writes = self.writes.load(Ordering::SeqCst) - writes_before;
         Ok(report)
     }
 
-    async fn write_status<K>(
+    /// Patch the status of `name` from `old` to `new`; nothing to write when they are the same.
+    async fn write_status<K, S>(
         &self,
         api: &Api<K>,
         name: &str,
-        patch: serde_json::Value,
+        old: Option<&S>,
+        new: &S,
         kind: &str,
     ) -> Result<(), WriteError>
     where
         K: Resource + Clone + DeserializeOwned + std::fmt::Debug,
+        S: serde::Serialize,
     {
+        let Some(patch) = plan::status_patch(old, new) else {
+            return Ok(());
+        };
         let object = || format!("{kind} {name}");
         self.may_write(object)?;
         api.patch_status(name, &patch_params(), &Patch::Merge(&patch))
@@ -391,15 +396,6 @@ impl Reconciler {
     }
 
     async fn apply_template(&self, action: TemplateAction) -> Result<(), WriteError> {
-        let namespaced =
-            |ns: &str| Api::<ResourceClaimTemplate>::namespaced(self.client.clone(), ns);
-        let describe = |t: &ResourceClaimTemplate| {
-            format!(
-                "ResourceClaimTemplate {}/{}",
-                t.metadata.namespace.as_deref().unwrap_or(""),
-                t.metadata.name.as_deref().unwrap_or("")
-            )
-        };
         match action {
             TemplateAction::Foreign { namespace, name } => {
                 debug!(%namespace, %name, "a ResourceClaimTemplate of a profile's name exists and is not ours; left alone");
@@ -408,7 +404,7 @@ impl Reconciler {
             TemplateAction::Delete { namespace, name } => {
                 let object = || format!("ResourceClaimTemplate {namespace}/{name}");
                 self.may_write(object)?;
-                match namespaced(&namespace)
+                match Api::<ResourceClaimTemplate>::namespaced(self.client.clone(), &namespace)
                     .delete(&name, &DeleteParams::default())
                     .await
                 {
@@ -421,43 +417,61 @@ impl Reconciler {
                 }
             }
             TemplateAction::Create(template) => {
-                let api = namespaced(template.metadata.namespace.as_deref().unwrap_or_default());
-                self.may_write(|| describe(&template))?;
-                api.create(&PostParams::default(), &template)
+                self.write_template(&template, false, "created", "create")
                     .await
-                    .map(|_| info!(template = %describe(&template), "created"))
-                    .map_err(WriteError::api(describe(&template), "create"))
             }
             TemplateAction::Replace(template) => {
-                let api = namespaced(template.metadata.namespace.as_deref().unwrap_or_default());
-                let name = template.metadata.name.clone().unwrap_or_default();
-                self.may_write(|| describe(&template))?;
-                api.replace(&name, &PostParams::default(), &template)
+                self.write_template(&template, true, "updated labels", "replace")
                     .await
-                    .map(|_| info!(template = %describe(&template), "updated labels"))
-                    .map_err(WriteError::api(describe(&template), "replace"))
             }
             TemplateAction::Recreate(template) => {
                 // The spec of a ResourceClaimTemplate is immutable.
-                let api = namespaced(template.metadata.namespace.as_deref().unwrap_or_default());
                 let name = template.metadata.name.clone().unwrap_or_default();
-                self.may_write(|| describe(&template))?;
-                match api.delete(&name, &DeleteParams::default()).await {
+                self.may_write(|| template_object(&template))?;
+                match template_api(&self.client, &template)
+                    .delete(&name, &DeleteParams::default())
+                    .await
+                {
                     Ok(_) => {}
                     Err(kube::Error::Api(s)) if s.code == 404 => {}
                     Err(e) => {
-                        return Err(WriteError::api(describe(&template), "delete for recreate")(
-                            e,
-                        ))
+                        return Err(WriteError::api(
+                            template_object(&template),
+                            "delete for recreate",
+                        )(e))
                     }
                 }
-                self.may_write(|| describe(&template))?;
-                api.create(&PostParams::default(), &template)
-                    .await
-                    .map(|_| info!(template = %describe(&template), "recreated with the new spec"))
-                    .map_err(WriteError::api(describe(&template), "create after delete"))
+                self.write_template(
+                    &template,
+                    false,
+                    "recreated with the new spec",
+                    "create after delete",
+                )
+                .await
             }
         }
+    }
+
+    /// Create `template`, or replace it, in its namespace: `done` is logged when it is written,
+    /// `verb` names the write when it fails.
+    async fn write_template(
+        &self,
+        template: &ResourceClaimTemplate,
+        replace: bool,
+        done: &str,
+        verb: &'static str,
+    ) -> Result<(), WriteError> {
+        let api = template_api(&self.client, template);
+        self.may_write(|| template_object(template))?;
+        let result = if replace {
+            let name = template.metadata.name.clone().unwrap_or_default();
+            api.replace(&name, &PostParams::default(), template).await
+        } else {
+            api.create(&PostParams::default(), template).await
+        };
+        result
+            .map(|_| info!(template = %template_object(template), "{done}"))
+            .map_err(WriteError::api(template_object(template), verb))
     }
 
     /// Pass after pass until `shutdown`: on watch events, on gaining leadership, every resync
@@ -465,54 +479,12 @@ impl Reconciler {
     pub async fn run(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) {
         let notify = Arc::new(Notify::new());
         let watchers = vec![
-            tokio::spawn(trigger_on(
-                watcher(
-                    Api::<GpuModel>::all(self.client.clone()),
-                    watcher::Config::default(),
-                ),
-                notify.clone(),
-                "gpumodels",
-            )),
-            tokio::spawn(trigger_on(
-                watcher(
-                    Api::<ComputeProfile>::all(self.client.clone()),
-                    watcher::Config::default(),
-                ),
-                notify.clone(),
-                "computeprofiles",
-            )),
-            tokio::spawn(trigger_on(
-                watcher(
-                    Api::<ResourceSlice>::all(self.client.clone()),
-                    watcher::Config::default(),
-                ),
-                notify.clone(),
-                "resourceslices",
-            )),
-            tokio::spawn(trigger_on(
-                watcher(
-                    Api::<Namespace>::all(self.client.clone()),
-                    watcher::Config::default(),
-                ),
-                notify.clone(),
-                "namespaces",
-            )),
-            tokio::spawn(trigger_on(
-                watcher(
-                    Api::<DeviceClass>::all(self.client.clone()),
-                    watcher::Config::default(),
-                ),
-                notify.clone(),
-                "deviceclasses",
-            )),
-            tokio::spawn(trigger_on(
-                watcher(
-                    Api::<ResourceClaimTemplate>::all(self.client.clone()),
-                    watcher::Config::default(),
-                ),
-                notify.clone(),
-                "resourceclaimtemplates",
-            )),
+            self.spawn_trigger::<GpuModel>(&notify, "gpumodels"),
+            self.spawn_trigger::<ComputeProfile>(&notify, "computeprofiles"),
+            self.spawn_trigger::<ResourceSlice>(&notify, "resourceslices"),
+            self.spawn_trigger::<Namespace>(&notify, "namespaces"),
+            self.spawn_trigger::<DeviceClass>(&notify, "deviceclasses"),
+            self.spawn_trigger::<ResourceClaimTemplate>(&notify, "resourceclaimtemplates"),
         ];
         let mut leader = self.leadership.subscribe();
         let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
@@ -573,6 +545,35 @@ impl Reconciler {
             w.abort();
         }
     }
+
+    /// Watch every object of kind `K` in the background, waking the loop on each event.
+    fn spawn_trigger<K>(&self, notify: &Arc<Notify>, kind: &'static str) -> JoinHandle<()>
+    where
+        K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug + Send + 'static,
+    {
+        let events = watcher(
+            Api::<K>::all(self.client.clone()),
+            watcher::Config::default(),
+        );
+        tokio::spawn(trigger_on(events, notify.clone(), kind))
+    }
+}
+
+/// The API of a template's namespace.
+fn template_api(client: &Client, template: &ResourceClaimTemplate) -> Api<ResourceClaimTemplate> {
+    Api::namespaced(
+        client.clone(),
+        template.metadata.namespace.as_deref().unwrap_or_default(),
+    )
+}
+
+/// `ResourceClaimTemplate <namespace>/<name>`, as kubectl names it.
+fn template_object(template: &ResourceClaimTemplate) -> String {
+    format!(
+        "ResourceClaimTemplate {}/{}",
+        template.metadata.namespace.as_deref().unwrap_or(""),
+        template.metadata.name.as_deref().unwrap_or("")
+    )
 }
 
 /// Turn every watch event of a kind into a wake-up of the loop.

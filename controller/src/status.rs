@@ -72,11 +72,7 @@ pub fn is_true(conditions: &[Condition], type_: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::jiff::Timestamp;
-
-    fn at(seconds: i64) -> Time {
-        Time(Timestamp::from_second(seconds).unwrap())
-    }
+    use crate::testing::at;
 
     #[test]
     fn unchanged_status_keeps_its_transition_time_even_if_the_message_changes() {

@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use gpupool_api::crd::{ComputeProfile, GpuModel};
-use gpupool_controller::models::{self, ClassOptions};
+use gpupool_controller::models::{self, ClassOptions, ModelsPlan};
 use gpupool_controller::plan::json_contains;
 use gpupool_controller::profiles::{self, NamespaceInfo, ServableModel};
 use k8s_openapi::api::core::v1::{Namespace, Pod};
@@ -38,6 +38,16 @@ fn typed<T: DeserializeOwned + Serialize>(doc: &Value) -> T {
     object
 }
 
+/// The first two documents of an example file, typed.
+fn typed_pair<A, B>(file: &str) -> (A, B)
+where
+    A: DeserializeOwned + Serialize,
+    B: DeserializeOwned + Serialize,
+{
+    let docs = documents(file);
+    (typed(&docs[0]), typed(&docs[1]))
+}
+
 fn example_models() -> Vec<GpuModel> {
     documents("gpumodels.yaml")
         .iter()
@@ -48,14 +58,19 @@ fn example_models() -> Vec<GpuModel> {
         .collect()
 }
 
-fn class_names() -> Vec<String> {
-    let plan = models::plan(
+/// The example GpuModels planned on a cluster with no devices yet.
+fn example_plan() -> ModelsPlan {
+    models::plan(
         &example_models(),
         &[],
         ClassOptions {
             extended_resources: true,
         },
-    );
+    )
+}
+
+fn class_names() -> Vec<String> {
+    let plan = example_plan();
     for outcome in &plan.outcomes {
         assert!(
             outcome.usable(),
@@ -104,16 +119,9 @@ fn gpumodels_make_the_seed_pool_classes() {
 
 #[test]
 fn half_a100_profile_serves_team_a_with_a100_50_and_v100_61() {
-    let docs = documents("compute-profile-half-a100.yaml");
-    let namespace: Namespace = typed(&docs[0]);
-    let profile: ComputeProfile = typed(&docs[1]);
-    let plan = models::plan(
-        &example_models(),
-        &[],
-        ClassOptions {
-            extended_resources: true,
-        },
-    );
+    let (namespace, profile): (Namespace, ComputeProfile) =
+        typed_pair("compute-profile-half-a100.yaml");
+    let plan = example_plan();
     let outcome = profiles::plan(
         &profile,
         &ServableModel::from_outcomes(&plan.outcomes),
@@ -134,9 +142,7 @@ fn half_a100_profile_serves_team_a_with_a100_50_and_v100_61() {
 
 #[test]
 fn pod_by_model_uses_the_v100_class() {
-    let docs = documents("pod-by-model.yaml");
-    let template: ResourceClaimTemplate = typed(&docs[0]);
-    let pod: Pod = typed(&docs[1]);
+    let (template, pod): (ResourceClaimTemplate, Pod) = typed_pair("pod-by-model.yaml");
     let request = &template.spec.spec.devices.unwrap().requests.unwrap()[0];
     let class = &request.exactly.as_ref().unwrap().device_class_name;
     assert_eq!(class, "v100-sxm2-32gb.gpupool.dev");
