@@ -102,13 +102,7 @@ async fn run_manages_classes_and_releases_the_lease_on_sigterm() {
         .spawn()
         .unwrap();
 
-    let config = kube::Config::from_custom_kubeconfig(
-        kube::config::Kubeconfig::from_yaml(&server.kubeconfig_yaml()).unwrap(),
-        &Default::default(),
-    )
-    .await
-    .unwrap();
-    let client = kube::Client::try_from(config).unwrap();
+    let client = server.client().await;
     let gpumodels = Api::<GpuModel>::all(client.clone());
     let classes = Api::<DeviceClass>::all(client.clone());
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);

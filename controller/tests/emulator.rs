@@ -19,17 +19,7 @@ use k8s_openapi::api::resource::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
-use kube::config::{KubeConfigOptions, Kubeconfig};
-use kube::Client;
 use tokio::task::JoinHandle;
-
-async fn client(server: &ApiServer) -> Client {
-    let kubeconfig = Kubeconfig::from_yaml(&server.kubeconfig_yaml()).unwrap();
-    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-        .await
-        .unwrap();
-    Client::try_from(config).unwrap()
-}
 
 /// Polls `check` until it returns Some, or panics with `what` after `timeout`.
 async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
@@ -57,7 +47,7 @@ struct Replica {
 
 impl Replica {
     async fn start(server: &ApiServer, identity: &str) -> Replica {
-        let client = client(server).await;
+        let client = server.client().await;
         let elector = LeaderElector::new(
             client.clone(),
             LeaseConfig {
@@ -184,7 +174,7 @@ fn subrequest_cores(template: &ResourceClaimTemplate) -> Vec<(String, String)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn models_and_profiles_are_served_by_the_single_leader_and_survive_its_crash() {
     let server = ApiServer::start().await.unwrap();
-    let admin = client(&server).await;
+    let admin = server.client().await;
     install_crds(&admin).await.unwrap();
     let gpumodels = Api::<GpuModel>::all(admin.clone());
     let classes = Api::<DeviceClass>::all(admin.clone());

@@ -16,16 +16,7 @@ use hyper_util::rt::TokioIo;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
-use kube::config::{KubeConfigOptions, Kubeconfig};
-use kube::{Api, Client, Config, ResourceExt};
-
-async fn client(server: &ApiServer) -> Client {
-    let kubeconfig = Kubeconfig::from_yaml(&server.kubeconfig_yaml()).unwrap();
-    let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-        .await
-        .unwrap();
-    Client::try_from(config).unwrap()
-}
+use kube::{Api, ResourceExt};
 
 async fn slices_of(api: &Api<ResourceSlice>, node: &str) -> Vec<ResourceSlice> {
     let mut items: Vec<_> = api
@@ -40,35 +31,33 @@ async fn slices_of(api: &Api<ResourceSlice>, node: &str) -> Vec<ResourceSlice> {
     items
 }
 
+/// The slice of a node with one T4 at `generation`, as the driver builds it.
+fn one_t4_slice(node: &str, generation: i64) -> ResourceSlice {
+    build_slices(
+        &fake_inventory("t4:1", node).unwrap(),
+        node,
+        &BTreeMap::new(),
+        &HealthMap::default(),
+        generation,
+        SliceMode::Shared,
+    )
+    .unwrap()
+    .remove(0)
+}
+
 #[tokio::test]
 async fn publisher_keeps_this_nodes_slices_and_leaves_others_alone() {
     let server = ApiServer::start().await.unwrap();
-    let client = client(&server).await;
+    let client = server.client().await;
     let api: Api<ResourceSlice> = Api::all(client.clone());
     let none = BTreeMap::new();
 
     // Another node's slice, and a stale one of ours from an earlier layout at generation 3.
-    let other = build_slices(
-        &fake_inventory("t4:1", "node-b").unwrap(),
-        "node-b",
-        &none,
-        &HealthMap::default(),
-        9,
-        SliceMode::Shared,
-    )
-    .unwrap()
-    .remove(0);
-    let other = api.create(&PostParams::default(), &other).await.unwrap();
-    let mut stale = build_slices(
-        &fake_inventory("t4:1", "node-a").unwrap(),
-        "node-a",
-        &none,
-        &HealthMap::default(),
-        3,
-        SliceMode::Shared,
-    )
-    .unwrap()
-    .remove(0);
+    let other = api
+        .create(&PostParams::default(), &one_t4_slice("node-b", 9))
+        .await
+        .unwrap();
+    let mut stale = one_t4_slice("node-a", 3);
     stale.metadata.name = Some("node-a-gpupool.dev-7".into());
     api.create(&PostParams::default(), &stale).await.unwrap();
 
@@ -253,7 +242,7 @@ async fn run_publishes_serves_sockets_and_stops_cleanly_on_sigterm() {
 
     let healthz = free_port();
     let mut driver = run_driver(dir.path(), &kubeconfig, healthz);
-    let api: Api<ResourceSlice> = Api::all(client(&server).await);
+    let api: Api<ResourceSlice> = Api::all(server.client().await);
     let start = Instant::now();
     let slice = loop {
         if let Some(s) = slices_of(&api, "node-a").await.into_iter().next() {
@@ -324,7 +313,7 @@ async fn prepare_and_unprepare_over_the_dra_socket(
     dra: &Path,
     cdi_root: &Path,
 ) {
-    let claims: Api<ResourceClaim> = Api::namespaced(client(server).await, "default");
+    let claims: Api<ResourceClaim> = Api::namespaced(server.client().await, "default");
     let claim: ResourceClaim = serde_json::from_value(serde_json::json!({
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaim",

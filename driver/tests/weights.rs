@@ -7,18 +7,9 @@ use std::time::Duration;
 use gpupool_apiserver::ApiServer;
 use gpupool_driver::inventory::fake::fake_inventory;
 use gpupool_driver::weights::watch_gpu_models;
-use kube::config::{KubeConfigOptions, Kubeconfig};
-use kube::{Api, Client, Config};
+use kube::Api;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
-
-async fn client(server: &ApiServer) -> Client {
-    let kubeconfig = Kubeconfig::from_yaml(&server.kubeconfig_yaml()).unwrap();
-    let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-        .await
-        .unwrap();
-    Client::try_from(config).unwrap()
-}
 
 /// Without the GpuModel CRD the driver keeps its built-in weights and asks again with a growing
 /// backoff (200 ms, 400 ms, 800 ms, ...), not five times a second forever: on a large cluster
@@ -31,7 +22,7 @@ async fn a_missing_gpu_model_crd_is_asked_for_with_a_growing_backoff() {
     let (settled_tx, settled_rx) = watch::channel(false);
     let stop = CancellationToken::new();
     let task = tokio::spawn(watch_gpu_models(
-        Api::all(client(&server).await),
+        Api::all(server.client().await),
         inventory,
         tx,
         settled_tx,

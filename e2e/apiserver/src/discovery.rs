@@ -204,16 +204,12 @@ pub fn wants_aggregated(accept: &str) -> Option<&'static str> {
 mod tests {
     use super::*;
     use crate::resources::builtin_resources;
+    use crate::testing::strings;
 
     #[test]
     fn resource_list_includes_status_subresource() {
         let list = resource_list(&builtin_resources(), "resource.k8s.io", "v1").unwrap();
-        let names: Vec<&str> = list["resources"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|r| r["name"].as_str().unwrap())
-            .collect();
+        let names = strings(&list["resources"], "name");
         assert!(names.contains(&"resourceclaims/status"));
         assert!(names.contains(&"resourceslices"));
         assert!(resource_list(&builtin_resources(), "nope.dev", "v1").is_none());

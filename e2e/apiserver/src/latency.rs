@@ -265,64 +265,49 @@ mod tests {
 
     #[test]
     fn requests_are_classified_like_the_real_server_serves_them() {
-        let none = query(&[]);
-        let claim = segments("/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims/c");
-        let status = segments("/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims/c/status");
-        assert_eq!(classify("GET", &claim, &none), RequestCost::QuorumRead);
-        assert_eq!(
-            classify("GET", &claim, &query(&[("resourceVersion", "")])),
-            RequestCost::QuorumRead
+        use RequestCost::{CachedRead, Free, QuorumRead, Write};
+        let claim = "/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims/c";
+        let status = "/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims/c/status";
+        // (method, path, query parameters, cost)
+        type Case = (
+            &'static str,
+            &'static str,
+            &'static [(&'static str, &'static str)],
+            RequestCost,
         );
-        assert_eq!(
-            classify("GET", &claim, &query(&[("resourceVersion", "0")])),
-            RequestCost::CachedRead
-        );
-        assert_eq!(
-            classify("GET", &claim, &query(&[("resourceVersion", "42")])),
-            RequestCost::CachedRead
-        );
-        for method in ["POST", "PUT", "PATCH", "DELETE"] {
-            assert_eq!(classify(method, &status, &none), RequestCost::Write);
-        }
-        assert_eq!(
-            classify("PATCH", &claim, &query(&[("dryRun", "All")])),
-            RequestCost::QuorumRead
-        );
-        let pods = segments("/api/v1/pods");
-        assert_eq!(classify("GET", &pods, &none), RequestCost::QuorumRead);
-        assert_eq!(
-            classify("GET", &pods, &query(&[("resourceVersion", "0")])),
-            RequestCost::CachedRead
-        );
-        assert_eq!(
-            classify("GET", &pods, &query(&[("watch", "true")])),
-            RequestCost::Free
-        );
-        assert_eq!(
-            classify("GET", &pods, &query(&[("watch", "1")])),
-            RequestCost::Free
-        );
-        for free in [
-            "/api",
-            "/api/v1",
-            "/apis",
-            "/apis/resource.k8s.io/v1",
-            "/version",
-        ] {
+        let cases: &[Case] = &[
+            ("GET", claim, &[], QuorumRead),
+            ("GET", claim, &[("resourceVersion", "")], QuorumRead),
+            ("GET", claim, &[("resourceVersion", "0")], CachedRead),
+            ("GET", claim, &[("resourceVersion", "42")], CachedRead),
+            ("POST", status, &[], Write),
+            ("PUT", status, &[], Write),
+            ("PATCH", status, &[], Write),
+            ("DELETE", status, &[], Write),
+            ("PATCH", claim, &[("dryRun", "All")], QuorumRead),
+            ("GET", "/api/v1/pods", &[], QuorumRead),
+            (
+                "GET",
+                "/api/v1/pods",
+                &[("resourceVersion", "0")],
+                CachedRead,
+            ),
+            ("GET", "/api/v1/pods", &[("watch", "true")], Free),
+            ("GET", "/api/v1/pods", &[("watch", "1")], Free),
+            ("GET", "/api", &[], Free),
+            ("GET", "/api/v1", &[], Free),
+            ("GET", "/apis", &[], Free),
+            ("GET", "/apis/resource.k8s.io/v1", &[], Free),
+            ("GET", "/version", &[], Free),
+            ("GET", "/openapi/v3/apis/resource.k8s.io/v1", &[], Free),
+        ];
+        for &(method, path, params, cost) in cases {
             assert_eq!(
-                classify("GET", &segments(free), &none),
-                RequestCost::Free,
-                "{free}"
+                classify(method, &segments(path), &query(params)),
+                cost,
+                "{method} {path} {params:?}"
             );
         }
-        assert_eq!(
-            classify(
-                "GET",
-                &segments("/openapi/v3/apis/resource.k8s.io/v1"),
-                &none
-            ),
-            RequestCost::Free
-        );
     }
 
     #[test]

@@ -211,6 +211,20 @@ impl ApiServer {
         std::fs::write(path, self.kubeconfig_yaml())
     }
 
+    /// A kube-rs client for this server, built from [`ApiServer::kubeconfig_yaml`] the way the
+    /// driver and the controller read a kubeconfig. A test helper: panics if no client can be made.
+    #[cfg(feature = "client")]
+    pub async fn client(&self) -> kube::Client {
+        use kube::config::{KubeConfigOptions, Kubeconfig};
+        let kubeconfig =
+            Kubeconfig::from_yaml(&self.kubeconfig_yaml()).expect("the kubeconfig parses");
+        let config =
+            kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+                .await
+                .expect("the kubeconfig is usable");
+        kube::Client::try_from(config).expect("a client for the emulator")
+    }
+
     /// Closes the listener and every live connection (watches end); the store is kept.
     pub async fn stop_serving(&self) {
         let accept = self
@@ -283,20 +297,30 @@ impl Drop for ApiServer {
     }
 }
 
+/// Helpers for the unit tests of the modules.
+#[cfg(test)]
+mod testing {
+    use serde_json::Value;
+
+    /// The string `field` of each object in the JSON array `list`.
+    pub fn strings<'a>(list: &'a Value, field: &str) -> Vec<&'a str> {
+        list.as_array()
+            .expect("an array")
+            .iter()
+            .map(|item| item[field].as_str().expect("a string"))
+            .collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::{Duration, Instant};
 
     use k8s_openapi::api::core::v1::ConfigMap;
     use kube::api::{GetParams, Patch, PatchParams, PostParams};
-    use kube::{Api, Client, Config};
+    use kube::Api;
 
     use super::*;
-
-    async fn client(server: &ApiServer) -> Client {
-        let config = Config::new(server.url().parse().unwrap());
-        Client::try_from(config).unwrap()
-    }
 
     fn data(map: &ConfigMap) -> &str {
         map.data.as_ref().unwrap()["v"].as_str()
@@ -308,7 +332,7 @@ mod tests {
         let server = ApiServer::start_with(ApiServerOptions::default().cache_lag(lag))
             .await
             .unwrap();
-        let api: Api<ConfigMap> = Api::namespaced(client(&server).await, "default");
+        let api: Api<ConfigMap> = Api::namespaced(server.client().await, "default");
         let map: ConfigMap = serde_json::from_value(
             serde_json::json!({"metadata": {"name": "cm"}, "data": {"v": "one"}}),
         )
@@ -366,7 +390,7 @@ mod tests {
         )
         .await
         .unwrap();
-        let api: Api<ConfigMap> = Api::namespaced(client(&server).await, "default");
+        let api: Api<ConfigMap> = Api::namespaced(server.client().await, "default");
         let map: ConfigMap =
             serde_json::from_value(serde_json::json!({"metadata": {"name": "cm"}})).unwrap();
         let start = Instant::now();
@@ -397,7 +421,7 @@ mod tests {
     #[tokio::test]
     async fn the_default_profile_charges_nothing_and_caches_nothing() {
         let server = ApiServer::start().await.unwrap();
-        let api: Api<ConfigMap> = Api::namespaced(client(&server).await, "default");
+        let api: Api<ConfigMap> = Api::namespaced(server.client().await, "default");
         let map: ConfigMap =
             serde_json::from_value(serde_json::json!({"metadata": {"name": "cm"}})).unwrap();
         api.create(&PostParams::default(), &map).await.unwrap();

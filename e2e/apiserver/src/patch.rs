@@ -283,6 +283,7 @@ fn strip_directives(value: &mut Value) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::strings;
     use serde_json::json;
 
     #[test]
@@ -335,12 +336,7 @@ mod tests {
             &json!({"$setElementOrder/volumeMounts": [{"mountPath": "/a"}, {"mountPath": "/c"}, {"mountPath": "/b"}],
                 "volumeMounts": [{"name": "c2", "mountPath": "/c"}]}),
         );
-        let paths: Vec<&str> = doc["volumeMounts"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|m| m["mountPath"].as_str().unwrap())
-            .collect();
+        let paths = strings(&doc["volumeMounts"], "mountPath");
         assert_eq!(paths, ["/a", "/c", "/b"]);
         assert_eq!(
             doc["volumeMounts"][1]["name"], "c2",

@@ -93,8 +93,12 @@ fn base64(bytes: &[u8]) -> String {
     out
 }
 
-/// A `map<string, string|bytes>` entry.
-fn map_entry(bytes: &[u8], binary: bool) -> Result<(String, Value), ProtobufError> {
+/// Adds a `map<string, string|bytes>` entry to `map`.
+fn add_map_entry(
+    map: &mut Map<String, Value>,
+    bytes: &[u8],
+    binary: bool,
+) -> Result<(), ProtobufError> {
     let (mut key, mut value) = (String::new(), Value::String(String::new()));
     for (number, wire) in fields(bytes)? {
         match (number, wire) {
@@ -104,7 +108,20 @@ fn map_entry(bytes: &[u8], binary: bool) -> Result<(String, Value), ProtobufErro
             _ => {}
         }
     }
-    Ok((key, value))
+    map.insert(key, value);
+    Ok(())
+}
+
+/// Sets `key` to a map or list unless it is empty, which JSON omits.
+fn insert_unless_empty(object: &mut Map<String, Value>, key: &str, value: Value) {
+    let empty = match &value {
+        Value::Object(map) => map.is_empty(),
+        Value::Array(items) => items.is_empty(),
+        _ => false,
+    };
+    if !empty {
+        object.insert(key.into(), value);
+    }
 }
 
 fn object_meta(bytes: &[u8]) -> Result<Value, ProtobufError> {
@@ -131,27 +148,15 @@ fn object_meta(bytes: &[u8]) -> Result<Value, ProtobufError> {
                     meta.insert((*name).into(), text(b));
                 }
             }
-            (11, Wire::Bytes(b)) => {
-                let (k, v) = map_entry(b, false)?;
-                labels.insert(k, v);
-            }
-            (12, Wire::Bytes(b)) => {
-                let (k, v) = map_entry(b, false)?;
-                annotations.insert(k, v);
-            }
+            (11, Wire::Bytes(b)) => add_map_entry(&mut labels, b, false)?,
+            (12, Wire::Bytes(b)) => add_map_entry(&mut annotations, b, false)?,
             (14, Wire::Bytes(b)) => finalizers.push(text(b)),
             _ => {}
         }
     }
-    if !labels.is_empty() {
-        meta.insert("labels".into(), Value::Object(labels));
-    }
-    if !annotations.is_empty() {
-        meta.insert("annotations".into(), Value::Object(annotations));
-    }
-    if !finalizers.is_empty() {
-        meta.insert("finalizers".into(), Value::Array(finalizers));
-    }
+    insert_unless_empty(&mut meta, "labels", Value::Object(labels));
+    insert_unless_empty(&mut meta, "annotations", Value::Object(annotations));
+    insert_unless_empty(&mut meta, "finalizers", Value::Array(finalizers));
     Ok(Value::Object(meta))
 }
 
@@ -172,24 +177,15 @@ fn config_map(bytes: &[u8]) -> Result<Value, ProtobufError> {
     for (number, wire) in fields(bytes)? {
         match (number, wire) {
             (1, Wire::Bytes(b)) => object["metadata"] = object_meta(b)?,
-            (2, Wire::Bytes(b)) => {
-                let (k, v) = map_entry(b, false)?;
-                data.insert(k, v);
-            }
-            (3, Wire::Bytes(b)) => {
-                let (k, v) = map_entry(b, true)?;
-                binary.insert(k, v);
-            }
+            (2, Wire::Bytes(b)) => add_map_entry(&mut data, b, false)?,
+            (3, Wire::Bytes(b)) => add_map_entry(&mut binary, b, true)?,
             (4, Wire::Varint(v)) => object["immutable"] = json!(v != 0),
             _ => {}
         }
     }
-    if !data.is_empty() {
-        object["data"] = Value::Object(data);
-    }
-    if !binary.is_empty() {
-        object["binaryData"] = Value::Object(binary);
-    }
+    let map = object.as_object_mut().expect("built as an object");
+    insert_unless_empty(map, "data", Value::Object(data));
+    insert_unless_empty(map, "binaryData", Value::Object(binary));
     Ok(object)
 }
 

@@ -115,117 +115,120 @@ fn builtin(
     }
 }
 
-pub fn builtin_resources() -> Vec<ResourceDef> {
-    vec![
-        builtin("", "namespaces", "Namespace", false, &["ns"], true),
-        builtin("", "nodes", "Node", false, &["no"], true),
-        builtin("", "pods", "Pod", true, &["po"], true),
-        builtin("", "events", "Event", true, &["ev"], false),
-        builtin("", "configmaps", "ConfigMap", true, &["cm"], false),
-        builtin(
-            "resource.k8s.io",
-            "deviceclasses",
-            "DeviceClass",
-            false,
-            &[],
-            false,
-        ),
-        builtin(
-            "resource.k8s.io",
-            "resourceclaims",
-            "ResourceClaim",
-            true,
-            &[],
-            true,
-        ),
-        builtin(
-            "resource.k8s.io",
-            "resourceclaimtemplates",
-            "ResourceClaimTemplate",
-            true,
-            &[],
-            false,
-        ),
-        builtin(
-            "resource.k8s.io",
-            "resourceslices",
-            "ResourceSlice",
-            false,
-            &[],
-            false,
-        ),
-        builtin("coordination.k8s.io", "leases", "Lease", true, &[], false),
-        builtin("events.k8s.io", "events", "Event", true, &[], false),
-        // What gpupool's deploy/ manifests create, so they can be applied to the emulator.
-        builtin(
-            "",
-            "serviceaccounts",
-            "ServiceAccount",
-            true,
-            &["sa"],
-            false,
-        ),
-        builtin("", "secrets", "Secret", true, &[], false),
-        builtin("", "services", "Service", true, &["svc"], true),
-        builtin("apps", "deployments", "Deployment", true, &["deploy"], true),
-        builtin("apps", "daemonsets", "DaemonSet", true, &["ds"], true),
-        builtin(
-            "rbac.authorization.k8s.io",
-            "clusterroles",
-            "ClusterRole",
-            false,
-            &[],
-            false,
-        ),
-        builtin(
-            "rbac.authorization.k8s.io",
-            "clusterrolebindings",
-            "ClusterRoleBinding",
-            false,
-            &[],
-            false,
-        ),
-        builtin(
-            "rbac.authorization.k8s.io",
-            "roles",
-            "Role",
-            true,
-            &[],
-            false,
-        ),
-        builtin(
-            "rbac.authorization.k8s.io",
-            "rolebindings",
-            "RoleBinding",
-            true,
-            &[],
-            false,
-        ),
-        builtin(
-            "admissionregistration.k8s.io",
-            "validatingadmissionpolicies",
-            "ValidatingAdmissionPolicy",
-            false,
-            &[],
-            true,
-        ),
-        builtin(
-            "admissionregistration.k8s.io",
-            "validatingadmissionpolicybindings",
-            "ValidatingAdmissionPolicyBinding",
-            false,
-            &[],
-            false,
-        ),
-        builtin(
-            "apiextensions.k8s.io",
+/// A built-in resource: plural, kind, namespaced, short names, status subresource.
+type Builtin = (
+    &'static str,
+    &'static str,
+    bool,
+    &'static [&'static str],
+    bool,
+);
+
+/// The built-in resources by API group, in the order discovery lists them.
+const BUILTINS: &[(&str, &[Builtin])] = &[
+    (
+        "",
+        &[
+            ("namespaces", "Namespace", false, &["ns"], true),
+            ("nodes", "Node", false, &["no"], true),
+            ("pods", "Pod", true, &["po"], true),
+            ("events", "Event", true, &["ev"], false),
+            ("configmaps", "ConfigMap", true, &["cm"], false),
+        ],
+    ),
+    (
+        "resource.k8s.io",
+        &[
+            ("deviceclasses", "DeviceClass", false, &[], false),
+            ("resourceclaims", "ResourceClaim", true, &[], true),
+            (
+                "resourceclaimtemplates",
+                "ResourceClaimTemplate",
+                true,
+                &[],
+                false,
+            ),
+            ("resourceslices", "ResourceSlice", false, &[], false),
+        ],
+    ),
+    (
+        "coordination.k8s.io",
+        &[("leases", "Lease", true, &[], false)],
+    ),
+    ("events.k8s.io", &[("events", "Event", true, &[], false)]),
+    // What gpupool's deploy/ manifests create, so they can be applied to the emulator.
+    (
+        "",
+        &[
+            ("serviceaccounts", "ServiceAccount", true, &["sa"], false),
+            ("secrets", "Secret", true, &[], false),
+            ("services", "Service", true, &["svc"], true),
+        ],
+    ),
+    (
+        "apps",
+        &[
+            ("deployments", "Deployment", true, &["deploy"], true),
+            ("daemonsets", "DaemonSet", true, &["ds"], true),
+        ],
+    ),
+    (
+        "rbac.authorization.k8s.io",
+        &[
+            ("clusterroles", "ClusterRole", false, &[], false),
+            (
+                "clusterrolebindings",
+                "ClusterRoleBinding",
+                false,
+                &[],
+                false,
+            ),
+            ("roles", "Role", true, &[], false),
+            ("rolebindings", "RoleBinding", true, &[], false),
+        ],
+    ),
+    (
+        "admissionregistration.k8s.io",
+        &[
+            (
+                "validatingadmissionpolicies",
+                "ValidatingAdmissionPolicy",
+                false,
+                &[],
+                true,
+            ),
+            (
+                "validatingadmissionpolicybindings",
+                "ValidatingAdmissionPolicyBinding",
+                false,
+                &[],
+                false,
+            ),
+        ],
+    ),
+    (
+        "apiextensions.k8s.io",
+        &[(
             "customresourcedefinitions",
             "CustomResourceDefinition",
             false,
             &["crd", "crds"],
             true,
-        ),
-    ]
+        )],
+    ),
+];
+
+pub fn builtin_resources() -> Vec<ResourceDef> {
+    BUILTINS
+        .iter()
+        .flat_map(|(group, resources)| {
+            resources
+                .iter()
+                .map(move |&(plural, kind, namespaced, short, status)| {
+                    builtin(group, plural, kind, namespaced, short, status)
+                })
+        })
+        .collect()
 }
 
 fn string_list(value: Option<&Value>) -> Vec<String> {
@@ -307,28 +310,20 @@ pub fn crd_resources(crd: &Value) -> Result<Vec<ResourceDef>, CrdError> {
             .and_then(Value::as_array)
             .map(|cols| {
                 cols.iter()
-                    .map(|c| PrinterColumn {
-                        name: c
-                            .get("name")
-                            .and_then(Value::as_str)
-                            .unwrap_or_default()
-                            .into(),
-                        column_type: c
-                            .get("type")
-                            .and_then(Value::as_str)
-                            .unwrap_or("string")
-                            .into(),
-                        json_path: c
-                            .get("jsonPath")
-                            .and_then(Value::as_str)
-                            .unwrap_or_default()
-                            .into(),
-                        description: c
-                            .get("description")
-                            .and_then(Value::as_str)
-                            .unwrap_or_default()
-                            .into(),
-                        priority: c.get("priority").and_then(Value::as_i64).unwrap_or(0),
+                    .map(|c| {
+                        let text = |key: &str, default: &str| {
+                            c.get(key)
+                                .and_then(Value::as_str)
+                                .unwrap_or(default)
+                                .to_string()
+                        };
+                        PrinterColumn {
+                            name: text("name", ""),
+                            column_type: text("type", "string"),
+                            json_path: text("jsonPath", ""),
+                            description: text("description", ""),
+                            priority: c.get("priority").and_then(Value::as_i64).unwrap_or(0),
+                        }
                     })
                     .collect()
             })

@@ -5,7 +5,7 @@
 use std::collections::BTreeSet;
 
 use gpupool_api::validation::is_dns_subdomain;
-use serde_json::Value;
+use serde_json::{Map, Value};
 
 /// (field, message) pairs, as the Invalid status lists its causes.
 pub type Causes = Vec<(String, String)>;
@@ -43,19 +43,28 @@ fn pod_spec_without_mutable(spec: &Value, from: &Value) -> Value {
         }
     }
     if let Some(obj) = masked.as_object_mut() {
-        for field in [
-            "activeDeadlineSeconds",
-            "tolerations",
-            "terminationGracePeriodSeconds",
-            "schedulingGates",
-        ] {
-            match from.get(field) {
-                Some(value) => obj.insert(field.into(), value.clone()),
-                None => obj.remove(field),
-            };
-        }
+        copy_fields(
+            obj,
+            from,
+            &[
+                "activeDeadlineSeconds",
+                "tolerations",
+                "terminationGracePeriodSeconds",
+                "schedulingGates",
+            ],
+        );
     }
     masked
+}
+
+/// Makes each of `fields` in `to` what it is in `from`: the same value, or absent.
+pub fn copy_fields(to: &mut Map<String, Value>, from: &Value, fields: &[&str]) {
+    for &field in fields {
+        match from.get(field) {
+            Some(value) => to.insert(field.into(), value.clone()),
+            None => to.remove(field),
+        };
+    }
 }
 
 fn is_label_name(s: &str) -> bool {
@@ -327,26 +336,26 @@ mod tests {
         causes.into_iter().map(|(f, _)| f).collect()
     }
 
+    /// The fields an update of a `group` `kind` from `old` to `new` is refused for.
+    fn update_causes(group: &str, kind: &str, old: &Value, new: &Value) -> Vec<String> {
+        fields(validate_update(group, kind, old, new))
+    }
+
+    /// The fields the status of a new claim is refused for.
+    fn status_causes(claim: &Value) -> Vec<String> {
+        fields(validate_claim_status(None, claim))
+    }
+
     #[test]
     fn claim_and_template_specs_are_immutable() {
         let old = json!({"spec": {"devices": {"requests": [{"name": "a"}]}}});
         let new = json!({"spec": {"devices": {"requests": [{"name": "b"}]}}});
         assert_eq!(
-            fields(validate_update(
-                "resource.k8s.io",
-                "ResourceClaim",
-                &old,
-                &new
-            )),
+            update_causes("resource.k8s.io", "ResourceClaim", &old, &new),
             ["spec"]
         );
         assert_eq!(
-            fields(validate_update(
-                "resource.k8s.io",
-                "ResourceClaimTemplate",
-                &old,
-                &new
-            )),
+            update_causes("resource.k8s.io", "ResourceClaimTemplate", &old, &new),
             ["spec"]
         );
         assert!(validate_update("resource.k8s.io", "DeviceClass", &old, &new).is_empty());
@@ -358,12 +367,7 @@ mod tests {
         let moved =
             json!({"spec": {"nodeName": "b", "driver": "d", "devices": [{"name": "gpu-0"}]}});
         assert_eq!(
-            fields(validate_update(
-                "resource.k8s.io",
-                "ResourceSlice",
-                &old,
-                &moved
-            )),
+            update_causes("resource.k8s.io", "ResourceSlice", &old, &moved),
             ["spec.nodeName"]
         );
     }
@@ -375,10 +379,10 @@ mod tests {
             "tolerations": [{"key": "k", "operator": "Exists"}]}});
         assert!(validate_update("", "Pod", &old, &image).is_empty());
         let env = json!({"spec": {"containers": [{"name": "c", "image": "a", "env": [{"name": "X", "value": "2"}]}]}});
-        assert_eq!(fields(validate_update("", "Pod", &old, &env)), ["spec"]);
+        assert_eq!(update_causes("", "Pod", &old, &env), ["spec"]);
         let node = json!({"spec": {"containers": [{"name": "c", "image": "a", "env": [{"name": "X", "value": "1"}]}], "nodeName": "n"}});
         assert_eq!(
-            fields(validate_update("", "Pod", &old, &node)),
+            update_causes("", "Pod", &old, &node),
             ["spec"],
             "binding is the way to set nodeName"
         );
@@ -432,17 +436,11 @@ mod tests {
     fn reserved_for_needs_an_allocation_and_unique_uids() {
         let claim =
             json!({"status": {"reservedFor": [{"resource": "pods", "name": "p", "uid": "u"}]}});
-        assert_eq!(
-            fields(validate_claim_status(None, &claim)),
-            ["status.reservedFor"]
-        );
+        assert_eq!(status_causes(&claim), ["status.reservedFor"]);
         let mut twice = allocated_claim();
         twice["status"]["reservedFor"] =
             json!([{"name": "p", "uid": "u"}, {"name": "q", "uid": "u"}]);
-        assert_eq!(
-            fields(validate_claim_status(None, &twice)),
-            ["status.reservedFor[1].uid"]
-        );
+        assert_eq!(status_causes(&twice), ["status.reservedFor[1].uid"]);
     }
 
     #[test]
@@ -453,10 +451,7 @@ mod tests {
             "conditions": [{"type": "Ready", "status": "True", "reason": "Prepared", "message": "", "lastTransitionTime": "2025-01-01T00:00:00Z"}]}]);
         assert!(validate_claim_status(None, &claim).is_empty());
         claim["status"]["devices"][0]["shareID"] = json!("other");
-        assert_eq!(
-            fields(validate_claim_status(None, &claim)),
-            ["status.devices[0]"]
-        );
+        assert_eq!(status_causes(&claim), ["status.devices[0]"]);
     }
 
     #[test]
@@ -488,7 +483,7 @@ mod tests {
             "data": {"blob": "x".repeat(MAX_DEVICE_STATUS_DATA_BYTES)},
             "conditions": [{"type": "Ready", "status": "True"}]}]);
         assert_eq!(
-            fields(validate_claim_status(None, &claim)),
+            status_causes(&claim),
             [
                 "status.devices[0].data",
                 "status.devices[0].conditions[0].reason",
@@ -497,9 +492,6 @@ mod tests {
         );
         claim["status"]["devices"][0]["data"] = json!("not an object");
         claim["status"]["devices"][0]["conditions"] = json!([]);
-        assert_eq!(
-            fields(validate_claim_status(None, &claim)),
-            ["status.devices[0].data"]
-        );
+        assert_eq!(status_causes(&claim), ["status.devices[0].data"]);
     }
 }

@@ -21,17 +21,22 @@ fn roundtrip<T: DeserializeOwned + Serialize>(object: &Value) -> Result<Value, D
     serde_json::to_value(typed).map_err(|e| DecodeError::Undecodable(e.to_string()))
 }
 
+/// The path of `key` under `path` ("" for the root), as field errors name it.
+fn child_path(path: &str, key: &str) -> String {
+    if path.is_empty() {
+        key.to_string()
+    } else {
+        format!("{path}.{key}")
+    }
+}
+
 /// Removes from `input` each key that `decoded` lost, recording its path.
 fn prune_lost(input: &mut Value, decoded: &Value, path: &str, lost: &mut Vec<String>) {
     match (input, decoded) {
         (Value::Object(map), Value::Object(kept)) => {
             let mut removed = Vec::new();
             for (key, value) in map.iter_mut() {
-                let child = if path.is_empty() {
-                    key.clone()
-                } else {
-                    format!("{path}.{key}")
-                };
+                let child = child_path(path, key);
                 match kept.get(key) {
                     None if value.is_null() => {}
                     None => removed.push((key.clone(), child)),
@@ -249,11 +254,7 @@ impl SchemaWalk {
                 {
                     if let Some(key) = required.as_str() {
                         if !map.contains_key(key) {
-                            let field = if path.is_empty() {
-                                key.to_string()
-                            } else {
-                                format!("{path}.{key}")
-                            };
+                            let field = child_path(path, key);
                             self.invalid.push((field, "Required value".into()));
                         }
                     }
@@ -262,11 +263,7 @@ impl SchemaWalk {
                 let additional = schema.get("additionalProperties").filter(|a| a.is_object());
                 let mut removed = Vec::new();
                 for (key, child_value) in map.iter_mut() {
-                    let child = if path.is_empty() {
-                        key.clone()
-                    } else {
-                        format!("{path}.{key}")
-                    };
+                    let child = child_path(path, key);
                     if root && matches!(key.as_str(), "apiVersion" | "kind" | "metadata") {
                         continue;
                     }

@@ -22,24 +22,27 @@ enum LabelRequirement {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LabelSelector(Vec<LabelRequirement>);
 
-/// Splits on commas that are not inside a `( ... )` value set.
-fn split_top_level(input: &str) -> Vec<&str> {
+/// Splits `input` on each `separator` outside `open ... close` brackets.
+pub(crate) fn split_outside(input: &str, separator: char, open: char, close: char) -> Vec<&str> {
     let mut parts = Vec::new();
-    let mut depth = 0usize;
-    let mut start = 0;
+    let (mut depth, mut start) = (0usize, 0usize);
     for (i, c) in input.char_indices() {
-        match c {
-            '(' => depth += 1,
-            ')' => depth = depth.saturating_sub(1),
-            ',' if depth == 0 => {
-                parts.push(&input[start..i]);
-                start = i + 1;
-            }
-            _ => {}
+        if c == open {
+            depth += 1;
+        } else if c == close {
+            depth = depth.saturating_sub(1);
+        } else if c == separator && depth == 0 {
+            parts.push(&input[start..i]);
+            start = i + c.len_utf8();
         }
     }
     parts.push(&input[start..]);
     parts
+}
+
+/// Splits on commas that are not inside a `( ... )` value set.
+fn split_top_level(input: &str) -> Vec<&str> {
+    split_outside(input, ',', '(', ')')
         .into_iter()
         .map(str::trim)
         .filter(|p| !p.is_empty())

@@ -27,13 +27,20 @@ impl ApiError {
         json!({"name": name, "group": def.group, "kind": def.plural})
     }
 
+    /// A failure of one object, `<plural>.<group> "<name>" <what>`, with the object's details.
+    fn of_object(
+        code: u16,
+        reason: &'static str,
+        def: &ResourceDef,
+        name: &str,
+        what: &str,
+    ) -> Self {
+        let message = format!("{} {name:?} {what}", def.qualified_plural());
+        Self::new(code, reason, message, Some(Self::details(def, name)))
+    }
+
     pub fn not_found(def: &ResourceDef, name: &str) -> Self {
-        Self::new(
-            404,
-            "NotFound",
-            format!("{} {name:?} not found", def.qualified_plural()),
-            Some(Self::details(def, name)),
-        )
+        Self::of_object(404, "NotFound", def, name, "not found")
     }
 
     pub fn namespace_not_found(namespace: &str) -> Self {
@@ -46,12 +53,7 @@ impl ApiError {
     }
 
     pub fn already_exists(def: &ResourceDef, name: &str) -> Self {
-        Self::new(
-            409,
-            "AlreadyExists",
-            format!("{} {name:?} already exists", def.qualified_plural()),
-            Some(Self::details(def, name)),
-        )
+        Self::of_object(409, "AlreadyExists", def, name, "already exists")
     }
 
     pub fn conflict(def: &ResourceDef, name: &str, why: &str) -> Self {
@@ -95,12 +97,7 @@ impl ApiError {
     }
 
     pub fn forbidden(def: &ResourceDef, name: &str, why: &str) -> Self {
-        Self::new(
-            403,
-            "Forbidden",
-            format!("{} {name:?} is forbidden: {why}", def.qualified_plural()),
-            Some(Self::details(def, name)),
-        )
+        Self::of_object(403, "Forbidden", def, name, &format!("is forbidden: {why}"))
     }
 
     /// A JSON patch that cannot be applied (a failed test, a missing path) is a 422 like upstream.

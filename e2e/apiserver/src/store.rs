@@ -248,6 +248,22 @@ impl Store {
         self.objects.get(&def.storage_key())
     }
 
+    /// The key of `name` and the object stored under it, or NotFound.
+    fn stored(
+        &self,
+        def: &ResourceDef,
+        namespace: Option<&str>,
+        name: &str,
+    ) -> Result<((String, String), Value), ApiError> {
+        let key = Self::object_key(def, namespace, name);
+        let object = self
+            .bucket(def)
+            .and_then(|b| b.get(&key))
+            .cloned()
+            .ok_or_else(|| ApiError::not_found(def, name))?;
+        Ok((key, object))
+    }
+
     fn object_key(def: &ResourceDef, namespace: Option<&str>, name: &str) -> (String, String) {
         let ns = if def.namespaced {
             namespace.unwrap_or_default()
@@ -324,6 +340,42 @@ impl Store {
     fn next_rv(&mut self) -> String {
         self.rv += 1;
         self.rv.to_string()
+    }
+
+    /// Stores `object` under `key` with the next resourceVersion and records the watch event:
+    /// ADDED without an `old` object, MODIFIED with one. Registers the resources of a CRD.
+    fn put(
+        &mut self,
+        def: &ResourceDef,
+        key: (String, String),
+        mut object: Value,
+        old: Option<Value>,
+    ) -> Value {
+        let rv = self.next_rv();
+        meta_mut(&mut object).insert("resourceVersion".into(), json!(rv));
+        if Self::is_crd(def) {
+            let defs = crd_resources(&object).expect("validated before it is stored");
+            self.crds.insert(key.1.clone(), defs);
+        }
+        self.objects
+            .entry(def.storage_key())
+            .or_default()
+            .insert(key, object.clone());
+        let event = if old.is_some() {
+            EventType::Modified
+        } else {
+            EventType::Added
+        };
+        self.record(def, event, &object, old);
+        object
+    }
+
+    /// Records the deletion of `object` (already out of the store) at the next resourceVersion.
+    fn record_deletion(&mut self, def: &ResourceDef, mut object: Value) -> Value {
+        let rv = self.next_rv();
+        meta_mut(&mut object).insert("resourceVersion".into(), json!(rv));
+        self.record(def, EventType::Deleted, &object, None);
+        object
     }
 
     fn namespace_exists(&self, namespace: &str) -> bool {
@@ -568,17 +620,7 @@ impl Store {
                 warnings,
             });
         }
-        let rv = self.next_rv();
-        meta_mut(&mut body).insert("resourceVersion".into(), json!(rv));
-        if Self::is_crd(def) {
-            let defs = crd_resources(&body).expect("validated above");
-            self.crds.insert(name.clone(), defs);
-        }
-        self.objects
-            .entry(def.storage_key())
-            .or_default()
-            .insert(key, body.clone());
-        self.record(def, EventType::Added, &body, None);
+        let body = self.put(def, key, body, None);
         Ok(WriteOutcome {
             object: Self::present(def, &body),
             created: true,
@@ -609,12 +651,7 @@ impl Store {
             outcome.object = Self::present(def, &outcome.object);
             return Ok(outcome);
         }
-        let key = Self::object_key(def, namespace, name);
-        let existing = self
-            .bucket(def)
-            .and_then(|b| b.get(&key))
-            .cloned()
-            .ok_or_else(|| ApiError::not_found(def, name))?;
+        let (key, existing) = self.stored(def, namespace, name)?;
         let warnings = self.decode(def, &mut body, options)?;
         drop_empty_metadata(&mut body);
         let body_name = meta_str(&body, "name").unwrap_or_default();
@@ -646,57 +683,37 @@ impl Store {
                 ));
             }
         }
-        let mut updated = match subresource {
-            Some("status") => {
-                let mut updated = existing.clone();
-                match body.get("status") {
-                    Some(status) => updated["status"] = status.clone(),
-                    None => {
-                        if let Some(map) = updated.as_object_mut() {
-                            map.remove("status");
-                        }
-                    }
-                }
-                updated
-            }
+        // The status subresource changes only status; the main endpoint of a kind with a status
+        // subresource changes everything but status.
+        let (mut updated, status_from) = match subresource {
+            Some("status") => (existing.clone(), Some(&body)),
             Some(other) => {
                 return Err(ApiError::not_found_path(&format!("{}/{other}", def.plural)));
             }
-            None => {
-                let mut updated = body;
-                if def.status_subresource {
-                    match existing.get("status") {
-                        Some(status) => updated["status"] = status.clone(),
-                        None => {
-                            if let Some(map) = updated.as_object_mut() {
-                                map.remove("status");
-                            }
-                        }
-                    }
-                }
-                updated
-            }
+            None => (body, def.status_subresource.then_some(&existing)),
         };
+        if let (Some(from), Some(map)) = (status_from, updated.as_object_mut()) {
+            rules::copy_fields(map, from, &["status"]);
+        }
         {
             let old_meta = existing["metadata"]
                 .as_object()
                 .cloned()
                 .unwrap_or_default();
             let meta = meta_mut(&mut updated);
-            for field in [
-                "name",
-                "namespace",
-                "uid",
-                "creationTimestamp",
-                "generation",
-                "deletionTimestamp",
-                "deletionGracePeriodSeconds",
-            ] {
-                match old_meta.get(field) {
-                    Some(v) => meta.insert(field.into(), v.clone()),
-                    None => meta.remove(field),
-                };
-            }
+            rules::copy_fields(
+                meta,
+                &existing["metadata"],
+                &[
+                    "name",
+                    "namespace",
+                    "uid",
+                    "creationTimestamp",
+                    "generation",
+                    "deletionTimestamp",
+                    "deletionGracePeriodSeconds",
+                ],
+            );
             meta.insert("resourceVersion".into(), json!(current_rv));
             meta.remove("managedFields");
             if subresource == Some("status") {
@@ -758,17 +775,7 @@ impl Store {
                 warnings,
             });
         }
-        let rv = self.next_rv();
-        meta_mut(&mut updated).insert("resourceVersion".into(), json!(rv));
-        if Self::is_crd(def) {
-            let defs = crd_resources(&updated).expect("validated above");
-            self.crds.insert(name.to_string(), defs);
-        }
-        self.objects
-            .entry(def.storage_key())
-            .or_default()
-            .insert(key, updated.clone());
-        self.record(def, EventType::Modified, &updated, Some(existing));
+        let updated = self.put(def, key, updated, Some(existing));
         Ok(WriteOutcome {
             object: Self::present(def, &updated),
             created: false,
@@ -824,14 +831,12 @@ impl Store {
         &mut self,
         def: &ResourceDef,
         key: &(String, String),
-        mut object: Value,
+        object: Value,
     ) -> Result<Value, ApiError> {
         if let Some(bucket) = self.objects.get_mut(&def.storage_key()) {
             bucket.remove(key);
         }
-        let rv = self.next_rv();
-        meta_mut(&mut object).insert("resourceVersion".into(), json!(rv));
-        self.record(def, EventType::Deleted, &object, None);
+        let object = self.record_deletion(def, object);
         if Self::is_crd(def) {
             if let Some(defs) = self.crds.remove(&key.1) {
                 if let Some(first) = defs.first() {
@@ -842,10 +847,7 @@ impl Store {
                         .into_iter()
                         .collect();
                     for (_, child) in children {
-                        let rv = self.next_rv();
-                        let mut child = child;
-                        meta_mut(&mut child).insert("resourceVersion".into(), json!(rv));
-                        self.record(first, EventType::Deleted, &child, None);
+                        self.record_deletion(first, child);
                     }
                 }
             }
@@ -871,10 +873,7 @@ impl Store {
                         .get_mut(&child_def.storage_key())
                         .and_then(|b| b.remove(&child_key))
                     {
-                        let rv = self.next_rv();
-                        let mut child = child;
-                        meta_mut(&mut child).insert("resourceVersion".into(), json!(rv));
-                        self.record(&child_def, EventType::Deleted, &child, None);
+                        self.record_deletion(&child_def, child);
                     }
                 }
             }
@@ -891,12 +890,7 @@ impl Store {
         preconditions: &Preconditions,
         dry_run: bool,
     ) -> Result<Value, ApiError> {
-        let key = Self::object_key(def, namespace, name);
-        let existing = self
-            .bucket(def)
-            .and_then(|b| b.get(&key))
-            .cloned()
-            .ok_or_else(|| ApiError::not_found(def, name))?;
+        let (key, existing) = self.stored(def, namespace, name)?;
         if let Some(uid) = &preconditions.uid {
             if meta_str(&existing, "uid") != Some(uid.as_str()) {
                 return Err(ApiError::conflict(
@@ -933,19 +927,13 @@ impl Store {
                 return Ok(Self::present(def, &existing));
             }
             let mut marked = existing.clone();
-            let rv = self.next_rv();
             let meta = meta_mut(&mut marked);
             meta.insert(
                 "deletionTimestamp".into(),
                 json!(clock::format_rfc3339(clock::unix_now())),
             );
             meta.insert("deletionGracePeriodSeconds".into(), json!(0));
-            meta.insert("resourceVersion".into(), json!(rv));
-            self.objects
-                .entry(def.storage_key())
-                .or_default()
-                .insert(key, marked.clone());
-            self.record(def, EventType::Modified, &marked, Some(existing));
+            let marked = self.put(def, key, marked, Some(existing));
             return Ok(Self::present(def, &marked));
         }
         let removed = self.remove(def, &key, existing)?;
@@ -1020,13 +1008,7 @@ impl Store {
         bound["status"]["conditions"] = json!(conditions);
         // Binding changes spec and status in one write, which neither endpoint alone allows.
         let key = Self::object_key(&pods, Some(namespace), name);
-        let rv = self.next_rv();
-        meta_mut(&mut bound).insert("resourceVersion".into(), json!(rv));
-        self.objects
-            .entry(pods.storage_key())
-            .or_default()
-            .insert(key, bound.clone());
-        self.record(&pods, EventType::Modified, &bound, Some(pod));
+        self.put(&pods, key, bound, Some(pod));
         Ok(())
     }
 }
@@ -1039,17 +1021,57 @@ mod tests {
         store.find("", "v1", "configmaps").unwrap()
     }
 
+    /// Creates `body` in the default namespace, with the default options.
+    fn create(store: &mut Store, def: &ResourceDef, body: Value) -> Result<WriteOutcome, ApiError> {
+        store.create(def, Some("default"), body, WriteOptions::default())
+    }
+
+    /// Updates `name` in the default namespace (or its `subresource`), with the default options.
+    fn update(
+        store: &mut Store,
+        def: &ResourceDef,
+        name: &str,
+        body: Value,
+        subresource: Option<&str>,
+    ) -> Result<WriteOutcome, ApiError> {
+        store.update(
+            def,
+            Some("default"),
+            name,
+            body,
+            subresource,
+            WriteOptions::default(),
+        )
+    }
+
+    /// Patches `name` in the default namespace, with the default options.
+    fn patch(
+        store: &mut Store,
+        def: &ResourceDef,
+        name: &str,
+        patch_type: PatchType,
+        body: &[u8],
+    ) -> Result<WriteOutcome, ApiError> {
+        store.patch(
+            def,
+            Some("default"),
+            name,
+            patch_type,
+            body,
+            None,
+            WriteOptions::default(),
+        )
+    }
+
     fn create_cm(store: &mut Store, name: &str) -> Value {
         let def = cm_def(store);
-        store
-            .create(
-                &def,
-                Some("default"),
-                json!({"metadata": {"name": name}, "data": {"a": "1"}}),
-                WriteOptions::default(),
-            )
-            .unwrap()
-            .object
+        create(
+            store,
+            &def,
+            json!({"metadata": {"name": name}, "data": {"a": "1"}}),
+        )
+        .unwrap()
+        .object
     }
 
     #[test]
@@ -1063,14 +1085,7 @@ mod tests {
             store.current_rv().to_string()
         );
         let def = cm_def(&store);
-        let err = store
-            .create(
-                &def,
-                Some("default"),
-                json!({"metadata": {"name": "a"}}),
-                WriteOptions::default(),
-            )
-            .unwrap_err();
+        let err = create(&mut store, &def, json!({"metadata": {"name": "a"}})).unwrap_err();
         assert_eq!((err.code, err.reason), (409, "AlreadyExists"));
     }
 
@@ -1078,13 +1093,7 @@ mod tests {
     fn empty_metadata_collections_are_not_stored() {
         let mut store = Store::new();
         let def = cm_def(&store);
-        let obj = store
-            .create(
-                &def,
-                Some("default"),
-                json!({"metadata": {"name": "e", "labels": {}, "annotations": {}, "finalizers": [], "generateName": ""}}),
-                WriteOptions::default(),
-            )
+        let obj = create(&mut store, &def, json!({"metadata": {"name": "e", "labels": {}, "annotations": {}, "finalizers": [], "generateName": ""}}))
             .unwrap()
             .object;
         let mut keys: Vec<&String> = obj["metadata"].as_object().unwrap().keys().collect();
@@ -1107,18 +1116,8 @@ mod tests {
         let mut store = Store::new();
         let def = cm_def(&store);
         let before = create_cm(&mut store, "j");
-        let patch = br#"[{"op": "test", "path": "/data/a", "value": "2"}, {"op": "remove", "path": "/data"}]"#;
-        let err = store
-            .patch(
-                &def,
-                Some("default"),
-                "j",
-                PatchType::Json,
-                patch,
-                None,
-                WriteOptions::default(),
-            )
-            .unwrap_err();
+        let doc = br#"[{"op": "test", "path": "/data/a", "value": "2"}, {"op": "remove", "path": "/data"}]"#;
+        let err = patch(&mut store, &def, "j", PatchType::Json, doc).unwrap_err();
         assert_eq!((err.code, err.reason), (422, "Invalid"));
         assert_eq!(store.get(&def, Some("default"), "j").unwrap(), before);
     }
@@ -1146,40 +1145,13 @@ mod tests {
         let obj = create_cm(&mut store, "a");
         let mut changed = obj.clone();
         changed["data"]["a"] = json!("2");
-        let updated = store
-            .update(
-                &def,
-                Some("default"),
-                "a",
-                changed.clone(),
-                None,
-                WriteOptions::default(),
-            )
-            .unwrap();
+        let updated = update(&mut store, &def, "a", changed.clone(), None).unwrap();
         assert_eq!(updated.object["metadata"]["generation"], 2);
-        let err = store
-            .update(
-                &def,
-                Some("default"),
-                "a",
-                changed,
-                None,
-                WriteOptions::default(),
-            )
-            .unwrap_err();
+        let err = update(&mut store, &def, "a", changed, None).unwrap_err();
         assert_eq!((err.code, err.reason), (409, "Conflict"));
         let mut relabelled = updated.object.clone();
         relabelled["metadata"]["labels"] = json!({"x": "y"});
-        let out = store
-            .update(
-                &def,
-                Some("default"),
-                "a",
-                relabelled,
-                None,
-                WriteOptions::default(),
-            )
-            .unwrap();
+        let out = update(&mut store, &def, "a", relabelled, None).unwrap();
         assert_eq!(
             out.object["metadata"]["generation"], 2,
             "labels are not spec"
@@ -1192,42 +1164,22 @@ mod tests {
         let def = store
             .find("resource.k8s.io", "v1", "resourceclaims")
             .unwrap();
-        let claim = store
-            .create(
-                &def,
-                Some("default"),
-                json!({"metadata": {"name": "c"}, "spec": {}, "status": {"x": 1}}),
-                WriteOptions::default(),
-            )
-            .unwrap()
-            .object;
+        let claim = create(
+            &mut store,
+            &def,
+            json!({"metadata": {"name": "c"}, "spec": {}, "status": {"x": 1}}),
+        )
+        .unwrap()
+        .object;
         assert!(claim.get("status").is_none(), "status is dropped on create");
         let mut with_status = claim.clone();
         with_status["status"] = json!({"allocation": {"devices": {"results": []}}, "reservedFor": [{"resource": "pods", "name": "p", "uid": "u"}]});
-        let out = store
-            .update(
-                &def,
-                Some("default"),
-                "c",
-                with_status.clone(),
-                None,
-                WriteOptions::default(),
-            )
-            .unwrap();
+        let out = update(&mut store, &def, "c", with_status.clone(), None).unwrap();
         assert!(
             out.object.get("status").is_none(),
             "main endpoint ignores status"
         );
-        let out = store
-            .update(
-                &def,
-                Some("default"),
-                "c",
-                with_status,
-                Some("status"),
-                WriteOptions::default(),
-            )
-            .unwrap();
+        let out = update(&mut store, &def, "c", with_status, Some("status")).unwrap();
         assert_eq!(out.object["status"]["reservedFor"][0]["name"], "p");
         assert_eq!(out.object["metadata"]["generation"], 1);
     }
@@ -1236,30 +1188,18 @@ mod tests {
     fn finalizers_delay_deletion() {
         let mut store = Store::new();
         let def = cm_def(&store);
-        store
-            .create(
-                &def,
-                Some("default"),
-                json!({"metadata": {"name": "f", "finalizers": ["x/y"]}}),
-                WriteOptions::default(),
-            )
-            .unwrap();
+        create(
+            &mut store,
+            &def,
+            json!({"metadata": {"name": "f", "finalizers": ["x/y"]}}),
+        )
+        .unwrap();
         let marked = store
             .delete(&def, Some("default"), "f", &Preconditions::default(), false)
             .unwrap();
         assert!(marked["metadata"]["deletionTimestamp"].is_string());
-        let patch = br#"{"metadata":{"finalizers":null}}"#;
-        store
-            .patch(
-                &def,
-                Some("default"),
-                "f",
-                PatchType::Merge,
-                patch,
-                None,
-                WriteOptions::default(),
-            )
-            .unwrap();
+        let doc = br#"{"metadata":{"finalizers":null}}"#;
+        patch(&mut store, &def, "f", PatchType::Merge, doc).unwrap();
         assert_eq!(store.get(&def, Some("default"), "f").unwrap_err().code, 404);
         let types: Vec<_> = store
             .events_after(0)
@@ -1294,14 +1234,12 @@ mod tests {
             "{}",
             err.message
         );
-        let ok = store
-            .create(
-                &def,
-                Some("default"),
-                json!({"metadata": {"name": "s"}, "dataa": {}}),
-                WriteOptions::default(),
-            )
-            .unwrap();
+        let ok = create(
+            &mut store,
+            &def,
+            json!({"metadata": {"name": "s"}, "dataa": {}}),
+        )
+        .unwrap();
         assert!(ok.object.get("dataa").is_none());
         assert_eq!(ok.warnings, vec!["unknown field \"dataa\"".to_string()]);
     }
@@ -1324,14 +1262,12 @@ mod tests {
         let widgets = store
             .find("example.dev", "v1", "widgets")
             .expect("served after CRD creation");
-        store
-            .create(
-                &widgets,
-                Some("default"),
-                json!({"metadata": {"name": "w"}, "spec": {"size": 3}}),
-                WriteOptions::default(),
-            )
-            .unwrap();
+        create(
+            &mut store,
+            &widgets,
+            json!({"metadata": {"name": "w"}, "spec": {"size": 3}}),
+        )
+        .unwrap();
         store
             .delete(
                 &crds,
@@ -1348,8 +1284,7 @@ mod tests {
     fn generate_name_and_binding() {
         let mut store = Store::new();
         let pods = store.find("", "v1", "pods").unwrap();
-        let pod = store
-            .create(&pods, Some("default"), json!({"metadata": {"generateName": "web-"}, "spec": {"containers": [{"name": "c", "image": "i"}]}}), WriteOptions::default())
+        let pod = create(&mut store, &pods, json!({"metadata": {"generateName": "web-"}, "spec": {"containers": [{"name": "c", "image": "i"}]}}))
             .unwrap()
             .object;
         let name = pod["metadata"]["name"].as_str().unwrap().to_string();

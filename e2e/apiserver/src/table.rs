@@ -4,6 +4,7 @@ use serde_json::{json, Value};
 
 use crate::clock;
 use crate::resources::{Columns, PrinterColumn, ResourceDef};
+use crate::selectors::split_outside;
 
 struct Column {
     name: &'static str,
@@ -240,21 +241,10 @@ fn builtin_cells(kind: &str, object: &Value) -> Vec<Value> {
 
 /// Splits a JSONPath on dots outside brackets.
 fn path_segments(path: &str) -> Vec<&str> {
-    let mut segments = Vec::new();
-    let (mut depth, mut start) = (0usize, 0usize);
-    for (i, c) in path.char_indices() {
-        match c {
-            '[' => depth += 1,
-            ']' => depth = depth.saturating_sub(1),
-            '.' if depth == 0 => {
-                segments.push(&path[start..i]);
-                start = i + 1;
-            }
-            _ => {}
-        }
-    }
-    segments.push(&path[start..]);
-    segments.into_iter().filter(|s| !s.is_empty()).collect()
+    split_outside(path, '.', '[', ']')
+        .into_iter()
+        .filter(|s| !s.is_empty())
+        .collect()
 }
 
 /// `?(@.a.b=="v")` as (path, value).
@@ -411,6 +401,7 @@ pub fn table(def: &ResourceDef, objects: &[Value], resource_version: &str, inclu
 mod tests {
     use super::*;
     use crate::resources::builtin_resources;
+    use crate::testing::strings;
 
     fn def(kind: &str) -> ResourceDef {
         builtin_resources()
@@ -435,12 +426,7 @@ mod tests {
         let slice = json!({"metadata": {"name": "s1", "creationTimestamp": "2020-01-01T00:00:00Z"},
             "spec": {"nodeName": "node-a", "driver": "gpupool.dev", "pool": {"name": "node-a"}}});
         let t = table(&def("ResourceSlice"), &[slice], "7", "");
-        let names: Vec<&str> = t["columnDefinitions"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|c| c["name"].as_str().unwrap())
-            .collect();
+        let names = strings(&t["columnDefinitions"], "name");
         assert_eq!(names, ["Name", "Node", "Driver", "Pool", "Age"]);
         assert_eq!(
             t["rows"][0]["cells"].as_array().unwrap()[0..4],

@@ -241,22 +241,33 @@ mod tests {
 
         /// What a cached read sees at `ms`: the data value, `None` for 404.
         fn cached(&self, ms: u64) -> Option<String> {
-            let object = match self
+            match self
                 .cache
                 .get(&self.def, Some("default"), "cm", self.at(ms))
             {
-                CachedObject::Current => self.store.get(&self.def, Some("default"), "cm").ok(),
-                CachedObject::Stale(object) => object,
-            };
-            object.map(|o| o["data"]["v"].as_str().unwrap().to_string())
+                CachedObject::Current => self.quorum(),
+                CachedObject::Stale(object) => object.map(|o| data(&o)),
+            }
+        }
+
+        /// Asserts what a cached read sees at each time: the data value, `None` for 404.
+        #[track_caller]
+        fn expect_cached(&self, expected: &[(u64, Option<&str>)]) {
+            for &(ms, data) in expected {
+                assert_eq!(self.cached(ms).as_deref(), data, "a cached read at {ms} ms");
+            }
         }
 
         fn quorum(&self) -> Option<String> {
             self.store
                 .get(&self.def, Some("default"), "cm")
                 .ok()
-                .map(|o| o["data"]["v"].as_str().unwrap().to_string())
+                .map(|o| data(&o))
         }
+    }
+
+    fn data(object: &Value) -> String {
+        object["data"]["v"].as_str().unwrap().to_string()
     }
 
     #[test]
@@ -264,14 +275,13 @@ mod tests {
         let mut f = Fixture::new();
         f.write(0, "one");
         // Created within the lag: not in the cache yet.
-        assert_eq!(f.cached(50), None);
+        f.expect_cached(&[(50, None)]);
         assert_eq!(f.quorum().as_deref(), Some("one"));
-        assert_eq!(f.cached(100).as_deref(), Some("one"));
+        f.expect_cached(&[(100, Some("one"))]);
         f.write(200, "two");
-        assert_eq!(f.cached(200).as_deref(), Some("one"));
-        assert_eq!(f.cached(299).as_deref(), Some("one"));
+        f.expect_cached(&[(200, Some("one")), (299, Some("one"))]);
         assert_eq!(f.quorum().as_deref(), Some("two"));
-        assert_eq!(f.cached(300).as_deref(), Some("two"));
+        f.expect_cached(&[(300, Some("two"))]);
     }
 
     #[test]
@@ -281,10 +291,12 @@ mod tests {
         f.write(150, "two");
         f.write(170, "three");
         f.write(190, "four");
-        assert_eq!(f.cached(160).as_deref(), Some("one"));
-        assert_eq!(f.cached(250).as_deref(), Some("two"));
-        assert_eq!(f.cached(275).as_deref(), Some("three"));
-        assert_eq!(f.cached(290).as_deref(), Some("four"));
+        f.expect_cached(&[
+            (160, Some("one")),
+            (250, Some("two")),
+            (275, Some("three")),
+            (290, Some("four")),
+        ]);
         assert_eq!(f.quorum().as_deref(), Some("four"));
     }
 
@@ -294,12 +306,10 @@ mod tests {
         f.write(0, "one");
         f.delete(500);
         assert_eq!(f.quorum(), None);
-        assert_eq!(f.cached(550).as_deref(), Some("one"));
-        assert_eq!(f.cached(600), None);
+        f.expect_cached(&[(550, Some("one")), (600, None)]);
         // Created again under the same name: the cache has the deletion first.
         f.write(700, "again");
-        assert_eq!(f.cached(750), None);
-        assert_eq!(f.cached(800).as_deref(), Some("again"));
+        f.expect_cached(&[(750, None), (800, Some("again"))]);
     }
 
     #[test]
@@ -309,11 +319,11 @@ mod tests {
         f.write(10, "two");
         f.cache.sweep(f.at(500));
         assert!(f.cache.versions.is_empty());
-        assert_eq!(f.cached(500).as_deref(), Some("two"));
+        f.expect_cached(&[(500, Some("two"))]);
         f.write(600, "three");
         f.cache.sweep(f.at(650));
         assert_eq!(f.cache.versions.len(), 1);
-        assert_eq!(f.cached(650).as_deref(), Some("two"));
+        f.expect_cached(&[(650, Some("two"))]);
     }
 
     #[test]

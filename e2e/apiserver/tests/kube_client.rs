@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
 use gpupool_api::crd::GpuModel;
 use gpupool_apiserver::ApiServer;
@@ -11,17 +12,15 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomRe
 use kube::api::{
     Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams,
 };
-use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::watcher;
-use kube::{Client, Config, CustomResourceExt, ResourceExt};
+use kube::{CustomResourceExt, ResourceExt};
 use serde_json::json;
 
-async fn client_for(server: &ApiServer) -> Client {
-    let kubeconfig = Kubeconfig::from_yaml(&server.kubeconfig_yaml()).expect("kubeconfig parses");
-    let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-        .await
-        .expect("kubeconfig is usable");
-    Client::try_from(config).expect("client")
+/// A fresh emulator, and the ConfigMaps of its default namespace.
+async fn start() -> (ApiServer, Api<ConfigMap>) {
+    let server = ApiServer::start().await.unwrap();
+    let api = Api::namespaced(server.client().await, "default");
+    (server, api)
 }
 
 fn config_map(name: &str, labels: serde_json::Value) -> ConfigMap {
@@ -31,11 +30,64 @@ fn config_map(name: &str, labels: serde_json::Value) -> ConfigMap {
     .unwrap()
 }
 
+/// Creates the ConfigMap `name` with `labels`.
+async fn create_config_map(
+    api: &Api<ConfigMap>,
+    name: &str,
+    labels: serde_json::Value,
+) -> ConfigMap {
+    api.create(&PostParams::default(), &config_map(name, labels))
+        .await
+        .unwrap()
+}
+
+/// Creates the claim `name` for one device of the class gpupool.dev.
+async fn create_claim(claims: &Api<ResourceClaim>, name: &str) -> ResourceClaim {
+    let claim: ResourceClaim = serde_json::from_value(json!({"metadata": {"name": name},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpupool.dev"}}]}}}))
+    .unwrap();
+    claims.create(&PostParams::default(), &claim).await.unwrap()
+}
+
 fn api_error(result: Result<impl std::fmt::Debug, kube::Error>) -> Box<kube::core::Status> {
     match result {
         Err(kube::Error::Api(status)) => status,
         other => panic!("expected an API error, got {other:?}"),
     }
+}
+
+/// A watch of `api` from the resourceVersion of a list made now, and that resourceVersion.
+async fn watch_from_now(
+    api: &Api<ConfigMap>,
+) -> (
+    String,
+    BoxStream<'static, kube::Result<WatchEvent<ConfigMap>>>,
+) {
+    let rv = api
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .metadata
+        .resource_version
+        .unwrap();
+    let stream = api
+        .watch(&WatchParams::default(), &rv)
+        .await
+        .unwrap()
+        .boxed();
+    (rv, stream)
+}
+
+/// The next item of a watcher stream, within 10 s.
+async fn next_within_10s<S, T, E>(stream: &mut S) -> Option<T>
+where
+    S: futures::Stream<Item = Result<T, E>> + Unpin,
+    E: std::fmt::Debug,
+{
+    tokio::time::timeout(Duration::from_secs(10), stream.try_next())
+        .await
+        .expect("a watcher event within 10s")
+        .expect("no watcher error")
 }
 
 async fn next_event<S, K>(stream: &mut S) -> WatchEvent<K>
@@ -56,25 +108,10 @@ where
 
 #[tokio::test]
 async fn watch_sees_create_update_delete_in_order() {
-    let server = ApiServer::start().await.unwrap();
-    let api: Api<ConfigMap> = Api::namespaced(client_for(&server).await, "default");
-    let rv = api
-        .list(&ListParams::default())
-        .await
-        .unwrap()
-        .metadata
-        .resource_version
-        .unwrap();
-    let mut stream = api
-        .watch(&WatchParams::default(), &rv)
-        .await
-        .unwrap()
-        .boxed();
+    let (_server, api) = start().await;
+    let (_, mut stream) = watch_from_now(&api).await;
 
-    let created = api
-        .create(&PostParams::default(), &config_map("w", json!({})))
-        .await
-        .unwrap();
+    let created = create_config_map(&api, "w", json!({})).await;
     let mut changed = created.clone();
     changed.data = Some([("k".to_string(), "changed".to_string())].into());
     api.replace("w", &PostParams::default(), &changed)
@@ -98,12 +135,8 @@ async fn watch_sees_create_update_delete_in_order() {
 
 #[tokio::test]
 async fn stale_update_gets_409_conflict() {
-    let server = ApiServer::start().await.unwrap();
-    let api: Api<ConfigMap> = Api::namespaced(client_for(&server).await, "default");
-    let original = api
-        .create(&PostParams::default(), &config_map("c", json!({})))
-        .await
-        .unwrap();
+    let (_server, api) = start().await;
+    let original = create_config_map(&api, "c", json!({})).await;
     let mut first = original.clone();
     first.data = Some([("k".to_string(), "1".to_string())].into());
     let first = api
@@ -132,8 +165,7 @@ async fn stale_update_gets_409_conflict() {
 
 #[tokio::test]
 async fn generate_name_and_server_fields() {
-    let server = ApiServer::start().await.unwrap();
-    let api: Api<ConfigMap> = Api::namespaced(client_for(&server).await, "default");
+    let (server, api) = start().await;
     let mut cm = config_map("", json!({}));
     cm.metadata.name = None;
     cm.metadata.generate_name = Some("gen-".into());
@@ -145,7 +177,7 @@ async fn generate_name_and_server_fields() {
     assert!(a.metadata.creation_timestamp.is_some());
     assert_eq!(a.metadata.generation, Some(1));
 
-    let elsewhere: Api<ConfigMap> = Api::namespaced(client_for(&server).await, "missing-ns");
+    let elsewhere: Api<ConfigMap> = Api::namespaced(server.client().await, "missing-ns");
     let status = api_error(
         elsewhere
             .create(&PostParams::default(), &config_map("x", json!({})))
@@ -157,55 +189,26 @@ async fn generate_name_and_server_fields() {
 #[tokio::test]
 async fn label_and_field_selectors_filter() {
     let server = ApiServer::start().await.unwrap();
-    let client = client_for(&server).await;
+    let client = server.client().await;
     let api: Api<ConfigMap> = Api::namespaced(client.clone(), "default");
     for (name, app) in [("a", "web"), ("b", "db"), ("c", "web")] {
-        api.create(
-            &PostParams::default(),
-            &config_map(name, json!({"app": app})),
-        )
-        .await
-        .unwrap();
+        create_config_map(&api, name, json!({"app": app})).await;
     }
-    let names = |list: kube::core::ObjectList<ConfigMap>| {
-        list.items.iter().map(|c| c.name_any()).collect::<Vec<_>>()
-    };
-    assert_eq!(
-        names(
-            api.list(&ListParams::default().labels("app=web"))
-                .await
-                .unwrap()
+    for (params, expected) in [
+        (ListParams::default().labels("app=web"), &["a", "c"][..]),
+        (ListParams::default().labels("app notin (web)"), &["b"]),
+        (ListParams::default().fields("metadata.name=c"), &["c"]),
+        (
+            ListParams::default()
+                .labels("app=web")
+                .fields("metadata.name!=a"),
+            &["c"],
         ),
-        ["a", "c"]
-    );
-    assert_eq!(
-        names(
-            api.list(&ListParams::default().labels("app notin (web)"))
-                .await
-                .unwrap()
-        ),
-        ["b"]
-    );
-    assert_eq!(
-        names(
-            api.list(&ListParams::default().fields("metadata.name=c"))
-                .await
-                .unwrap()
-        ),
-        ["c"]
-    );
-    assert_eq!(
-        names(
-            api.list(
-                &ListParams::default()
-                    .labels("app=web")
-                    .fields("metadata.name!=a")
-            )
-            .await
-            .unwrap()
-        ),
-        ["c"]
-    );
+    ] {
+        let listed = api.list(&params).await.unwrap();
+        let names: Vec<String> = listed.items.iter().map(|c| c.name_any()).collect();
+        assert_eq!(names, expected, "{params:?}");
+    }
 
     let slices: Api<ResourceSlice> = Api::all(client);
     for node in ["node-a", "node-b"] {
@@ -227,11 +230,8 @@ async fn label_and_field_selectors_filter() {
 
 #[tokio::test]
 async fn runtime_watcher_sees_initial_list_then_changes() {
-    let server = ApiServer::start().await.unwrap();
-    let api: Api<ConfigMap> = Api::namespaced(client_for(&server).await, "default");
-    api.create(&PostParams::default(), &config_map("before", json!({})))
-        .await
-        .unwrap();
+    let (_server, api) = start().await;
+    create_config_map(&api, "before", json!({})).await;
 
     for config in [
         watcher::Config::default(),
@@ -240,11 +240,7 @@ async fn runtime_watcher_sees_initial_list_then_changes() {
         let mut events = watcher(api.clone(), config).boxed();
         let mut initial = Vec::new();
         loop {
-            match tokio::time::timeout(Duration::from_secs(10), events.try_next())
-                .await
-                .unwrap()
-                .unwrap()
-            {
+            match next_within_10s(&mut events).await {
                 Some(watcher::Event::Init) => {}
                 Some(watcher::Event::InitApply(cm)) => initial.push(cm.name_any()),
                 Some(watcher::Event::InitDone) => break,
@@ -254,17 +250,11 @@ async fn runtime_watcher_sees_initial_list_then_changes() {
         assert!(initial.contains(&"before".to_string()), "{initial:?}");
 
         let name = format!("after-{}", initial.len());
-        api.create(&PostParams::default(), &config_map(&name, json!({})))
-            .await
-            .unwrap();
+        create_config_map(&api, &name, json!({})).await;
         api.delete(&name, &DeleteParams::default()).await.unwrap();
         let mut seen = Vec::new();
         while seen.len() < 2 {
-            match tokio::time::timeout(Duration::from_secs(10), events.try_next())
-                .await
-                .unwrap()
-                .unwrap()
-            {
+            match next_within_10s(&mut events).await {
                 Some(watcher::Event::Apply(cm)) => seen.push(format!("apply {}", cm.name_any())),
                 Some(watcher::Event::Delete(cm)) => seen.push(format!("delete {}", cm.name_any())),
                 other => panic!("unexpected {other:?}"),
@@ -276,11 +266,8 @@ async fn runtime_watcher_sees_initial_list_then_changes() {
 
 #[tokio::test]
 async fn watch_from_compacted_version_gets_410() {
-    let server = ApiServer::start().await.unwrap();
-    let api: Api<ConfigMap> = Api::namespaced(client_for(&server).await, "default");
-    api.create(&PostParams::default(), &config_map("a", json!({})))
-        .await
-        .unwrap();
+    let (server, api) = start().await;
+    create_config_map(&api, "a", json!({})).await;
     server.compact();
     let mut stream = api
         .watch(&WatchParams::default(), "1")
@@ -296,7 +283,7 @@ async fn watch_from_compacted_version_gets_410() {
 #[tokio::test]
 async fn crd_then_custom_resources_with_status_subresource() {
     let server = ApiServer::start().await.unwrap();
-    let client = client_for(&server).await;
+    let client = server.client().await;
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     crds.create(&PostParams::default(), &GpuModel::crd())
         .await
@@ -375,8 +362,7 @@ async fn crd_then_custom_resources_with_status_subresource() {
 
 #[tokio::test]
 async fn patches_and_server_side_apply() {
-    let server = ApiServer::start().await.unwrap();
-    let api: Api<ConfigMap> = Api::namespaced(client_for(&server).await, "default");
+    let (_server, api) = start().await;
     let applied = api
         .patch(
             "ssa",
@@ -421,7 +407,7 @@ async fn patches_and_server_side_apply() {
 #[tokio::test]
 async fn invalid_slice_is_422_naming_the_field() {
     let server = ApiServer::start().await.unwrap();
-    let slices: Api<ResourceSlice> = Api::all(client_for(&server).await);
+    let slices: Api<ResourceSlice> = Api::all(server.client().await);
     let slice: ResourceSlice = serde_json::from_value(json!({
         "metadata": {"name": "bad"},
         "spec": {"driver": "gpupool.dev", "nodeName": "n", "pool": {"name": "n", "generation": 1, "resourceSliceCount": 1},
@@ -440,12 +426,9 @@ async fn invalid_slice_is_422_naming_the_field() {
 #[tokio::test]
 async fn claim_status_and_pod_binding() {
     let server = ApiServer::start().await.unwrap();
-    let client = client_for(&server).await;
+    let client = server.client().await;
     let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
-    let claim: ResourceClaim = serde_json::from_value(json!({"metadata": {"name": "c"},
-        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpupool.dev"}}]}}}))
-    .unwrap();
-    claims.create(&PostParams::default(), &claim).await.unwrap();
+    create_claim(&claims, "c").await;
     let allocated = claims
         .patch_status(
             "c",
@@ -493,11 +476,8 @@ async fn claim_status_and_pod_binding() {
 
 #[tokio::test]
 async fn stop_and_resume_serving_keeps_the_store() {
-    let server = ApiServer::start().await.unwrap();
-    let api: Api<ConfigMap> = Api::namespaced(client_for(&server).await, "default");
-    api.create(&PostParams::default(), &config_map("kept", json!({})))
-        .await
-        .unwrap();
+    let (server, api) = start().await;
+    create_config_map(&api, "kept", json!({})).await;
     let writes_before = server
         .requests()
         .iter()
@@ -511,7 +491,7 @@ async fn stop_and_resume_serving_keeps_the_store() {
         "nothing answers while stopped"
     );
     server.resume_serving().await.unwrap();
-    let fresh: Api<ConfigMap> = Api::namespaced(client_for(&server).await, "default");
+    let fresh: Api<ConfigMap> = Api::namespaced(server.client().await, "default");
     assert_eq!(fresh.get("kept").await.unwrap().name_any(), "kept");
     let post = server
         .requests()
@@ -532,12 +512,9 @@ async fn recorder_events_show_as_core_events() {
     use kube::Resource;
 
     let server = ApiServer::start().await.unwrap();
-    let client = client_for(&server).await;
+    let client = server.client().await;
     let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
-    let claim: ResourceClaim = serde_json::from_value(json!({"metadata": {"name": "stuck"},
-        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpupool.dev"}}]}}}))
-    .unwrap();
-    let claim = claims.create(&PostParams::default(), &claim).await.unwrap();
+    let claim = create_claim(&claims, "stuck").await;
 
     let recorder = Recorder::new(client.clone(), Reporter::from("gpupool-scheduler"));
     let event = Event {
@@ -584,14 +561,8 @@ async fn dropping_the_server_stops_it() {
 
 #[tokio::test]
 async fn metadata_calls_get_partial_object_metadata() {
-    let server = ApiServer::start().await.unwrap();
-    let api: Api<ConfigMap> = Api::namespaced(client_for(&server).await, "default");
-    api.create(
-        &PostParams::default(),
-        &config_map("m", json!({"app": "web"})),
-    )
-    .await
-    .unwrap();
+    let (server, api) = start().await;
+    create_config_map(&api, "m", json!({"app": "web"})).await;
     let listed = api.list_metadata(&ListParams::default()).await.unwrap();
     assert_eq!(listed.items.len(), 1);
     assert_eq!(listed.items[0].labels()["app"], "web");
@@ -600,7 +571,7 @@ async fn metadata_calls_get_partial_object_metadata() {
 
     let mut events = watcher(
         Api::<kube::core::PartialObjectMeta<ConfigMap>>::namespaced(
-            client_for(&server).await,
+            server.client().await,
             "default",
         ),
         watcher::Config::default(),
@@ -608,12 +579,7 @@ async fn metadata_calls_get_partial_object_metadata() {
     .boxed();
     let mut names = Vec::new();
     while names.is_empty() {
-        if let Some(watcher::Event::InitApply(meta)) =
-            tokio::time::timeout(Duration::from_secs(10), events.try_next())
-                .await
-                .unwrap()
-                .unwrap()
-        {
+        if let Some(watcher::Event::InitApply(meta)) = next_within_10s(&mut events).await {
             names.push(meta.name_any());
         }
     }
@@ -622,21 +588,9 @@ async fn metadata_calls_get_partial_object_metadata() {
 
 #[tokio::test]
 async fn watches_that_allow_bookmarks_get_them_periodically() {
-    let server = ApiServer::start().await.unwrap();
+    let (server, api) = start().await;
     server.set_bookmark_interval(Duration::from_millis(100));
-    let api: Api<ConfigMap> = Api::namespaced(client_for(&server).await, "default");
-    let rv = api
-        .list(&ListParams::default())
-        .await
-        .unwrap()
-        .metadata
-        .resource_version
-        .unwrap();
-    let mut stream = api
-        .watch(&WatchParams::default(), &rv)
-        .await
-        .unwrap()
-        .boxed();
+    let (rv, mut stream) = watch_from_now(&api).await;
     let event = tokio::time::timeout(Duration::from_secs(5), stream.next())
         .await
         .expect("a bookmark within 5s")
@@ -652,7 +606,7 @@ async fn watches_that_allow_bookmarks_get_them_periodically() {
 async fn the_default_namespace_cannot_be_deleted() {
     use k8s_openapi::api::core::v1::Namespace;
     let server = ApiServer::start().await.unwrap();
-    let namespaces: Api<Namespace> = Api::all(client_for(&server).await);
+    let namespaces: Api<Namespace> = Api::all(server.client().await);
     let status = api_error(namespaces.delete("default", &DeleteParams::default()).await);
     assert_eq!((status.code, status.reason.as_str()), (403, "Forbidden"));
     assert!(namespaces.get("default").await.is_ok());
@@ -661,34 +615,19 @@ async fn the_default_namespace_cannot_be_deleted() {
 #[tokio::test]
 async fn watchers_resume_after_an_api_outage() {
     use kube::runtime::WatchStreamExt;
-    let server = ApiServer::start().await.unwrap();
-    let api: Api<ConfigMap> = Api::namespaced(client_for(&server).await, "default");
+    let (server, api) = start().await;
     let mut objects = watcher(api.clone(), watcher::Config::default())
         .default_backoff()
         .applied_objects()
         .boxed();
-    api.create(
-        &PostParams::default(),
-        &config_map("before-outage", json!({})),
-    )
-    .await
-    .unwrap();
-    let first = tokio::time::timeout(Duration::from_secs(10), objects.try_next())
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    create_config_map(&api, "before-outage", json!({})).await;
+    let first = next_within_10s(&mut objects).await.unwrap();
     assert_eq!(first.name_any(), "before-outage");
 
     server.stop_serving().await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     server.resume_serving().await.unwrap();
-    api.create(
-        &PostParams::default(),
-        &config_map("after-outage", json!({})),
-    )
-    .await
-    .unwrap();
+    create_config_map(&api, "after-outage", json!({})).await;
     let mut seen = Vec::new();
     while !seen.contains(&"after-outage".to_string()) {
         let next = tokio::time::timeout(Duration::from_secs(20), objects.try_next())

@@ -90,6 +90,27 @@ struct Kubectl {
     _dir: tempfile::TempDir,
 }
 
+/// A fresh emulator and a kubectl for it; None (the test is skipped) without kubectl.
+async fn start() -> Option<(ApiServer, Kubectl)> {
+    if !kubectl_available() {
+        return None;
+    }
+    let server = ApiServer::start().await.unwrap();
+    let kubectl = Kubectl::new(&server);
+    Some((server, kubectl))
+}
+
+#[track_caller]
+fn assert_contains(text: &str, expected: &str) {
+    assert!(text.contains(expected), "{text}");
+}
+
+/// The cells of a table's header and of its first row.
+fn header_and_first_row(table: &str) -> (Vec<&str>, Vec<&str>) {
+    let mut lines = table.lines().map(|l| l.split_whitespace().collect());
+    (lines.next().unwrap(), lines.next().unwrap())
+}
+
 impl Kubectl {
     fn new(server: &ApiServer) -> Self {
         let dir = tempfile::tempdir().unwrap();
@@ -128,6 +149,16 @@ impl Kubectl {
         String::from_utf8(out.stdout).unwrap()
     }
 
+    /// `kubectl apply -f <file>`; returns stdout.
+    async fn apply(&self, file: &Path) -> String {
+        self.ok(&["apply", "-f", path_str(file)]).await
+    }
+
+    /// `kubectl apply -f <file>` expecting failure; returns stderr.
+    async fn apply_fails(&self, file: &Path) -> String {
+        self.fails(&["apply", "-f", path_str(file)]).await
+    }
+
     /// Runs kubectl expecting failure; returns stderr.
     async fn fails(&self, args: &[&str]) -> String {
         let out = self.run(args).await;
@@ -146,31 +177,21 @@ fn path_str(path: &Path) -> &str {
 
 #[tokio::test]
 async fn kubectl_apply_get_describe_delete() {
-    if !kubectl_available() {
+    let Some((server, kubectl)) = start().await else {
         return;
-    }
-    let server = ApiServer::start().await.unwrap();
-    let kubectl = Kubectl::new(&server);
+    };
     let manifest = kubectl.file("objects.yaml", OBJECTS);
 
-    let applied = kubectl.ok(&["apply", "-f", path_str(&manifest)]).await;
-    assert!(
-        applied.contains("deviceclass.resource.k8s.io/gpupool.dev created"),
-        "{applied}"
-    );
-    assert!(
-        applied.contains("resourceslice.resource.k8s.io/node-a-gpupool.dev created"),
-        "{applied}"
-    );
-    assert!(
-        applied.contains("resourceclaim.resource.k8s.io/claim-a created"),
-        "{applied}"
-    );
-    let again = kubectl.ok(&["apply", "-f", path_str(&manifest)]).await;
-    assert!(
-        again.contains("resourceclaim.resource.k8s.io/claim-a unchanged"),
-        "{again}"
-    );
+    let applied = kubectl.apply(&manifest).await;
+    for created in [
+        "deviceclass.resource.k8s.io/gpupool.dev created",
+        "resourceslice.resource.k8s.io/node-a-gpupool.dev created",
+        "resourceclaim.resource.k8s.io/claim-a created",
+    ] {
+        assert_contains(&applied, created);
+    }
+    let again = kubectl.apply(&manifest).await;
+    assert_contains(&again, "resourceclaim.resource.k8s.io/claim-a unchanged");
     let relabelled = kubectl.file(
         "relabelled.yaml",
         &OBJECTS.replace(
@@ -178,36 +199,35 @@ async fn kubectl_apply_get_describe_delete() {
             "  name: claim-a\n  labels:\n    team: ml\n",
         ),
     );
-    let reapplied = kubectl.ok(&["apply", "-f", path_str(&relabelled)]).await;
-    assert!(
-        reapplied.contains("resourceclaim.resource.k8s.io/claim-a configured"),
-        "{reapplied}"
+    let reapplied = kubectl.apply(&relabelled).await;
+    assert_contains(
+        &reapplied,
+        "resourceclaim.resource.k8s.io/claim-a configured",
     );
     // A claim's spec is immutable, as on a real cluster.
     let changed = kubectl.file(
         "changed.yaml",
         &OBJECTS.replace("memory: 8Gi", "memory: 4Gi"),
     );
-    let stderr = kubectl.fails(&["apply", "-f", path_str(&changed)]).await;
-    assert!(
-        stderr.contains("spec: Invalid value: field is immutable"),
-        "{stderr}"
-    );
+    let stderr = kubectl.apply_fails(&changed).await;
+    assert_contains(&stderr, "spec: Invalid value: field is immutable");
 
     let table = kubectl.ok(&["get", "resourceslices"]).await;
-    let mut lines = table.lines();
-    let header: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
+    let (header, row) = header_and_first_row(&table);
     assert_eq!(header, ["NAME", "NODE", "DRIVER", "POOL", "AGE"]);
-    let row: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
     assert_eq!(
         row[..4],
         ["node-a-gpupool.dev", "node-a", "gpupool.dev", "node-a"]
     );
 
     let yaml = kubectl.ok(&["get", "resourceslices", "-o", "yaml"]).await;
-    assert!(yaml.contains("driver: gpupool.dev"), "{yaml}");
-    assert!(yaml.contains("productName:"), "{yaml}");
-    assert!(yaml.contains("resourceSliceCount: 1"), "{yaml}");
+    for field in [
+        "driver: gpupool.dev",
+        "productName:",
+        "resourceSliceCount: 1",
+    ] {
+        assert_contains(&yaml, field);
+    }
 
     let claims = kubectl.ok(&["get", "resourceclaims"]).await;
     assert!(
@@ -233,9 +253,9 @@ async fn kubectl_apply_get_describe_delete() {
             &status.to_string(),
         ])
         .await;
-    assert!(patched.contains("patched"), "{patched}");
+    assert_contains(&patched, "patched");
     let claims = kubectl.ok(&["get", "resourceclaims"]).await;
-    assert!(claims.contains("allocated,reserved"), "{claims}");
+    assert_contains(&claims, "allocated,reserved");
 
     let described = kubectl.ok(&["describe", "resourceclaim", "claim-a"]).await;
     for expected in [
@@ -261,9 +281,9 @@ async fn kubectl_apply_get_describe_delete() {
     );
 
     let deleted = kubectl.ok(&["delete", "-f", path_str(&manifest)]).await;
-    assert!(
-        deleted.contains("resourceslice.resource.k8s.io \"node-a-gpupool.dev\" deleted"),
-        "{deleted}"
+    assert_contains(
+        &deleted,
+        "resourceslice.resource.k8s.io \"node-a-gpupool.dev\" deleted",
     );
     let empty = kubectl.run(&["get", "resourceslices"]).await;
     assert!(String::from_utf8_lossy(&empty.stderr).contains("No resources found"));
@@ -280,55 +300,42 @@ fn slice_with_devices(devices: serde_json::Value) -> String {
 
 #[tokio::test]
 async fn kubectl_apply_refuses_invalid_slices_naming_the_field() {
-    if !kubectl_available() {
+    let Some((_server, kubectl)) = start().await else {
         return;
-    }
-    let server = ApiServer::start().await.unwrap();
-    let kubectl = Kubectl::new(&server);
+    };
 
     let too_many: Vec<_> = (0..129)
         .map(|i| json!({"name": format!("gpu-{i}")}))
         .collect();
-    let file = kubectl.file("too-many.json", &slice_with_devices(json!(too_many)));
-    let stderr = kubectl.fails(&["apply", "-f", path_str(&file)]).await;
-    assert!(
-        stderr.contains("spec.devices: Too many: 129: must have at most 128 items"),
-        "{stderr}"
-    );
-
     let long_name = "a".repeat(40);
-    let file = kubectl.file(
-        "long-attribute.json",
-        &slice_with_devices(
-            json!([{"name": "gpu-0", "attributes": {long_name.clone(): {"int": 1}}}]),
+    let long_attribute = format!("spec.devices[0].attributes[{long_name}]");
+    let cases = [
+        (
+            "too-many.json",
+            json!(too_many),
+            "spec.devices: Too many: 129: must have at most 128 items",
         ),
-    );
-    let stderr = kubectl.fails(&["apply", "-f", path_str(&file)]).await;
-    assert!(
-        stderr.contains(&format!("spec.devices[0].attributes[{long_name}]")),
-        "{stderr}"
-    );
-
-    let file = kubectl.file(
-        "off-step.json",
-        &slice_with_devices(json!([{"name": "gpu-0", "capacity": {"memory": {"value": "40Gi",
-            "requestPolicy": {"default": "1500Ki", "validRange": {"min": "1Mi", "step": "1Mi"}}}}}])),
-    );
-    let stderr = kubectl.fails(&["apply", "-f", path_str(&file)]).await;
-    assert!(
-        stderr.contains("spec.devices[0].capacity[memory].requestPolicy.default"),
-        "{stderr}"
-    );
-
-    let file = kubectl.file(
-        "unknown-field.json",
-        &slice_with_devices(json!([{"name": "gpu-0", "colour": "green"}])),
-    );
-    let stderr = kubectl.fails(&["apply", "-f", path_str(&file)]).await;
-    assert!(
-        stderr.contains("unknown field \"spec.devices[0].colour\""),
-        "{stderr}"
-    );
+        (
+            "long-attribute.json",
+            json!([{"name": "gpu-0", "attributes": {long_name.clone(): {"int": 1}}}]),
+            long_attribute.as_str(),
+        ),
+        (
+            "off-step.json",
+            json!([{"name": "gpu-0", "capacity": {"memory": {"value": "40Gi",
+                "requestPolicy": {"default": "1500Ki", "validRange": {"min": "1Mi", "step": "1Mi"}}}}}]),
+            "spec.devices[0].capacity[memory].requestPolicy.default",
+        ),
+        (
+            "unknown-field.json",
+            json!([{"name": "gpu-0", "colour": "green"}]),
+            "unknown field \"spec.devices[0].colour\"",
+        ),
+    ];
+    for (name, devices, expected) in cases {
+        let file = kubectl.file(name, &slice_with_devices(devices));
+        assert_contains(&kubectl.apply_fails(&file).await, expected);
+    }
 
     let listed = kubectl.run(&["get", "resourceslices"]).await;
     assert!(
@@ -339,23 +346,21 @@ async fn kubectl_apply_refuses_invalid_slices_naming_the_field() {
 
 #[tokio::test]
 async fn kubectl_gets_custom_resources_with_printer_columns() {
-    if !kubectl_available() {
+    let Some((_server, kubectl)) = start().await else {
         return;
-    }
-    let server = ApiServer::start().await.unwrap();
-    let kubectl = Kubectl::new(&server);
+    };
     let crd = kubectl.file(
         "crd.yaml",
         &serde_yaml::to_string(&GpuModel::crd()).unwrap(),
     );
-    let out = kubectl.ok(&["apply", "-f", path_str(&crd)]).await;
-    assert!(out.contains("gpumodels.gpupool.dev created"), "{out}");
+    let out = kubectl.apply(&crd).await;
+    assert_contains(&out, "gpumodels.gpupool.dev created");
     let model = kubectl.file(
         "model.yaml",
         "apiVersion: gpupool.dev/v1alpha1\nkind: GpuModel\nmetadata:\n  name: a100\nspec:\n  model: A100-SXM4-40GB\n  computeWeight: 312\n",
     );
-    let out = kubectl.ok(&["apply", "-f", path_str(&model)]).await;
-    assert!(out.contains("gpumodel.gpupool.dev/a100 created"), "{out}");
+    let out = kubectl.apply(&model).await;
+    assert_contains(&out, "gpumodel.gpupool.dev/a100 created");
     kubectl
         .ok(&[
             "patch",
@@ -369,14 +374,12 @@ async fn kubectl_gets_custom_resources_with_printer_columns() {
         .await;
 
     let table = kubectl.ok(&["get", "gpumodels"]).await;
-    let mut lines = table.lines();
-    let header: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
+    let (header, row) = header_and_first_row(&table);
     assert_eq!(
         header[..5],
         ["NAME", "MODEL", "WEIGHT", "DEVICES", "NODES"],
         "{table}"
     );
-    let row: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
     assert_eq!(
         row[..6],
         ["a100", "A100-SXM4-40GB", "312", "4", "2", "160Gi"],
@@ -390,11 +393,9 @@ async fn kubectl_gets_custom_resources_with_printer_columns() {
 
 #[tokio::test]
 async fn kubectl_create_sends_protobuf_that_is_understood() {
-    if !kubectl_available() {
+    let Some((_server, kubectl)) = start().await else {
         return;
-    }
-    let server = ApiServer::start().await.unwrap();
-    let kubectl = Kubectl::new(&server);
+    };
     kubectl.ok(&["create", "namespace", "team-a"]).await;
     kubectl
         .ok(&[
@@ -421,10 +422,7 @@ async fn kubectl_create_sends_protobuf_that_is_understood() {
     let stderr = kubectl
         .fails(&["-n", "nowhere", "create", "configmap", "cfg"])
         .await;
-    assert!(
-        stderr.contains("namespaces \"nowhere\" not found"),
-        "{stderr}"
-    );
+    assert_contains(&stderr, "namespaces \"nowhere\" not found");
     kubectl.ok(&["delete", "namespace", "team-a"]).await;
     let gone = kubectl.run(&["get", "configmaps", "-A"]).await;
     assert!(String::from_utf8_lossy(&gone.stderr).contains("No resources found"));

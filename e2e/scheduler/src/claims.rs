@@ -61,6 +61,24 @@ pub fn owned_by(claim: &ResourceClaim, pod_uid: &str) -> bool {
         .any(|o| o.kind == "Pod" && o.uid == pod_uid)
 }
 
+/// The requests of `claim`.
+pub fn requests_of(claim: &ResourceClaim) -> &[DeviceRequest] {
+    claim
+        .spec
+        .devices
+        .as_ref()
+        .and_then(|d| d.requests.as_deref())
+        .unwrap_or_default()
+}
+
+/// Whether `claim` has an allocation.
+pub fn is_allocated(claim: &ResourceClaim) -> bool {
+    claim
+        .status
+        .as_ref()
+        .is_some_and(|s| s.allocation.is_some())
+}
+
 /// The uid of the pod a claim was generated for, if any.
 pub fn owner_pod_uid(claim: &ResourceClaim) -> Option<&str> {
     claim
@@ -70,6 +88,23 @@ pub fn owner_pod_uid(claim: &ResourceClaim) -> Option<&str> {
         .flatten()
         .find(|o| o.kind == "Pod" && o.controller == Some(true))
         .map(|o| o.uid.as_str())
+}
+
+/// A new claim with `metadata` that asks for `requests`.
+pub(crate) fn claim_for_requests(
+    metadata: ObjectMeta,
+    requests: Vec<DeviceRequest>,
+) -> ResourceClaim {
+    ResourceClaim {
+        metadata,
+        spec: ResourceClaimSpec {
+            devices: Some(DeviceClaim {
+                requests: Some(requests),
+                ..Default::default()
+            }),
+        },
+        status: None,
+    }
 }
 
 /// The claim the resourceclaim controller creates for a pod's template entry.
@@ -242,22 +277,16 @@ pub fn extended_resource_claim(
         EXTENDED_RESOURCE_CLAIM_ANNOTATION.to_string(),
         "true".to_string(),
     );
-    let claim = ResourceClaim {
-        metadata: ObjectMeta {
+    let claim = claim_for_requests(
+        ObjectMeta {
             generate_name: Some(format!("{pod_name}-extended-resources-")),
             namespace: pod.metadata.namespace.clone(),
             annotations: Some(annotations),
             owner_references: Some(vec![owner(pod)]),
             ..Default::default()
         },
-        spec: ResourceClaimSpec {
-            devices: Some(DeviceClaim {
-                requests: Some(requests),
-                ..Default::default()
-            }),
-        },
-        status: None,
-    };
+        requests,
+    );
     Ok(Some((claim, mappings)))
 }
 
@@ -406,14 +435,7 @@ mod tests {
         let p = pod(vec![], &[("gpupool.dev/a100", "2"), ("cpu", "1")]);
         let (claim, mappings) = extended_resource_claim(&p, &classes).unwrap().unwrap();
         assert!(is_extended_resource_claim(&claim));
-        let request = &claim
-            .spec
-            .devices
-            .as_ref()
-            .unwrap()
-            .requests
-            .as_ref()
-            .unwrap()[0];
+        let request = &requests_of(&claim)[0];
         let exactly = request.exactly.as_ref().unwrap();
         assert_eq!(
             (

@@ -5,11 +5,11 @@ use std::collections::BTreeMap;
 
 use gpupool_api::names::DRIVER_NAME;
 use k8s_openapi::api::resource::v1::{
-    AllocationResult, CELDeviceSelector, CapacityRequirements, Device, DeviceAttribute,
-    DeviceClaim, DeviceClaimConfiguration, DeviceClass, DeviceClassConfiguration, DeviceClassSpec,
-    DeviceRequest, DeviceSelector, DeviceSubRequest, ExactDeviceRequest, OpaqueDeviceConfiguration,
-    ResourceClaim, ResourceClaimSpec, ResourceClaimStatus, ResourcePool, ResourceSlice,
-    ResourceSliceSpec,
+    AllocationResult, CELDeviceSelector, CapacityRequestPolicy, CapacityRequirements, Device,
+    DeviceAttribute, DeviceCapacity, DeviceClaim, DeviceClaimConfiguration, DeviceClass,
+    DeviceClassConfiguration, DeviceClassSpec, DeviceRequest, DeviceRequestAllocationResult,
+    DeviceSelector, DeviceSubRequest, ExactDeviceRequest, OpaqueDeviceConfiguration, ResourceClaim,
+    ResourceClaimStatus, ResourcePool, ResourceSlice, ResourceSliceSpec,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -26,6 +26,20 @@ fn string_attr(s: &str) -> DeviceAttribute {
     }
 }
 
+pub fn int_attr(i: i64) -> DeviceAttribute {
+    DeviceAttribute {
+        int: Some(i),
+        ..Default::default()
+    }
+}
+
+fn version_attr(v: &str) -> DeviceAttribute {
+    DeviceAttribute {
+        version: Some(v.to_string()),
+        ..Default::default()
+    }
+}
+
 /// One GPU as gpupool publishes it: shared, memory + cores consumable.
 pub fn gpu(index: u32, model: &str, memory: &str) -> Device {
     let mut attributes = BTreeMap::new();
@@ -34,20 +48,8 @@ pub fn gpu(index: u32, model: &str, memory: &str) -> Device {
         "productName".to_string(),
         string_attr(&format!("NVIDIA {model}")),
     );
-    attributes.insert(
-        "index".to_string(),
-        DeviceAttribute {
-            int: Some(index.into()),
-            ..Default::default()
-        },
-    );
-    attributes.insert(
-        "driverVersion".to_string(),
-        DeviceAttribute {
-            version: Some("550.54.15".into()),
-            ..Default::default()
-        },
-    );
+    attributes.insert("index".to_string(), int_attr(index.into()));
+    attributes.insert("driverVersion".to_string(), version_attr("550.54.15"));
     attributes.insert(
         "resource.kubernetes.io/pcieRoot".to_string(),
         string_attr(&format!("pci0000:{:02x}", index / 2)),
@@ -62,6 +64,18 @@ pub fn gpu(index: u32, model: &str, memory: &str) -> Device {
         capacity: Some(capacity),
         allow_multiple_allocations: Some(true),
         ..Default::default()
+    }
+}
+
+/// A capacity of `value` whose requests take the smallest of `values` at or above them.
+pub fn with_valid_values(value: &str, default: &str, values: &[&str]) -> DeviceCapacity {
+    DeviceCapacity {
+        value: q(value),
+        request_policy: Some(CapacityRequestPolicy {
+            default: Some(q(default)),
+            valid_range: None,
+            valid_values: Some(values.iter().map(|v| q(v)).collect()),
+        }),
     }
 }
 
@@ -224,21 +238,35 @@ pub fn first_available(name: &str, subrequests: Vec<DeviceSubRequest>) -> Device
 }
 
 pub fn claim(name: &str, requests: Vec<DeviceRequest>) -> ResourceClaim {
-    ResourceClaim {
-        metadata: ObjectMeta {
+    crate::claims::claim_for_requests(
+        ObjectMeta {
             name: Some(name.to_string()),
             namespace: Some("default".to_string()),
             uid: Some(format!("uid-{name}")),
             ..Default::default()
         },
-        spec: ResourceClaimSpec {
-            devices: Some(DeviceClaim {
-                requests: Some(requests),
-                ..Default::default()
-            }),
-        },
-        status: None,
-    }
+        requests,
+    )
+}
+
+/// The devices part of a claim's spec, to change.
+pub fn devices_mut(claim: &mut ResourceClaim) -> &mut DeviceClaim {
+    claim.spec.devices.get_or_insert_with(Default::default)
+}
+
+/// The first request of a claim, an `exactly` one, to change.
+pub fn first_exact_mut(claim: &mut ResourceClaim) -> &mut ExactDeviceRequest {
+    let requests = devices_mut(claim).requests.as_mut().expect("requests");
+    requests[0].exactly.as_mut().expect("an exactly request")
+}
+
+/// The results of an allocation.
+pub fn results(allocation: &AllocationResult) -> &[DeviceRequestAllocationResult] {
+    allocation
+        .devices
+        .as_ref()
+        .and_then(|d| d.results.as_deref())
+        .unwrap_or_default()
 }
 
 pub fn with_claim_config(
@@ -246,8 +274,7 @@ pub fn with_claim_config(
     requests: &[&str],
     parameters: serde_json::Value,
 ) -> ResourceClaim {
-    let devices = claim.spec.devices.get_or_insert_with(Default::default);
-    devices
+    devices_mut(&mut claim)
         .config
         .get_or_insert_with(Vec::new)
         .push(DeviceClaimConfiguration {

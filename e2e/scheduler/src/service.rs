@@ -23,8 +23,8 @@ use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
 use crate::claims::{
-    claim_from_template, extended_resource_claim, is_extended_resource_claim, owned_by,
-    owner_pod_uid, pod_claim_sources, ClaimSource,
+    claim_from_template, extended_resource_claim, is_allocated, is_extended_resource_claim,
+    owned_by, owner_pod_uid, pod_claim_sources, ClaimSource,
 };
 use crate::placement::{candidate_nodes, claim_key, excluded_nodes, place};
 
@@ -222,10 +222,7 @@ impl Scheduler {
             let deleting = claim.metadata.deletion_timestamp.is_some();
             let owner_gone = owner_pod_uid(claim).is_some_and(|uid| !live.contains_key(uid));
             let protected = has_finalizer(claim);
-            let allocated = claim
-                .status
-                .as_ref()
-                .is_some_and(|s| s.allocation.is_some());
+            let allocated = is_allocated(claim);
             let deallocate = keep.is_empty()
                 && protected
                 && allocated
@@ -254,10 +251,7 @@ impl Scheduler {
                     }
                 }
             }
-            let allocated = claim
-                .status
-                .as_ref()
-                .is_some_and(|s| s.allocation.is_some());
+            let allocated = is_allocated(claim);
             if protected && !allocated && keep.is_empty() {
                 let rest: Vec<String> = claim
                     .metadata
@@ -418,33 +412,12 @@ impl Scheduler {
             }
         }
 
-        let pending: Vec<&ResourceClaim> = pod_claims
-            .iter()
-            .filter(|c| {
-                c.status
-                    .as_ref()
-                    .and_then(|s| s.allocation.as_ref())
-                    .is_none()
-            })
-            .collect();
-        let bound: Vec<&ResourceClaim> = pod_claims
-            .iter()
-            .filter(|c| {
-                c.status
-                    .as_ref()
-                    .and_then(|s| s.allocation.as_ref())
-                    .is_some()
-            })
-            .collect();
+        let (bound, pending): (Vec<&ResourceClaim>, Vec<&ResourceClaim>) =
+            pod_claims.iter().partition(|c| is_allocated(c));
         let allocated: Vec<ResourceClaim> = world
             .claims
             .iter()
-            .filter(|c| {
-                c.status
-                    .as_ref()
-                    .and_then(|s| s.allocation.as_ref())
-                    .is_some()
-            })
+            .filter(|c| is_allocated(c))
             .cloned()
             .collect();
         let nodes = candidate_nodes(pod, &world.nodes);
@@ -485,11 +458,7 @@ impl Scheduler {
                 extended_name = updated.metadata.name.clone();
                 world.claims.push(updated.clone());
             }
-            let needs_allocation = updated
-                .status
-                .as_ref()
-                .and_then(|s| s.allocation.as_ref())
-                .is_none();
+            let needs_allocation = !is_allocated(&updated);
             if needs_allocation && !has_finalizer(&updated) {
                 // Like kube-scheduler: protect the claim from deletion while allocated.
                 let mut finalizers = updated.metadata.finalizers.clone().unwrap_or_default();

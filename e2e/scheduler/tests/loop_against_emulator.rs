@@ -8,20 +8,11 @@ use gpupool_apiserver::ApiServer;
 use gpupool_scheduler::{spawn, Options};
 use k8s_openapi::api::core::v1::{Event, Node, Pod};
 use k8s_openapi::api::resource::v1::{
-    DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
+    DeviceClass, DeviceRequestAllocationResult, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
 };
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
-use kube::config::{KubeConfigOptions, Kubeconfig};
-use kube::{Client, Config};
+use kube::Client;
 use serde_json::json;
-
-async fn client_for(server: &ApiServer) -> Client {
-    let kubeconfig = Kubeconfig::from_yaml(&server.kubeconfig_yaml()).unwrap();
-    let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-        .await
-        .unwrap();
-    Client::try_from(config).unwrap()
-}
 
 async fn create<K>(api: &Api<K>, value: serde_json::Value) -> K
 where
@@ -43,6 +34,62 @@ fn gpu(index: u32) -> serde_json::Value {
     })
 }
 
+/// Creates `nodes`, the class of A100s (with an `extendedResourceName` if given), and node-b's
+/// slice of two A100s.
+async fn seed(client: &Client, nodes: &[&str], extended_resource_name: Option<&str>) {
+    let node_api: Api<Node> = Api::all(client.clone());
+    for name in nodes {
+        create(&node_api, json!({"metadata": {"name": name}})).await;
+    }
+    let mut class = json!({
+        "metadata": {"name": "a100-sxm4-40gb.gpupool.dev"},
+        "spec": {"selectors": [{"cel": {"expression":
+            "device.driver == \"gpupool.dev\" && device.attributes[\"gpupool.dev\"].model == \"A100-SXM4-40GB\""}}]}
+    });
+    if let Some(name) = extended_resource_name {
+        class["spec"]["extendedResourceName"] = json!(name);
+    }
+    create(&Api::<DeviceClass>::all(client.clone()), class).await;
+    create(
+        &Api::<ResourceSlice>::all(client.clone()),
+        json!({
+            "metadata": {"name": "node-b-gpupool.dev"},
+            "spec": {"driver": "gpupool.dev", "nodeName": "node-b",
+                     "pool": {"name": "node-b", "generation": 1, "resourceSliceCount": 1},
+                     "devices": [gpu(0), gpu(1)]}
+        }),
+    )
+    .await;
+}
+
+/// A claim for `memory` of an A100.
+fn a100_claim(name: &str, memory: &str) -> serde_json::Value {
+    json!({
+        "metadata": {"name": name},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+            "deviceClassName": "a100-sxm4-40gb.gpupool.dev",
+            "capacity": {"requests": {"memory": memory}}}}]}}
+    })
+}
+
+/// The first device allocated to `claim`.
+fn first_result(claim: &ResourceClaim) -> DeviceRequestAllocationResult {
+    claim
+        .status
+        .as_ref()
+        .and_then(|s| {
+            s.allocation
+                .as_ref()?
+                .devices
+                .as_ref()?
+                .results
+                .as_ref()?
+                .first()
+        })
+        .cloned()
+        .expect("the claim is allocated")
+}
+
 /// Polls `check` until it yields a value, for up to 10 s.
 async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
 where
@@ -58,31 +105,21 @@ where
     panic!("timed out waiting for {what}");
 }
 
+/// Waits for the pod `name` to be bound to a node.
+async fn bound(pods: &Api<Pod>, name: &str) -> Pod {
+    eventually(&format!("{name} to be bound"), || async {
+        let pod = pods.get(name).await.ok()?;
+        pod.spec.as_ref()?.node_name.as_ref()?;
+        Some(pod)
+    })
+    .await
+}
+
 #[tokio::test]
 async fn schedules_template_pods_reports_misfits_and_cleans_up() {
     let server = ApiServer::start().await.unwrap();
-    let client = client_for(&server).await;
-    let nodes: Api<Node> = Api::all(client.clone());
-    for name in ["node-b", "node-a"] {
-        create(&nodes, json!({"metadata": {"name": name}})).await;
-    }
-    let classes: Api<DeviceClass> = Api::all(client.clone());
-    create(&classes, json!({
-        "metadata": {"name": "a100-sxm4-40gb.gpupool.dev"},
-        "spec": {"selectors": [{"cel": {"expression":
-            "device.driver == \"gpupool.dev\" && device.attributes[\"gpupool.dev\"].model == \"A100-SXM4-40GB\""}}]}
-    })).await;
-    let slices: Api<ResourceSlice> = Api::all(client.clone());
-    create(
-        &slices,
-        json!({
-            "metadata": {"name": "node-b-gpupool.dev"},
-            "spec": {"driver": "gpupool.dev", "nodeName": "node-b",
-                     "pool": {"name": "node-b", "generation": 1, "resourceSliceCount": 1},
-                     "devices": [gpu(0), gpu(1)]}
-        }),
-    )
-    .await;
+    let client = server.client().await;
+    seed(&client, &["node-b", "node-a"], None).await;
     let templates: Api<ResourceClaimTemplate> = Api::namespaced(client.clone(), "default");
     create(
         &templates,
@@ -95,16 +132,7 @@ async fn schedules_template_pods_reports_misfits_and_cleans_up() {
     )
     .await;
     let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
-    create(
-        &claims,
-        json!({
-            "metadata": {"name": "too-big"},
-            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
-                "deviceClassName": "a100-sxm4-40gb.gpupool.dev",
-                "capacity": {"requests": {"memory": "48Gi"}}}}]}}
-        }),
-    )
-    .await;
+    create(&claims, a100_claim("too-big", "48Gi")).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
     let container =
         json!([{"name": "main", "image": "busybox", "resources": {"claims": [{"name": "gpu"}]}}]);
@@ -119,12 +147,7 @@ async fn schedules_template_pods_reports_misfits_and_cleans_up() {
 
     let scheduler = spawn(client.clone(), Options::default());
 
-    let pod = eventually("trainer to be bound", || async {
-        let pod = pods.get("trainer").await.ok()?;
-        pod.spec.as_ref()?.node_name.as_ref()?;
-        Some(pod)
-    })
-    .await;
+    let pod = bound(&pods, "trainer").await;
     assert_eq!(
         pod.spec.as_ref().unwrap().node_name.as_deref(),
         Some("node-b")
@@ -133,13 +156,12 @@ async fn schedules_template_pods_reports_misfits_and_cleans_up() {
     let claim_name = statuses[0].resource_claim_name.clone().unwrap();
     assert!(claim_name.starts_with("trainer-gpu-"), "{claim_name}");
     let claim = claims.get(&claim_name).await.unwrap();
-    let status = claim.status.unwrap();
-    let result = &status.allocation.unwrap().devices.unwrap().results.unwrap()[0];
+    let result = first_result(&claim);
     assert_eq!(
         (result.pool.as_str(), result.device.as_str()),
         ("node-b", "gpu-0")
     );
-    let consumed = result.consumed_capacity.clone().unwrap();
+    let consumed = result.consumed_capacity.unwrap();
     assert_eq!(
         (consumed["memory"].0.as_str(), consumed["cores"].0.as_str()),
         ("1Gi", "50")
@@ -148,7 +170,7 @@ async fn schedules_template_pods_reports_misfits_and_cleans_up() {
         claim.metadata.finalizers.as_deref(),
         Some(&["resource.kubernetes.io/delete-protection".to_string()][..])
     );
-    let reserved = status.reserved_for.unwrap();
+    let reserved = claim.status.unwrap().reserved_for.unwrap();
     assert_eq!(
         (reserved[0].resource.as_str(), reserved[0].name.as_str()),
         ("pods", "trainer")
@@ -215,16 +237,7 @@ async fn schedules_template_pods_reports_misfits_and_cleans_up() {
     .await;
 
     // A claim the user made outlives its pod, deallocated and without the finalizer.
-    create(
-        &claims,
-        json!({
-            "metadata": {"name": "standalone"},
-            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
-                "deviceClassName": "a100-sxm4-40gb.gpupool.dev",
-                "capacity": {"requests": {"memory": "2Gi"}}}}]}}
-        }),
-    )
-    .await;
+    create(&claims, a100_claim("standalone", "2Gi")).await;
     create(&pods, json!({
         "metadata": {"name": "user"},
         "spec": {"containers": container, "resourceClaims": [{"name": "gpu", "resourceClaimName": "standalone"}]}
@@ -262,27 +275,8 @@ async fn schedules_template_pods_reports_misfits_and_cleans_up() {
 #[tokio::test]
 async fn a_pod_asking_for_an_extended_resource_gets_a_generated_claim() {
     let server = ApiServer::start().await.unwrap();
-    let client = client_for(&server).await;
-    create(
-        &Api::<Node>::all(client.clone()),
-        json!({"metadata": {"name": "node-b"}}),
-    )
-    .await;
-    create(&Api::<DeviceClass>::all(client.clone()), json!({
-        "metadata": {"name": "a100-sxm4-40gb.gpupool.dev"},
-        "spec": {"extendedResourceName": "gpupool.dev/a100", "selectors": [{"cel": {"expression":
-            "device.driver == \"gpupool.dev\" && device.attributes[\"gpupool.dev\"].model == \"A100-SXM4-40GB\""}}]}
-    })).await;
-    create(
-        &Api::<ResourceSlice>::all(client.clone()),
-        json!({
-            "metadata": {"name": "node-b-gpupool.dev"},
-            "spec": {"driver": "gpupool.dev", "nodeName": "node-b",
-                     "pool": {"name": "node-b", "generation": 1, "resourceSliceCount": 1},
-                     "devices": [gpu(0), gpu(1)]}
-        }),
-    )
-    .await;
+    let client = server.client().await;
+    seed(&client, &["node-b"], Some("gpupool.dev/a100")).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
     create(
         &pods,
@@ -295,12 +289,7 @@ async fn a_pod_asking_for_an_extended_resource_gets_a_generated_claim() {
     .await;
     let scheduler = spawn(client.clone(), Options::default());
 
-    let pod = eventually("legacy to be bound", || async {
-        let pod = pods.get("legacy").await.ok()?;
-        pod.spec.as_ref()?.node_name.as_ref()?;
-        Some(pod)
-    })
-    .await;
+    let pod = bound(&pods, "legacy").await;
     let status = pod.status.unwrap().extended_resource_claim_status.unwrap();
     assert_eq!(
         status.request_mappings[0].request_name,
@@ -309,18 +298,11 @@ async fn a_pod_asking_for_an_extended_resource_gets_a_generated_claim() {
     let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
     let claim = claims.get(&status.resource_claim_name).await.unwrap();
     assert_eq!(
-        claim.metadata.annotations.unwrap()["resource.kubernetes.io/extended-resource-claim"],
+        claim.metadata.annotations.as_ref().unwrap()
+            ["resource.kubernetes.io/extended-resource-claim"],
         "true"
     );
-    let result = &claim
-        .status
-        .unwrap()
-        .allocation
-        .unwrap()
-        .devices
-        .unwrap()
-        .results
-        .unwrap()[0];
+    let result = first_result(&claim);
     assert_eq!(result.request, "container-0-request-0");
     assert_eq!(
         result.consumed_capacity.as_ref().unwrap()["memory"].0,

@@ -250,31 +250,16 @@ fn display(amount: Milli, like: &Quantity) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fixtures::{self, q, with_valid_values};
 
-    fn q(s: &str) -> Quantity {
-        Quantity(s.to_string())
-    }
-
+    /// gpu-0 as gpupool publishes it, with `slots` that take one of a few values too.
     fn gpu(memory: &str) -> Device {
-        let bytes = gpupool_api::quantity::parse(memory).unwrap().ceil_units();
-        let mut capacity = gpupool_api::device::gpu_capacity(bytes as u64, true);
-        capacity.insert(
+        let mut device = fixtures::gpu(0, "A100-SXM4-40GB", memory);
+        device.capacity.get_or_insert_with(Default::default).insert(
             "slots".to_string(),
-            DeviceCapacity {
-                value: q("64"),
-                request_policy: Some(CapacityRequestPolicy {
-                    default: Some(q("4")),
-                    valid_range: None,
-                    valid_values: Some(vec![q("4"), q("16"), q("32")]),
-                }),
-            },
+            with_valid_values("64", "4", &["4", "16", "32"]),
         );
-        Device {
-            name: "gpu-0".into(),
-            allow_multiple_allocations: Some(true),
-            capacity: Some(capacity),
-            ..Default::default()
-        }
+        device
     }
 
     fn ask(pairs: &[(&str, &str)]) -> BTreeMap<String, Quantity> {

@@ -163,13 +163,7 @@ fn resolve_requests<'a>(
         ))),
     };
     let mut requests = Vec::new();
-    let specs = claim
-        .spec
-        .devices
-        .as_ref()
-        .and_then(|d| d.requests.as_deref())
-        .unwrap_or_default();
-    for request in specs {
+    for request in crate::claims::requests_of(claim) {
         let name = request.name.as_str();
         let mut variants = Vec::new();
         if let Some(exact) = &request.exactly {
@@ -456,40 +450,17 @@ impl<'a> Search<'a> {
         let v = &self.requests[request].variants[variant];
         let class_name = v.class.metadata.name.as_deref().unwrap_or_default();
         let class_selectors = v.class.spec.selectors.as_deref().unwrap_or_default();
-        let mut outcome = Ok(());
-        for (i, selector) in class_selectors.iter().enumerate() {
-            let Some(cel) = &selector.cel else { continue };
-            match self.cel.matches(&cel.expression, &device_value) {
-                Ok(true) => {}
-                Ok(false) => {
-                    outcome = Err(true);
-                    break;
-                }
-                Err(e) => {
-                    return Err(Unallocatable::new(format!(
-                        "class {class_name}: selector #{i}: {e}"
-                    )))
-                }
-            }
-        }
-        if outcome.is_ok() {
-            for (i, selector) in v.selectors.iter().enumerate() {
-                let Some(cel) = &selector.cel else { continue };
-                match self.cel.matches(&cel.expression, &device_value) {
-                    Ok(true) => {}
-                    Ok(false) => {
-                        outcome = Err(false);
-                        break;
-                    }
-                    Err(e) => {
-                        return Err(Unallocatable::new(format!(
-                            "claim {}: selector #{i}: {e}",
-                            self.claim_ref
-                        )))
-                    }
-                }
-            }
-        }
+        let outcome = if !passes(&mut self.cel, class_selectors, &device_value, || {
+            format!("class {class_name}")
+        })? {
+            Err(true)
+        } else if !passes(&mut self.cel, v.selectors, &device_value, || {
+            format!("claim {}", self.claim_ref)
+        })? {
+            Err(false)
+        } else {
+            Ok(())
+        };
         self.selectable.insert(key, outcome);
         self.selectable(request, variant, candidate)
     }
@@ -809,6 +780,32 @@ impl<'a> Search<'a> {
             node_selector_terms: vec![term],
         })
     }
+}
+
+/// Whether `device` passes each of `selectors`, stopping at the first it fails. A CEL error
+/// aborts the whole allocation, naming the selector and its `owner` (class or claim).
+fn passes(
+    cel: &mut CelEvaluator,
+    selectors: &[DeviceSelector],
+    device: &Value,
+    owner: impl FnOnce() -> String,
+) -> Result<bool, Unallocatable> {
+    for (i, selector) in selectors.iter().enumerate() {
+        let Some(expression) = &selector.cel else {
+            continue;
+        };
+        match cel.matches(&expression.expression, device) {
+            Ok(true) => {}
+            Ok(false) => return Ok(false),
+            Err(e) => {
+                return Err(Unallocatable::new(format!(
+                    "{}: selector #{i}: {e}",
+                    owner()
+                )))
+            }
+        }
+    }
+    Ok(true)
 }
 
 fn explain(v: &Variant<'_>, usable: usize, needed: usize, rejections: &[Rejection]) -> String {

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use k8s_openapi::api::resource::v1::Device;
+use k8s_openapi::api::resource::v1::{Device, DeviceAttribute};
 use kube_cel::cel::objects::{Key, Map};
 use kube_cel::cel::{Context, Program, Value};
 use kube_cel::KubeCelExt;
@@ -47,50 +47,42 @@ impl CelEvaluator {
 
     /// The `device` variable of a device published by `driver`.
     pub fn device_value(&self, driver: &str, device: &Device) -> Value {
-        let mut attributes: HashMap<String, HashMap<String, Value>> = HashMap::new();
-        for (name, attribute) in device.attributes.iter().flatten() {
-            let value = if let Some(v) = attribute.int {
-                Value::Int(v)
-            } else if let Some(v) = attribute.bool {
-                Value::Bool(v)
-            } else if let Some(v) = &attribute.string {
-                Value::String(Arc::new(v.clone()))
-            } else if let Some(v) = &attribute.version {
-                // The API server only accepts semver here; an unparsable value is left out
-                // rather than failing every selector on the node.
-                match self.construct(&self.semver, v) {
-                    Some(v) => v,
-                    None => continue,
-                }
-            } else {
-                continue;
-            };
-            let (domain, id) = split_qualified(name, driver);
-            attributes
-                .entry(domain.to_string())
-                .or_default()
-                .insert(id.to_string(), value);
-        }
-        let mut capacity: HashMap<String, HashMap<String, Value>> = HashMap::new();
-        for (name, cap) in device.capacity.iter().flatten() {
-            let Some(value) = self.construct(&self.quantity, &cap.value.0) else {
-                continue;
-            };
-            let (domain, id) = split_qualified(name, driver);
-            capacity
-                .entry(domain.to_string())
-                .or_default()
-                .insert(id.to_string(), value);
-        }
+        let attributes = device
+            .attributes
+            .iter()
+            .flatten()
+            .filter_map(|(name, attribute)| Some((name, self.attribute_value(attribute)?)));
+        // Capacities are quantities.
+        let capacity =
+            device.capacity.iter().flatten().filter_map(|(name, cap)| {
+                Some((name, self.construct(&self.quantity, &cap.value.0)?))
+            });
         let mut fields: HashMap<String, Value> = HashMap::new();
         fields.insert("driver".into(), Value::String(Arc::new(driver.to_string())));
-        fields.insert("attributes".into(), nested_map(attributes));
-        fields.insert("capacity".into(), nested_map(capacity));
+        fields.insert("attributes".into(), by_domain(driver, attributes));
+        fields.insert("capacity".into(), by_domain(driver, capacity));
         fields.insert(
             "allowMultipleAllocations".into(),
             Value::Bool(device.allow_multiple_allocations == Some(true)),
         );
         Value::from(fields)
+    }
+
+    /// The CEL value of an attribute; None for one that is left out.
+    fn attribute_value(&self, attribute: &DeviceAttribute) -> Option<Value> {
+        if let Some(v) = attribute.int {
+            Some(Value::Int(v))
+        } else if let Some(v) = attribute.bool {
+            Some(Value::Bool(v))
+        } else if let Some(v) = &attribute.string {
+            Some(Value::String(Arc::new(v.clone())))
+        } else if let Some(v) = &attribute.version {
+            // The API server only accepts semver here; an unparsable value is left out
+            // rather than failing every selector on the node.
+            self.construct(&self.semver, v)
+        } else {
+            None
+        }
     }
 
     fn construct(&self, program: &Program, text: &str) -> Option<Value> {
@@ -125,8 +117,17 @@ pub fn split_qualified<'a>(name: &'a str, driver: &'a str) -> (&'a str, &'a str)
     name.split_once('/').unwrap_or((driver, name))
 }
 
-fn nested_map(outer: HashMap<String, HashMap<String, Value>>) -> Value {
-    let map: HashMap<Key, Value> = outer
+/// `domain -> id -> value` of qualified names and their values (see [`split_qualified`]).
+fn by_domain<'a>(driver: &str, entries: impl Iterator<Item = (&'a String, Value)>) -> Value {
+    let mut domains: HashMap<String, HashMap<String, Value>> = HashMap::new();
+    for (name, value) in entries {
+        let (domain, id) = split_qualified(name, driver);
+        domains
+            .entry(domain.to_string())
+            .or_default()
+            .insert(id.to_string(), value);
+    }
+    let map: HashMap<Key, Value> = domains
         .into_iter()
         .map(|(domain, inner)| (Key::String(Arc::new(domain)), Value::from(inner)))
         .collect();
@@ -145,48 +146,16 @@ fn lowercase_first(message: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::api::resource::v1::{DeviceAttribute, DeviceCapacity};
-    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-    use std::collections::BTreeMap;
+    use crate::fixtures::{gpu, int_attr};
 
+    /// An A100 as gpupool publishes it, on NUMA node 1.
     fn device() -> Device {
-        let mut attributes = BTreeMap::new();
-        attributes.insert(
-            "model".to_string(),
-            DeviceAttribute {
-                string: Some("A100-SXM4-40GB".into()),
-                ..Default::default()
-            },
-        );
-        attributes.insert(
-            "driverVersion".to_string(),
-            DeviceAttribute {
-                version: Some("550.54.15".into()),
-                ..Default::default()
-            },
-        );
-        attributes.insert(
-            "resource.kubernetes.io/numaNode".to_string(),
-            DeviceAttribute {
-                int: Some(1),
-                ..Default::default()
-            },
-        );
-        let mut capacity = BTreeMap::new();
-        capacity.insert(
-            "memory".to_string(),
-            DeviceCapacity {
-                value: Quantity("40Gi".into()),
-                request_policy: None,
-            },
-        );
-        Device {
-            name: "gpu-0".into(),
-            attributes: Some(attributes),
-            capacity: Some(capacity),
-            allow_multiple_allocations: Some(true),
-            ..Default::default()
-        }
+        let mut device = gpu(0, "A100-SXM4-40GB", "40Gi");
+        device
+            .attributes
+            .get_or_insert_with(Default::default)
+            .insert("resource.kubernetes.io/numaNode".to_string(), int_attr(1));
+        device
     }
 
     fn eval(expression: &str) -> Result<bool, SelectorError> {

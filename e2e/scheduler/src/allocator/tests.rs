@@ -3,8 +3,7 @@
 use std::collections::BTreeSet;
 
 use k8s_openapi::api::resource::v1::{
-    AllocationResult, CapacityRequestPolicy, DeviceCapacity, DeviceConstraint, ResourceClaim,
-    ResourceSlice,
+    AllocationResult, Device, DeviceConstraint, DeviceRequest, ResourceClaim, ResourceSlice,
 };
 use serde_json::json;
 
@@ -45,48 +44,59 @@ fn sequence(
         .collect()
 }
 
+/// What [`sequence`] gives for a claim that got the devices of `lines`.
+fn ok(lines: &[&str]) -> Result<Vec<String>, String> {
+    Ok(lines.iter().map(|l| l.to_string()).collect())
+}
+
+/// An A100-SXM4-40GB as gpupool publishes it.
+fn a100(index: u32) -> Device {
+    gpu(index, "A100-SXM4-40GB", "40Gi")
+}
+
+/// A claim for one whole device of `class`.
+fn whole(name: &str, class: &str) -> ResourceClaim {
+    claim(name, vec![exact("gpu", class, &[])])
+}
+
 fn one_a100() -> Vec<ResourceSlice> {
-    vec![node_slice("node-a", vec![gpu(0, "A100-SXM4-40GB", "40Gi")])]
+    vec![node_slice("node-a", vec![a100(0)])]
+}
+
+/// node-a's pool while it is being updated: generation 2 announces two slices, one has arrived.
+fn updating_pool() -> Vec<ResourceSlice> {
+    vec![slice_of(
+        "gpupool.dev",
+        "node-a",
+        "node-a",
+        2,
+        2,
+        vec![a100(0)],
+    )]
 }
 
 #[test]
 fn an_exclusive_device_goes_to_one_claim_only() {
     let slices = vec![node_slice(
         "node-a",
-        vec![
-            exclusive(gpu(0, "A100-SXM4-40GB", "40Gi")),
-            exclusive(gpu(1, "A100-SXM4-40GB", "40Gi")),
-        ],
+        vec![exclusive(a100(0)), exclusive(a100(1))],
     )];
-    let claims = (1..=3)
-        .map(|i| claim(&format!("c{i}"), vec![exact("gpu", A100, &[])]))
-        .collect();
-    let results = sequence("node-a", &slices, claims);
-    assert_eq!(results[0], Ok(vec!["gpu node-a/gpu-0".to_string()]));
-    assert_eq!(results[1], Ok(vec!["gpu node-a/gpu-1".to_string()]));
+    let claims = (1..=3).map(|i| whole(&format!("c{i}"), A100)).collect();
     assert_eq!(
-        results[2],
-        Err(
-            "claim default/c3, request gpu: gpu-0 is already allocated; gpu-1 is already allocated"
-                .to_string()
-        )
+        sequence("node-a", &slices, claims),
+        [
+            ok(&["gpu node-a/gpu-0"]),
+            ok(&["gpu node-a/gpu-1"]),
+            Err("claim default/c3, request gpu: gpu-0 is already allocated; gpu-1 is already allocated".to_string())
+        ]
     );
 }
 
 #[test]
 fn exclusive_results_carry_no_share_or_capacity() {
-    let slices = vec![node_slice(
-        "node-a",
-        vec![exclusive(gpu(0, "A100-SXM4-40GB", "40Gi"))],
-    )];
-    let result = on(
-        "node-a",
-        &claim("c", vec![exact("gpu", A100, &[])]),
-        &slices,
-        &[],
-    )
-    .unwrap();
-    let r = &result.devices.unwrap().results.unwrap()[0];
+    let slices = vec![node_slice("node-a", vec![exclusive(a100(0))])];
+    let result = on("node-a", &whole("c", A100), &slices, &[]).unwrap();
+    let r = &results(&result)[0];
     assert_eq!(
         (r.share_id.as_ref(), r.consumed_capacity.as_ref()),
         (None, None)
@@ -122,17 +132,10 @@ fn a_request_below_the_minimum_consumes_the_minimum() {
 
 #[test]
 fn valid_values_take_the_smallest_value_at_or_above_the_request() {
-    let mut device = gpu(0, "A100-SXM4-40GB", "40Gi");
+    let mut device = a100(0);
     device.capacity.as_mut().unwrap().insert(
         "memory".into(),
-        DeviceCapacity {
-            value: q("40Gi"),
-            request_policy: Some(CapacityRequestPolicy {
-                default: Some(q("40Gi")),
-                valid_range: None,
-                valid_values: Some(vec![q("10Gi"), q("20Gi"), q("40Gi")]),
-            }),
-        },
+        with_valid_values("40Gi", "40Gi", &["10Gi", "20Gi", "40Gi"]),
     );
     let slices = vec![node_slice("node-a", vec![device])];
     let results = sequence(
@@ -146,20 +149,13 @@ fn valid_values_take_the_smallest_value_at_or_above_the_request() {
         ],
     );
     assert_eq!(
-        results[0],
-        Ok(vec!["gpu node-a/gpu-0 memory=20Gi cores=0".to_string()])
-    );
-    assert_eq!(
-        results[1],
-        Ok(vec!["gpu node-a/gpu-0 memory=10Gi cores=0".to_string()])
-    );
-    assert_eq!(
-        results[2],
-        Err("claim default/c3, request gpu: insufficient memory on gpu-0: requested 20Gi, available 10Gi".to_string())
-    );
-    assert_eq!(
-        results[3],
-        Ok(vec!["gpu node-a/gpu-0 memory=10Gi cores=0".to_string()])
+        results,
+        [
+            ok(&["gpu node-a/gpu-0 memory=20Gi cores=0"]),
+            ok(&["gpu node-a/gpu-0 memory=10Gi cores=0"]),
+            Err("claim default/c3, request gpu: insufficient memory on gpu-0: requested 20Gi, available 10Gi".to_string()),
+            ok(&["gpu node-a/gpu-0 memory=10Gi cores=0"])
+        ]
     );
 }
 
@@ -196,52 +192,35 @@ fn shares_of_a_device_add_up_across_claims() {
     );
     assert!(results[0].is_ok() && results[1].is_ok());
     assert_eq!(
-        results[2],
-        Err(
-            "claim default/c3, request gpu: insufficient cores on gpu-0: requested 1, available 0"
-                .to_string()
-        )
-    );
-    assert_eq!(
-        results[3],
-        Err("claim default/c4, request gpu: insufficient memory on gpu-0: requested 16Gi, available 8Gi".to_string())
-    );
-    assert_eq!(
-        results[4],
-        Ok(vec!["gpu node-a/gpu-0 memory=8Gi cores=0".to_string()])
+        results[2..],
+        [
+            Err("claim default/c3, request gpu: insufficient cores on gpu-0: requested 1, available 0".to_string()),
+            Err("claim default/c4, request gpu: insufficient memory on gpu-0: requested 16Gi, available 8Gi".to_string()),
+            ok(&["gpu node-a/gpu-0 memory=8Gi cores=0"])
+        ]
     );
 }
 
 #[test]
 fn a_claim_without_capacity_requests_takes_the_whole_card() {
-    let slices = vec![node_slice(
-        "node-a",
-        vec![
-            gpu(0, "A100-SXM4-40GB", "40Gi"),
-            gpu(1, "A100-SXM4-40GB", "40Gi"),
-        ],
-    )];
+    let slices = vec![node_slice("node-a", vec![a100(0), a100(1)])];
     let results = sequence(
         "node-a",
         &slices,
         vec![
             claim("share", vec![exact("gpu", A100, &[("memory", "1Gi")])]),
-            claim("whole", vec![exact("gpu", A100, &[])]),
+            whole("whole", A100),
             claim("tiny", vec![exact("gpu", A100, &[("memory", "1Mi")])]),
         ],
     );
     assert_eq!(
-        results[0],
-        Ok(vec!["gpu node-a/gpu-0 memory=1Gi cores=0".to_string()])
-    );
-    // Not on gpu-0, which already has a share.
-    assert_eq!(
-        results[1],
-        Ok(vec!["gpu node-a/gpu-1 memory=40Gi cores=0".to_string()])
-    );
-    assert_eq!(
-        results[2],
-        Ok(vec!["gpu node-a/gpu-0 memory=1Mi cores=0".to_string()])
+        results,
+        [
+            ok(&["gpu node-a/gpu-0 memory=1Gi cores=0"]),
+            // Not on gpu-0, which already has a share.
+            ok(&["gpu node-a/gpu-1 memory=40Gi cores=0"]),
+            ok(&["gpu node-a/gpu-0 memory=1Mi cores=0"])
+        ]
     );
 }
 
@@ -283,15 +262,11 @@ fn first_available_takes_the_first_subrequest_that_fits_and_names_it() {
 fn request_selectors_see_attributes_versions_and_quantities() {
     let with = |expression: &str| {
         let mut c = claim("c", vec![exact("gpu", "gpupool.dev", &[("memory", "1Gi")])]);
-        let request = &mut c.spec.devices.as_mut().unwrap().requests.as_mut().unwrap()[0];
-        request.exactly.as_mut().unwrap().selectors = Some(vec![selector(expression)]);
+        first_exact_mut(&mut c).selectors = Some(vec![selector(expression)]);
         on("node-a", &c, &seed_slices(), &[]).map(|r| summary(&r))
     };
     let index_1 = r#"device.attributes["gpupool.dev"].index == 1"#;
-    assert_eq!(
-        with(index_1),
-        Ok(vec!["gpu node-a/gpu-1 memory=1Gi cores=0".to_string()])
-    );
+    assert_eq!(with(index_1), ok(&["gpu node-a/gpu-1 memory=1Gi cores=0"]));
     let new_driver =
         r#"device.attributes["gpupool.dev"].driverVersion.isGreaterThan(semver("535.0.0"))"#;
     assert!(with(new_driver).is_ok());
@@ -315,26 +290,20 @@ fn a_selector_reading_a_missing_domain_fails_the_allocation() {
     nic.attributes = None;
     let slices = vec![
         slice_of("aaa.example.com", "node-a", "node-a", 1, 1, vec![nic]),
-        node_slice("node-a", vec![gpu(0, "A100-SXM4-40GB", "40Gi")]),
+        node_slice("node-a", vec![a100(0)]),
     ];
     let unguarded = class(
         "unguarded",
         &[r#"device.attributes["gpupool.dev"].model == "A100-SXM4-40GB""#],
     );
-    let c = claim("c", vec![exact("gpu", "unguarded", &[])]);
+    let c = whole("c", "unguarded");
     let result = allocate(&c, &"node-a".into(), &[unguarded], &slices, &[]);
     assert_eq!(
         result.unwrap_err().message,
         "class unguarded: selector #0: CEL runtime error: no such key: gpupool.dev"
     );
     // The guarded classes of the controller skip the other driver's device.
-    assert!(on(
-        "node-a",
-        &claim("c", vec![exact("gpu", A100, &[])]),
-        &slices,
-        &[]
-    )
-    .is_ok());
+    assert!(on("node-a", &whole("c", A100), &slices, &[]).is_ok());
 }
 
 #[test]
@@ -396,26 +365,21 @@ fn config_comes_from_the_class_then_the_claim_and_follows_the_chosen_subrequest(
 #[test]
 fn a_claim_gets_all_its_requests_or_nothing() {
     let slices = one_a100();
-    let c = claim(
-        "two",
-        vec![
-            exact("first", A100, &[("memory", "30Gi")]),
-            exact("second", A100, &[("memory", "20Gi")]),
-        ],
-    );
+    let two = |first: &str, second: &str| {
+        claim(
+            "two",
+            vec![
+                exact("first", A100, &[("memory", first)]),
+                exact("second", A100, &[("memory", second)]),
+            ],
+        )
+    };
     assert_eq!(
-        on("node-a", &c, &slices, &[]),
+        on("node-a", &two("30Gi", "20Gi"), &slices, &[]),
         Err("claim default/two: each request fits on its own but not all together (constraints or shared capacity)".to_string())
     );
-    let fits = claim(
-        "two",
-        vec![
-            exact("first", A100, &[("memory", "20Gi")]),
-            exact("second", A100, &[("memory", "20Gi")]),
-        ],
-    );
     assert_eq!(
-        summary(&on("node-a", &fits, &slices, &[]).unwrap()),
+        summary(&on("node-a", &two("20Gi", "20Gi"), &slices, &[]).unwrap()),
         vec![
             "first node-a/gpu-0 memory=20Gi cores=0",
             "second node-a/gpu-0 memory=20Gi cores=0"
@@ -430,7 +394,7 @@ fn the_search_backtracks_over_subrequests_to_satisfy_later_requests() {
     let slices = vec![node_slice(
         "node-x",
         vec![
-            exclusive(gpu(0, "A100-SXM4-40GB", "40Gi")),
+            exclusive(a100(0)),
             exclusive(gpu(1, "V100-SXM2-32GB", "32Gi")),
         ],
     )];
@@ -470,16 +434,7 @@ fn share_ids_are_fresh_for_every_share_of_a_device() {
         .iter()
         .map(|c| {
             let allocation = c.status.as_ref().unwrap().allocation.as_ref().unwrap();
-            allocation
-                .devices
-                .as_ref()
-                .unwrap()
-                .results
-                .as_ref()
-                .unwrap()[0]
-                .share_id
-                .clone()
-                .unwrap()
+            results(allocation)[0].share_id.clone().unwrap()
         })
         .collect();
     assert_eq!(ids.iter().collect::<BTreeSet<_>>().len(), 40);
@@ -492,13 +447,7 @@ fn share_ids_are_fresh_for_every_share_of_a_device() {
 
 #[test]
 fn the_allocation_is_pinned_to_the_node_of_its_devices() {
-    let result = on(
-        "node-a",
-        &claim("c", vec![exact("gpu", A100, &[])]),
-        &seed_slices(),
-        &[],
-    )
-    .unwrap();
+    let result = on("node-a", &whole("c", A100), &seed_slices(), &[]).unwrap();
     let selector = result.node_selector.unwrap();
     let term = &selector.node_selector_terms[0];
     let field = &term.match_fields.as_ref().unwrap()[0];
@@ -518,12 +467,10 @@ fn match_attribute_keeps_devices_under_one_pcie_root() {
     // come from root 01.
     let slices = vec![node_slice(
         "node-a",
-        (0..4)
-            .map(|i| exclusive(gpu(i, "A100-SXM4-40GB", "40Gi")))
-            .collect(),
+        (0..4).map(|i| exclusive(a100(i))).collect(),
     )];
     let taken = allocated(
-        claim("taken", vec![exact("gpu", A100, &[])]),
+        whole("taken", A100),
         AllocationResult {
             devices: Some(k8s_openapi::api::resource::v1::DeviceAllocationResult {
                 results: Some(vec![
@@ -541,7 +488,7 @@ fn match_attribute_keeps_devices_under_one_pcie_root() {
         },
     );
     let mut c = claim("pair", vec![exact("a", A100, &[]), exact("b", A100, &[])]);
-    c.spec.devices.as_mut().unwrap().constraints = Some(vec![DeviceConstraint {
+    devices_mut(&mut c).constraints = Some(vec![DeviceConstraint {
         match_attribute: Some("resource.kubernetes.io/pcieRoot".into()),
         ..Default::default()
     }]);
@@ -551,9 +498,8 @@ fn match_attribute_keeps_devices_under_one_pcie_root() {
 
 #[test]
 fn all_mode_takes_every_matching_device_and_waits_for_complete_pools() {
-    let mut c = claim("all", vec![exact("gpu", A100, &[])]);
-    let request = &mut c.spec.devices.as_mut().unwrap().requests.as_mut().unwrap()[0];
-    request.exactly.as_mut().unwrap().allocation_mode = Some("All".into());
+    let mut c = whole("all", A100);
+    first_exact_mut(&mut c).allocation_mode = Some("All".into());
     let result = on("node-a", &c, &seed_slices(), &[]).unwrap();
     assert_eq!(
         summary(&result),
@@ -562,14 +508,7 @@ fn all_mode_takes_every_matching_device_and_waits_for_complete_pools() {
             "gpu node-a/gpu-1 memory=40Gi cores=0"
         ]
     );
-    let incomplete = vec![slice_of(
-        "gpupool.dev",
-        "node-a",
-        "node-a",
-        2,
-        2,
-        vec![gpu(0, "A100-SXM4-40GB", "40Gi")],
-    )];
+    let incomplete = updating_pool();
     assert_eq!(
         on("node-a", &c, &incomplete, &[]),
         Err("claim default/all, request gpu: asks for all devices, but resource pool gpupool.dev/node-a is currently being updated".to_string())
@@ -578,7 +517,7 @@ fn all_mode_takes_every_matching_device_and_waits_for_complete_pools() {
 
 #[test]
 fn an_unknown_class_is_named() {
-    let c = claim("c", vec![exact("gpu", "h100.gpupool.dev", &[])]);
+    let c = whole("c", "h100.gpupool.dev");
     assert_eq!(
         on("node-a", &c, &seed_slices(), &[]),
         Err(
@@ -591,8 +530,7 @@ fn an_unknown_class_is_named() {
 
 fn two_slots(name: &str, requests: &[(&str, &str)]) -> ResourceClaim {
     let mut c = claim(name, vec![exact("gpu", A100, requests)]);
-    let request = &mut c.spec.devices.as_mut().unwrap().requests.as_mut().unwrap()[0];
-    request.exactly.as_mut().unwrap().count = Some(2);
+    first_exact_mut(&mut c).count = Some(2);
     c
 }
 
@@ -613,18 +551,14 @@ fn one_request_may_take_two_shares_of_one_device_unless_distinct_is_asked() {
             "gpu node-a/gpu-0 memory=10Gi cores=0"
         ]
     );
-    let shares: BTreeSet<_> = packed
-        .devices
-        .unwrap()
-        .results
-        .unwrap()
-        .into_iter()
-        .map(|r| r.share_id.unwrap())
+    let shares: BTreeSet<_> = results(&packed)
+        .iter()
+        .map(|r| r.share_id.clone().unwrap())
         .collect();
     assert_eq!(shares.len(), 2);
 
     let mut spread = two_slots("c", &[("memory", "10Gi")]);
-    spread.spec.devices.as_mut().unwrap().constraints = Some(vec![DeviceConstraint {
+    devices_mut(&mut spread).constraints = Some(vec![DeviceConstraint {
         distinct_attribute: Some("gpupool.dev/index".into()),
         ..Default::default()
     }]);
@@ -648,41 +582,20 @@ fn one_request_may_take_two_shares_of_one_device_unless_distinct_is_asked() {
 #[test]
 fn devices_of_an_incomplete_pool_are_not_allocated() {
     // Generation 2 announces two slices; only one has arrived.
-    let slices = vec![slice_of(
-        "gpupool.dev",
-        "node-a",
-        "node-a",
-        2,
-        2,
-        vec![gpu(0, "A100-SXM4-40GB", "40Gi")],
-    )];
+    let slices = updating_pool();
     assert_eq!(
-        on("node-a", &claim("c", vec![exact("gpu", A100, &[])]), &slices, &[]),
+        on("node-a", &whole("c", A100), &slices, &[]),
         Err("claim default/c, request gpu: resource pool gpupool.dev/node-a is currently being updated".to_string())
     );
 }
 
 #[test]
 fn a_busy_device_of_another_class_is_reported_as_not_matching() {
-    let slices = vec![node_slice(
-        "node-a",
-        vec![exclusive(gpu(0, "A100-SXM4-40GB", "40Gi"))],
-    )];
-    let first = on(
-        "node-a",
-        &claim("a", vec![exact("gpu", A100, &[])]),
-        &slices,
-        &[],
-    )
-    .unwrap();
-    let taken = allocated(claim("a", vec![exact("gpu", A100, &[])]), first);
+    let slices = vec![node_slice("node-a", vec![exclusive(a100(0))])];
+    let first = on("node-a", &whole("a", A100), &slices, &[]).unwrap();
+    let taken = allocated(whole("a", A100), first);
     assert_eq!(
-        on(
-            "node-a",
-            &claim("v", vec![exact("gpu", V100, &[])]),
-            &slices,
-            &[taken]
-        ),
+        on("node-a", &whole("v", V100), &slices, &[taken]),
         Err(format!(
             "claim default/v, request gpu: no device matches class {V100}"
         ))
@@ -695,16 +608,13 @@ fn a_hopeless_combinatorial_search_stops_and_names_the_request_that_cannot_fit()
     // search would try every combination of the first.
     let slices = vec![node_slice(
         "node-a",
-        (0..30)
-            .map(|i| exclusive(gpu(i, "A100-SXM4-40GB", "40Gi")))
-            .collect(),
+        (0..30).map(|i| exclusive(a100(i))).collect(),
     )];
     let mut c = claim(
         "greedy",
         vec![exact("many", A100, &[]), exact("none", V100, &[])],
     );
-    let request = &mut c.spec.devices.as_mut().unwrap().requests.as_mut().unwrap()[0];
-    request.exactly.as_mut().unwrap().count = Some(15);
+    first_exact_mut(&mut c).count = Some(15);
     let started = std::time::Instant::now();
     let err = on("node-a", &c, &slices, &[]).unwrap_err();
     assert_eq!(
@@ -714,11 +624,7 @@ fn a_hopeless_combinatorial_search_stops_and_names_the_request_that_cannot_fit()
     assert!(started.elapsed() < std::time::Duration::from_secs(20));
 }
 
-fn tainted(
-    mut device: k8s_openapi::api::resource::v1::Device,
-    key: &str,
-    value: &str,
-) -> k8s_openapi::api::resource::v1::Device {
+fn tainted(mut device: Device, key: &str, value: &str) -> Device {
     device.taints = Some(vec![k8s_openapi::api::resource::v1::DeviceTaint {
         key: key.into(),
         value: Some(value.into()),
@@ -728,10 +634,7 @@ fn tainted(
     device
 }
 
-fn tolerating(
-    mut request: k8s_openapi::api::resource::v1::DeviceRequest,
-    toleration: serde_json::Value,
-) -> k8s_openapi::api::resource::v1::DeviceRequest {
+fn tolerating(mut request: DeviceRequest, toleration: serde_json::Value) -> DeviceRequest {
     request.exactly.as_mut().unwrap().tolerations =
         Some(vec![serde_json::from_value(toleration).unwrap()]);
     request
@@ -742,19 +645,13 @@ fn a_no_schedule_taint_keeps_claims_off_the_device_unless_tolerated() {
     let slices = vec![node_slice(
         "node-a",
         vec![
-            exclusive(tainted(
-                gpu(0, "A100-SXM4-40GB", "40Gi"),
-                "gpupool.dev/xid",
-                "79",
-            )),
-            exclusive(gpu(1, "A100-SXM4-40GB", "40Gi")),
+            exclusive(tainted(a100(0), "gpupool.dev/xid", "79")),
+            exclusive(a100(1)),
         ],
     )];
-    let claims = (1..=2)
-        .map(|i| claim(&format!("c{i}"), vec![exact("gpu", A100, &[])]))
-        .collect();
+    let claims = (1..=2).map(|i| whole(&format!("c{i}"), A100)).collect();
     let results = sequence("node-a", &slices, claims);
-    assert_eq!(results[0], Ok(vec!["gpu node-a/gpu-1".to_string()]));
+    assert_eq!(results[0], ok(&["gpu node-a/gpu-1"]));
     let err = results[1].clone().unwrap_err();
     assert!(
         err.contains("gpu-0 has the taint gpupool.dev/xid=79:NoSchedule"),
@@ -771,18 +668,12 @@ fn a_no_schedule_taint_keeps_claims_off_the_device_unless_tolerated() {
             vec![tolerating(exact("gpu", A100, &[]), toleration.clone())],
         );
         let busy = allocated(
-            claim("other", vec![exact("gpu", A100, &[])]),
-            on(
-                "node-a",
-                &claim("other", vec![exact("gpu", A100, &[])]),
-                &slices,
-                &[],
-            )
-            .unwrap(),
+            whole("other", A100),
+            on("node-a", &whole("other", A100), &slices, &[]).unwrap(),
         );
         assert_eq!(
             on("node-a", &c, &slices, &[busy]).map(|r| summary(&r)),
-            Ok(vec!["gpu node-a/gpu-0".to_string()]),
+            ok(&["gpu node-a/gpu-0"]),
             "{toleration}"
         );
     }
@@ -796,11 +687,7 @@ fn a_no_schedule_taint_keeps_claims_off_the_device_unless_tolerated() {
     );
     let only_tainted = vec![node_slice(
         "node-a",
-        vec![exclusive(tainted(
-            gpu(0, "A100-SXM4-40GB", "40Gi"),
-            "gpupool.dev/xid",
-            "79",
-        ))],
+        vec![exclusive(tainted(a100(0), "gpupool.dev/xid", "79"))],
     )];
     assert!(on("node-a", &c, &only_tainted, &[]).is_err());
 }
