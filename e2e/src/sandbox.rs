@@ -1,12 +1,15 @@
-//! What the sandbox prints: slices per node, each claim's device, fraction and limits, the CDI spec
-//! paths, and the claims still pending with why. Gathering does the I/O; rendering is pure.
+//! The sandbox's cluster and the examples it applies, and what it prints: slices per node, each
+//! claim's device, fraction and limits, the CDI spec paths, and the claims still pending with why.
+//! Gathering does the I/O; rendering is pure.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use k8s_openapi::api::core::v1::{Event, Pod};
-use k8s_openapi::api::resource::v1::{Device, ResourceClaim, ResourceSlice};
+use k8s_openapi::api::resource::v1::{
+    Device, DeviceRequestAllocationResult, ResourceClaim, ResourceSlice,
+};
 use kube::api::ListParams;
 use kube::Api;
 use serde_json::Value;
@@ -14,7 +17,47 @@ use serde_json::Value;
 use gpupool_api::names::{attr, capacity, DRIVER_NAME};
 use gpupool_api::quantity;
 
-use crate::harness::{HarnessError, TestCluster};
+use crate::harness::{workspace_root, ClusterSpec, HarnessError, NodeSpec, TestCluster};
+
+/// The seeds' pool: the cards the sandbox runs and deploy/examples/ are written for.
+pub fn pool() -> Vec<NodeSpec> {
+    vec![
+        NodeSpec::new("node-a100", "a100-40gb:2"),
+        NodeSpec::new("node-v100", "v100-32gb:2"),
+        NodeSpec::new("node-rtx", "rtx3090:1"),
+    ]
+}
+
+/// The sandbox's cluster: the seeds' pool and the controller, on the emulator whatever
+/// `GPUPOOL_E2E_KUBECONFIG` says.
+pub fn cluster_spec() -> ClusterSpec {
+    let mut spec = ClusterSpec::new().with_controller().emulated();
+    spec.nodes = pool();
+    spec
+}
+
+/// deploy/examples/ of this workspace.
+pub fn examples_dir() -> PathBuf {
+    workspace_root().join("deploy").join("examples")
+}
+
+/// YAML files of the folder, GpuModels and ComputeProfiles first so that the classes and templates
+/// the other examples name exist by the time their claims are scheduled.
+pub fn example_files(dir: &Path) -> Result<Vec<PathBuf>, String> {
+    let entries = std::fs::read_dir(dir).map_err(|e| format!("reading {}: {e}", dir.display()))?;
+    let mut files: Vec<(bool, PathBuf)> = entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| matches!(p.extension().and_then(|e| e.to_str()), Some("yaml" | "yml")))
+        .map(|p| {
+            let text = std::fs::read_to_string(&p).unwrap_or_default();
+            let setup = text.contains("kind: GpuModel") || text.contains("kind: ComputeProfile");
+            (!setup, p)
+        })
+        .collect();
+    files.sort();
+    Ok(files.into_iter().map(|(_, p)| p).collect())
+}
 
 /// One published device.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -63,7 +106,8 @@ pub struct Report {
     pub waiting_pods: Vec<String>,
 }
 
-fn attribute<'a>(
+/// A driver-domain attribute, published qualified (`gpupool.dev/x`) or not (`x`).
+pub fn attribute<'a>(
     device: &'a Device,
     name: &str,
 ) -> Option<&'a k8s_openapi::api::resource::v1::DeviceAttribute> {
@@ -113,17 +157,21 @@ pub fn device_lines(slices: &[ResourceSlice]) -> Vec<DeviceLine> {
     lines
 }
 
-/// gpupool's allocation results of a claim.
-pub fn allocation_lines(claim: &ResourceClaim) -> Vec<AllocationLine> {
-    let results = claim
+/// Every allocation result of a claim, whichever driver's (none before it is allocated).
+pub fn allocation_results(claim: &ResourceClaim) -> &[DeviceRequestAllocationResult] {
+    claim
         .status
         .as_ref()
         .and_then(|s| s.allocation.as_ref())
         .and_then(|a| a.devices.as_ref())
-        .and_then(|d| d.results.as_ref());
-    results
-        .into_iter()
-        .flatten()
+        .and_then(|d| d.results.as_deref())
+        .unwrap_or_default()
+}
+
+/// gpupool's allocation results of a claim.
+pub fn allocation_lines(claim: &ResourceClaim) -> Vec<AllocationLine> {
+    allocation_results(claim)
+        .iter()
         .filter(|r| r.driver == DRIVER_NAME)
         .map(|r| {
             let consumed = r.consumed_capacity.as_ref();

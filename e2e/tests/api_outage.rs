@@ -66,32 +66,15 @@ async fn assert_prepare_fails_naming(node: &CrashNode, claim: &ClaimRef, when: &
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_survive_an_api_outage_and_slices_converge_after_it() {
     let outage = outage();
-    let mut node = CrashNode::new("node-outage", "a100-40gb:2").await;
-    node.create_namespace(NAMESPACE).await;
-    let pool = node.name.clone();
+    let mut node = CrashNode::with_namespace("node-outage", "a100-40gb:2", NAMESPACE).await;
     let kept = node
-        .create_allocated_claim(
-            NAMESPACE,
-            "kept",
-            vec![result("gpu0", &pool, "gpu-0", Some("8Gi"), Some("20"))],
-            Vec::new(),
-        )
+        .create_claim_on(NAMESPACE, "kept", "gpu-0", Some(("8Gi", "20")))
         .await;
     let released = node
-        .create_allocated_claim(
-            NAMESPACE,
-            "released",
-            vec![result("gpu0", &pool, "gpu-1", None, None)],
-            Vec::new(),
-        )
+        .create_claim_on(NAMESPACE, "released", "gpu-1", None)
         .await;
     let during = node
-        .create_allocated_claim(
-            NAMESPACE,
-            "during",
-            vec![result("gpu0", &pool, "gpu-0", Some("4Gi"), Some("10"))],
-            Vec::new(),
-        )
+        .create_claim_on(NAMESPACE, "during", "gpu-0", Some(("4Gi", "10")))
         .await;
     node.start_driver_ok().await;
     let (generation_before, published) = wait_for("the first slices", TIMEOUT, || async {

@@ -134,8 +134,7 @@ async fn sigkill_at_random_fault_points_never_loses_a_claim() {
     );
     let mut rng = StdRng::seed_from_u64(seed);
 
-    let mut node = CrashNode::new("node-crash", "a100-40gb:2").await;
-    node.create_namespace(NAMESPACE).await;
+    let mut node = CrashNode::with_namespace("node-crash", "a100-40gb:2", NAMESPACE).await;
     let mut claims = Vec::new();
     for i in 0..8 {
         let results = random_results(&mut rng, &node.name);
@@ -297,26 +296,31 @@ async fn prepare_all(node: &CrashNode, claims: &[ClaimRef]) -> BTreeMap<String, 
         .collect()
 }
 
+/// A node whose driver runs with one claim `claim_name`, a share (memory, cores) of gpu-0,
+/// prepared: the node, the claim and what the kubelet believes prepared.
+async fn node_with_a_prepared_share(
+    node_name: &str,
+    claim_name: &str,
+    share: (&str, &str),
+) -> (CrashNode, ClaimRef, BTreeMap<String, Vec<String>>) {
+    let mut node = CrashNode::with_namespace(node_name, "a100-40gb:2", NAMESPACE).await;
+    let claim = node
+        .create_claim_on(NAMESPACE, claim_name, "gpu-0", Some(share))
+        .await;
+    node.start_driver_ok().await;
+    let believed = prepare_all(&node, std::slice::from_ref(&claim)).await;
+    (node, claim, believed)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_reboot_the_specs_come_back_with_identical_ids() {
-    let mut node = CrashNode::new("node-reboot", "a100-40gb:2").await;
-    node.create_namespace(NAMESPACE).await;
+    let mut node = CrashNode::with_namespace("node-reboot", "a100-40gb:2", NAMESPACE).await;
     let pool = node.name.clone();
     let claims = vec![
-        node.create_allocated_claim(
-            NAMESPACE,
-            "whole",
-            vec![result("gpu0", &pool, "gpu-0", None, None)],
-            Vec::new(),
-        )
-        .await,
-        node.create_allocated_claim(
-            NAMESPACE,
-            "quarter",
-            vec![result("gpu0", &pool, "gpu-1", Some("10Gi"), Some("25"))],
-            Vec::new(),
-        )
-        .await,
+        node.create_claim_on(NAMESPACE, "whole", "gpu-0", None)
+            .await,
+        node.create_claim_on(NAMESPACE, "quarter", "gpu-1", Some(("10Gi", "25")))
+            .await,
         node.create_allocated_claim(
             NAMESPACE,
             "both",
@@ -411,19 +415,8 @@ fn corruptions() -> Vec<(&'static str, Corruption)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupt_checkpoint_is_moved_aside_reported_and_the_driver_works() {
-    let mut node = CrashNode::new("node-corrupt", "a100-40gb:2").await;
-    node.create_namespace(NAMESPACE).await;
-    let pool = node.name.clone();
-    let kept = node
-        .create_allocated_claim(
-            NAMESPACE,
-            "kept",
-            vec![result("gpu0", &pool, "gpu-0", Some("8Gi"), Some("20"))],
-            Vec::new(),
-        )
-        .await;
-    node.start_driver_ok().await;
-    let mut believed = prepare_all(&node, std::slice::from_ref(&kept)).await;
+    let (mut node, kept, mut believed) =
+        node_with_a_prepared_share("node-corrupt", "kept", ("8Gi", "20")).await;
     let mut all = vec![kept.clone()];
 
     for (round, (kind, corrupt)) in corruptions().into_iter().enumerate() {
@@ -479,11 +472,11 @@ async fn a_corrupt_checkpoint_is_moved_aside_reported_and_the_driver_works() {
 
         // The claims from before are prepared again with the same ids; a new claim prepares.
         let fresh = node
-            .create_allocated_claim(
+            .create_claim_on(
                 NAMESPACE,
                 &format!("after-{round}"),
-                vec![result("gpu0", &pool, "gpu-1", Some("1Gi"), Some("5"))],
-                Vec::new(),
+                "gpu-1",
+                Some(("1Gi", "5")),
             )
             .await;
         all.push(fresh);
@@ -503,19 +496,8 @@ async fn a_corrupt_checkpoint_is_moved_aside_reported_and_the_driver_works() {
 /// The folder check the loop relies on sees what a crash would leave behind (it is not vacuous).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_folder_check_sees_leftovers_and_missing_specs() {
-    let mut node = CrashNode::new("node-check", "a100-40gb:2").await;
-    node.create_namespace(NAMESPACE).await;
-    let pool = node.name.clone();
-    let claim = node
-        .create_allocated_claim(
-            NAMESPACE,
-            "one",
-            vec![result("gpu0", &pool, "gpu-0", Some("2Gi"), Some("10"))],
-            Vec::new(),
-        )
-        .await;
-    node.start_driver_ok().await;
-    let believed = prepare_all(&node, std::slice::from_ref(&claim)).await;
+    let (node, claim, believed) =
+        node_with_a_prepared_share("node-check", "one", ("2Gi", "10")).await;
     node.check_files(&believed)
         .unwrap_or_else(|p| panic!("{p}"));
 

@@ -8,17 +8,12 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use gpupool_e2e::harness::process::{assert_succeeded, offline_go};
+use gpupool_e2e::harness::workspace_root;
 use serde_json::Value;
 
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("e2e/ has a parent")
-        .to_path_buf()
-}
-
 fn deploy_dir() -> PathBuf {
-    repo_root().join("deploy")
+    workspace_root().join("deploy")
 }
 
 fn have(tool: &str, version_arg: &str) -> bool {
@@ -67,6 +62,24 @@ fn kustomize(dir: &str) -> Vec<Value> {
 }
 
 const RENDERED: [&str; 3] = ["base", "overlays/fake-gpus", "overlays/nvidia"];
+
+/// Each of RENDERED with what `kubectl kustomize` renders for it, one after the other.
+fn each_rendered() -> impl Iterator<Item = (&'static str, Vec<Value>)> {
+    RENDERED.into_iter().map(|dir| (dir, kustomize(dir)))
+}
+
+/// `each_rendered`, or nothing without kubectl (`test` then says it skips).
+fn rendered(test: &str) -> impl Iterator<Item = (&'static str, Vec<Value>)> {
+    (!kubectl_missing(test))
+        .then(each_rendered)
+        .into_iter()
+        .flatten()
+}
+
+/// What `kubectl kustomize` renders for the base; `None` without kubectl (`test` then says it skips).
+fn rendered_base(test: &str) -> Option<Vec<Value>> {
+    (!kubectl_missing(test)).then(|| kustomize("base"))
+}
 
 fn key(obj: &Value) -> String {
     format!(
@@ -172,11 +185,7 @@ const VGPU_LOCK_DIR: &str = "/tmp/vgpulock";
 
 #[test]
 fn base_and_overlays_render_with_kubectl_kustomize() {
-    if kubectl_missing("base_and_overlays_render_with_kubectl_kustomize") {
-        return;
-    }
-    for dir in RENDERED {
-        let objects = kustomize(dir);
+    for (dir, objects) in rendered("base_and_overlays_render_with_kubectl_kustomize") {
         let mut seen = BTreeSet::new();
         for obj in &objects {
             assert!(
@@ -213,11 +222,7 @@ fn base_and_overlays_render_with_kubectl_kustomize() {
 
 #[test]
 fn driver_daemonset_mounts_exactly_what_it_needs() {
-    if kubectl_missing("driver_daemonset_mounts_exactly_what_it_needs") {
-        return;
-    }
-    for dir in RENDERED {
-        let objects = kustomize(dir);
+    for (dir, objects) in rendered("driver_daemonset_mounts_exactly_what_it_needs") {
         let ds = find(&objects, "DaemonSet", "gpupool-driver");
         let driver = container(ds, "driver");
         let fake = dir.ends_with("fake-gpus");
@@ -420,10 +425,9 @@ fn expect_grants(
 
 #[test]
 fn rbac_grants_least_privilege() {
-    if kubectl_missing("rbac_grants_least_privilege") {
+    let Some(objects) = rendered_base("rbac_grants_least_privilege") else {
         return;
-    }
-    let objects = kustomize("base");
+    };
     for role in of_kind(&objects, "ClusterRole")
         .into_iter()
         .chain(of_kind(&objects, "Role"))
@@ -571,10 +575,10 @@ fn rbac_grants_least_privilege() {
 
 #[test]
 fn resourceslice_policy_confines_the_driver_to_its_node() {
-    if kubectl_missing("resourceslice_policy_confines_the_driver_to_its_node") {
+    let Some(objects) = rendered_base("resourceslice_policy_confines_the_driver_to_its_node")
+    else {
         return;
-    }
-    let objects = kustomize("base");
+    };
     let policy = find(
         &objects,
         "ValidatingAdmissionPolicy",
@@ -639,11 +643,7 @@ fn resourceslice_policy_confines_the_driver_to_its_node() {
 
 #[test]
 fn controller_runs_two_non_root_replicas_named_after_their_pods() {
-    if kubectl_missing("controller_runs_two_non_root_replicas_named_after_their_pods") {
-        return;
-    }
-    for dir in RENDERED {
-        let objects = kustomize(dir);
+    for (dir, objects) in rendered("controller_runs_two_non_root_replicas_named_after_their_pods") {
         let deployment = find(&objects, "Deployment", "gpupool-controller");
         assert_eq!(deployment["spec"]["replicas"], 2, "{dir}");
         let pod = &deployment["spec"]["template"]["spec"];
@@ -819,15 +819,10 @@ fn go_missing(test: &str) -> bool {
 /// `go <args>` in deploy/tools/helm-render: stdlib only, so nothing to download and no toolchain
 /// switch; the build cache stays in the shared target folder.
 fn go_in_renderer(args: &[&str]) -> Command {
-    let mut cmd = Command::new("go");
-    cmd.current_dir(deploy_dir().join("tools/helm-render"))
-        .args(args)
-        .env("GOPROXY", "off")
-        .env("GOTOOLCHAIN", "local")
-        .env("GOFLAGS", "-buildvcs=false")
-        .env("GOCACHE", repo_root().join("target/go-build"))
+    let mut cmd = offline_go(&deploy_dir().join("tools/helm-render"));
+    cmd.args(args)
         // Go wants a GOPATH even with nothing to download; CI may run without $HOME.
-        .env("GOPATH", repo_root().join("target/go-path"));
+        .env("GOPATH", workspace_root().join("target/go-path"));
     cmd
 }
 
@@ -839,12 +834,7 @@ fn helm_renderer_unit_tests_pass() {
     let out = go_in_renderer(&["test", "./..."])
         .output()
         .expect("run go test");
-    assert!(
-        out.status.success(),
-        "go test in deploy/tools/helm-render:\n{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out, "go test in deploy/tools/helm-render");
 }
 
 /// The chart rendered by deploy/tools/helm-render (`helm template --include-crds` for the subset of
@@ -962,7 +952,7 @@ fn containerfile_builds_both_binaries_into_a_non_root_image() {
 
     // Every COPY from the build context names something that exists, and together they hold every
     // workspace member (cargo loads them all).
-    let workspace = read(&repo_root().join("Cargo.toml"));
+    let workspace = read(&workspace_root().join("Cargo.toml"));
     let mut copied = BTreeSet::new();
     for line in instructions
         .iter()
@@ -971,7 +961,7 @@ fn containerfile_builds_both_binaries_into_a_non_root_image() {
         let parts: Vec<&str> = line.split_whitespace().skip(1).collect();
         for source in &parts[..parts.len() - 1] {
             assert!(
-                repo_root().join(source).exists(),
+                workspace_root().join(source).exists(),
                 "COPY {source}: not in the repository"
             );
             copied.insert(source.to_string());
@@ -1021,10 +1011,11 @@ fn containerfile_builds_both_binaries_into_a_non_root_image() {
     );
 
     // The controller's pod runs as that same user.
-    if kubectl_missing("containerfile_builds_both_binaries_into_a_non_root_image (manifest part)") {
+    let Some(objects) =
+        rendered_base("containerfile_builds_both_binaries_into_a_non_root_image (manifest part)")
+    else {
         return;
-    }
-    let objects = kustomize("base");
+    };
     let deployment = find(&objects, "Deployment", "gpupool-controller");
     assert_eq!(
         deployment["spec"]["template"]["spec"]["securityContext"]["runAsUser"].to_string(),
@@ -1102,8 +1093,7 @@ async fn manifests_apply_to_the_api_emulator_with_strict_field_validation() {
         String::from_utf8_lossy(&out.stderr)
     );
 
-    for dir in RENDERED {
-        let objects = kustomize(dir);
+    for (dir, objects) in each_rendered() {
         let out = kubectl_at(
             &kubeconfig,
             &["apply", "--validate=strict", "-f", "-"],
@@ -1247,8 +1237,7 @@ fn workload_args_are_flags_the_binaries_accept() {
             known.contains_key("--help"),
             "{binary}: parsed its help: {known:?}"
         );
-        for dir in RENDERED {
-            let objects = kustomize(dir);
+        for (dir, objects) in each_rendered() {
             let c = container(find(&objects, kind, workload), container_name);
             assert_eq!(
                 strings(&c["command"]).first().map(String::as_str),
@@ -1396,11 +1385,7 @@ fn assert_metrics_exposed(
 
 #[test]
 fn metrics_ports_are_served_and_exposed_by_headless_services() {
-    if kubectl_missing("metrics_ports_are_served_and_exposed_by_headless_services") {
-        return;
-    }
-    for dir in RENDERED {
-        let objects = kustomize(dir);
+    for (dir, objects) in rendered("metrics_ports_are_served_and_exposed_by_headless_services") {
         assert_metrics_exposed(&objects, "DaemonSet", "gpupool-driver", "driver", dir);
         assert_metrics_exposed(
             &objects,
@@ -1470,8 +1455,8 @@ fn the_grafana_dashboard_queries_only_metrics_the_binaries_export() {
     let dashboard: Value = serde_json::from_str(&read(&path))
         .unwrap_or_else(|e| panic!("{}: not JSON: {e}", path.display()));
     let sources = [
-        read(&repo_root().join("driver/src/metrics/mod.rs")),
-        read(&repo_root().join("controller/src/metrics.rs")),
+        read(&workspace_root().join("driver/src/metrics/mod.rs")),
+        read(&workspace_root().join("controller/src/metrics.rs")),
     ]
     .join("\n");
     let mut exprs = Vec::new();

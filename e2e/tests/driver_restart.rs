@@ -5,34 +5,33 @@
 mod common;
 
 use common::*;
-use gpupool_e2e::harness::objects::{claim_yaml, device_class_yaml, pod_yaml, Request};
-use gpupool_e2e::harness::{wait_for, Backend, ClusterSpec, NodeSpec, TestCluster};
+use gpupool_e2e::harness::objects::Request;
+use gpupool_e2e::harness::{wait_for, Backend, NodeSpec, TestNode};
 
 const DRIVER: &str = "gpupool.dev";
 
-async fn restart_scenario(backend: Backend) {
-    let cluster = TestCluster::start(ClusterSpec {
-        nodes: vec![NodeSpec::new("node-r", "a100-40gb:2")],
-        backend: Some(backend),
-        ..ClusterSpec::new()
+/// Waits until the claim's CDI spec is gone from the node (`what` names the wait).
+async fn wait_unprepared(node: &TestNode, claim_uid: &str, what: &str) {
+    wait_for(what, TIMEOUT, || async {
+        (!node.cdi_spec_path(claim_uid).exists()).then_some(())
     })
     .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    .unwrap_or_else(|e| panic!("{e}\n{}", node.driver_log()));
+}
+
+async fn restart_scenario(backend: Backend) {
+    let cluster = start_node(NodeSpec::new("node-r", "a100-40gb:2"), backend).await;
     let node = cluster.node_at(0);
     let name = node.name.clone();
     let Some(kubelet) = &node.kubelet else {
         eprintln!("skipped: a real kubelet's registration is not observable from here");
         return;
     };
-    cluster
-        .apply_yaml(&device_class_yaml(), "default")
-        .await
-        .unwrap();
+    apply_device_class(&cluster).await;
     let uuid = device_uuid(&cluster, &name, "gpu-0", 2).await;
     let ns = cluster.create_namespace("e2e-restart").await.unwrap();
     let request = || Request::new("gpu").on(&uuid).memory("2Gi").cores("10");
-    apply(&cluster, &ns, &claim_yaml("before", &[request()])).await;
-    apply(&cluster, &ns, &pod_yaml("before", &["before"])).await;
+    apply_claim_and_pod(&cluster, &ns, "before", &[request()]).await;
     wait_pod_running(&cluster, &ns, "before").await;
     let before = claim(&cluster, &ns, "before").await;
     let before_uid = before.metadata.uid.clone().unwrap();
@@ -102,18 +101,16 @@ async fn restart_scenario(backend: Backend) {
         "same answer after the restart"
     );
 
-    apply(&cluster, &ns, &claim_yaml("after", &[request()])).await;
-    apply(&cluster, &ns, &pod_yaml("after", &["after"])).await;
+    apply_claim_and_pod(&cluster, &ns, "after", &[request()]).await;
     wait_pod_running(&cluster, &ns, "after").await;
 
     delete_pod(&cluster, &ns, "before").await;
-    wait_for(
+    wait_unprepared(
+        node,
+        &before_uid,
         "the claim prepared before the crash to be unprepared",
-        TIMEOUT,
-        || async { (!node.cdi_spec_path(&before_uid).exists()).then_some(()) },
     )
-    .await
-    .unwrap_or_else(|e| panic!("{e}\n{}", node.driver_log()));
+    .await;
     // A pod deleted while the driver is away: the kubelet keeps asking until the driver is back.
     let after = claim(&cluster, &ns, "after").await;
     let after_uid = after.metadata.uid.clone().unwrap();
@@ -125,13 +122,12 @@ async fn restart_scenario(backend: Backend) {
         "nobody could unprepare it yet"
     );
     cluster.restart_driver(&name).await.unwrap();
-    wait_for(
+    wait_unprepared(
+        node,
+        &after_uid,
         "the claim to be unprepared once the driver is back",
-        TIMEOUT,
-        || async { (!node.cdi_spec_path(&after_uid).exists()).then_some(()) },
     )
-    .await
-    .unwrap_or_else(|e| panic!("{e}\n{}", node.driver_log()));
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,15 +8,14 @@
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Instant;
 
 use common::*;
 use gpupool_api::names::{attr, capacity};
 use gpupool_e2e::harness::objects::pod_yaml;
-use gpupool_e2e::harness::{wait_for, Backend, ClusterSpec, NodeSpec, TestCluster};
-use gpupool_e2e::sandbox::cdi_limits;
+use gpupool_e2e::harness::{wait_for, TestCluster};
+use gpupool_e2e::sandbox::{self, cdi_limits};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceClaimTemplate};
 use kube::api::ListParams;
@@ -37,41 +36,11 @@ const COVERED: [&str; 8] = [
 
 const NS: &str = "default";
 
-fn examples_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples")
-}
-
-/// The YAML files of deploy/examples/, GpuModels and ComputeProfiles first (as the sandbox applies
-/// them), so that the classes and templates the others name exist early.
-fn example_files() -> Vec<PathBuf> {
-    let dir = examples_dir();
-    let mut files: Vec<(bool, PathBuf)> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()))
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| matches!(p.extension().and_then(|e| e.to_str()), Some("yaml" | "yml")))
-        .map(|p| {
-            let text = std::fs::read_to_string(&p).unwrap_or_default();
-            let setup = text.contains("kind: GpuModel") || text.contains("kind: ComputeProfile");
-            (!setup, p)
-        })
-        .collect();
-    files.sort();
-    files.into_iter().map(|(_, p)| p).collect()
-}
-
-/// The sandbox's pool (the seeds' cards).
-fn pool() -> Vec<NodeSpec> {
-    vec![
-        NodeSpec::new("node-a100", "a100-40gb:2"),
-        NodeSpec::new("node-v100", "v100-32gb:2"),
-        NodeSpec::new("node-rtx", "rtx3090:1"),
-    ]
-}
-
 #[test]
 fn every_example_reaches_the_state_its_comments_and_the_readme_promise() {
-    let files = example_files();
+    // In the order the sandbox applies them, so that the classes and templates the others name
+    // exist early.
+    let files = sandbox::example_files(&sandbox::examples_dir()).unwrap_or_else(|e| panic!("{e}"));
     let names: BTreeSet<String> = files
         .iter()
         .filter_map(|p| p.file_name().and_then(|n| n.to_str()).map(str::to_string))
@@ -84,12 +53,8 @@ fn every_example_reaches_the_state_its_comments_and_the_readme_promise() {
 
     gpupool_e2e::harness::shared_runtime().block_on(async {
         let started = Instant::now();
-        let mut spec = ClusterSpec::new().with_controller();
-        spec.nodes = pool();
-        spec.backend = Some(Backend::Emulator);
-        let cluster = TestCluster::start(spec)
-            .await
-            .unwrap_or_else(|e| panic!("starting the cluster: {e}"));
+        // The sandbox's cluster: the seeds' pool.
+        let cluster = start(sandbox::cluster_spec()).await;
         for node in cluster.nodes() {
             cluster
                 .wait_for_slices(&node.name, 1, TIMEOUT)
@@ -163,31 +128,25 @@ async fn gpumodels_make_classes_weights_and_the_kubectl_table(cluster: &TestClus
         ("rtx-3090", ["RTX-3090", "71", "1", "1", "24Gi", "True"]),
     ]);
     let columns = ["MODEL", "WEIGHT", "DEVICES", "NODES", "MEMORY", "READY"];
-    let last = Mutex::new(String::new());
-    wait_for(
+    wait_for_kubectl(
+        cluster,
+        &["get", "gpumodels"],
         "`kubectl get gpumodels` as the README shows it",
-        TIMEOUT,
-        || {
-            let (last, want) = (&last, &want);
-            async move {
-                let table = cluster.kubectl(&["get", "gpumodels"]).await.ok()?;
-                *last.lock().unwrap() = table.clone();
-                let rows = table_rows(&table);
-                let same = rows.len() == want.len()
-                    && want.iter().all(|(name, values)| {
-                        rows.get(*name).is_some_and(|row| {
-                            columns
-                                .iter()
-                                .zip(values)
-                                .all(|(c, v)| row.get(*c).map(String::as_str) == Some(*v))
-                        })
-                    });
-                same.then_some(())
-            }
+        |table| {
+            let rows = table_rows(table);
+            let same = rows.len() == want.len()
+                && want.iter().all(|(name, values)| {
+                    rows.get(*name).is_some_and(|row| {
+                        columns
+                            .iter()
+                            .zip(values)
+                            .all(|(c, v)| row.get(*c).map(String::as_str) == Some(*v))
+                    })
+                });
+            same.then_some(())
         },
     )
-    .await
-    .unwrap_or_else(|e| panic!("{e}; last output:\n{}", last.lock().unwrap()));
+    .await;
 }
 
 /// compute-profile-half-a100.yaml: template half-a100 in team-a, A100 cores 50 then V100 cores 61,
@@ -269,12 +228,9 @@ async fn generated_claim(cluster: &TestCluster, pod: &str) -> String {
 /// What the claim consumed: (memory, cores) as written in its allocation.
 async fn consumed(cluster: &TestCluster, claim_name: &str) -> (Option<String>, Option<String>) {
     let c = claim(cluster, NS, claim_name).await;
-    let result = c
-        .status
-        .and_then(|s| s.allocation)
-        .and_then(|a| a.devices)
-        .and_then(|d| d.results)
-        .and_then(|r| r.into_iter().next())
+    let result = allocation_results(&c)
+        .first()
+        .cloned()
         .unwrap_or_else(|| panic!("claim {claim_name} is not allocated"));
     let capacity = result.consumed_capacity.unwrap_or_default();
     (
@@ -295,6 +251,29 @@ async fn limits_of(cluster: &TestCluster, node: &str, claim_name: &str) -> Vec<S
     cdi_limits(&cdi_spec(node, &uid))
 }
 
+/// The limit env of the claim's CDI spec on `node` has each of `wanted`.
+async fn assert_limits(cluster: &TestCluster, node: &str, claim_name: &str, wanted: &[&str]) {
+    let limits = limits_of(cluster, node, claim_name).await;
+    for want in wanted {
+        assert!(limits.iter().any(|l| l == want), "{want}: {limits:?}");
+    }
+}
+
+/// The claim consumed (`memory`, `cores`) of its card, and its limits on `node` have each of `limits`.
+async fn assert_share(
+    cluster: &TestCluster,
+    node: &str,
+    claim_name: &str,
+    (memory, cores): (&str, &str),
+    limits: &[&str],
+) {
+    assert_eq!(
+        consumed(cluster, claim_name).await,
+        (Some(memory.into()), Some(cores.into()))
+    );
+    assert_limits(cluster, node, claim_name, limits).await;
+}
+
 /// fraction-half-a100.yaml: Running on an A100 with 1Gi and 50%, limits 1024m / 50.
 async fn half_a100_runs_with_1gi_and_half_the_sms(cluster: &TestCluster) {
     let (request, pool, device, share) =
@@ -306,17 +285,11 @@ async fn half_a100_runs_with_1gi_and_half_the_sms(cluster: &TestCluster) {
     );
     assert_eq!(model_of(cluster, &pool, &device).await, "A100-SXM4-40GB");
     assert!(share.is_some(), "a fraction is a share of the card");
-    assert_eq!(
-        consumed(cluster, "half-a100").await,
-        (Some("1Gi".into()), Some("50".into()))
-    );
-    let limits = limits_of(cluster, &pool, "half-a100").await;
-    for want in [
+    let limits = [
         "CUDA_DEVICE_MEMORY_LIMIT_0=1024m",
         "CUDA_DEVICE_SM_LIMIT_0=50",
-    ] {
-        assert!(limits.iter().any(|l| l == want), "{want}: {limits:?}");
-    }
+    ];
+    assert_share(cluster, &pool, "half-a100", ("1Gi", "50"), &limits).await;
 }
 
 /// README "Reading what you got": describe shows the driver's data for the device.
@@ -334,31 +307,22 @@ async fn describe_shows_what_the_driver_applied(cluster: &TestCluster) {
         ("Model:", "A100-SXM4-40GB".to_string()),
         ("Uuid:", uuid),
     ];
-    let last = Mutex::new(String::new());
-    wait_for(
+    wait_for_kubectl(
+        cluster,
+        &["describe", "resourceclaim", "half-a100", "-n", NS],
         "`kubectl describe resourceclaim half-a100` to show the device data",
-        TIMEOUT,
-        || {
-            let (last, want) = (&last, &want);
-            async move {
-                let text = cluster
-                    .kubectl(&["describe", "resourceclaim", "half-a100", "-n", NS])
-                    .await
-                    .ok()?;
-                *last.lock().unwrap() = text.clone();
-                let shown = want.iter().all(|(label, value)| {
-                    text.lines().any(|line| {
-                        line.trim_start()
-                            .strip_prefix(label)
-                            .is_some_and(|rest| rest.trim() == value)
-                    })
-                });
-                shown.then_some(())
-            }
+        |text| {
+            let shown = want.iter().all(|(label, value)| {
+                text.lines().any(|line| {
+                    line.trim_start()
+                        .strip_prefix(label)
+                        .is_some_and(|rest| rest.trim() == value)
+                })
+            });
+            shown.then_some(())
         },
     )
-    .await
-    .unwrap_or_else(|e| panic!("{e}; last output:\n{}", last.lock().unwrap()));
+    .await;
 }
 
 /// fraction-v100-70.yaml: on a V100 with 8Gi and SM limit 70.
@@ -366,17 +330,11 @@ async fn v100_70_runs_on_a_v100_with_70_percent(cluster: &TestCluster) {
     let (_, pool, device, _) = allocation_of_running(cluster, "v100-70", "v100-70").await;
     assert_eq!(pool, "node-v100");
     assert_eq!(model_of(cluster, &pool, &device).await, "V100-SXM2-32GB");
-    assert_eq!(
-        consumed(cluster, "v100-70").await,
-        (Some("8Gi".into()), Some("70".into()))
-    );
-    let limits = limits_of(cluster, &pool, "v100-70").await;
-    for want in [
+    let limits = [
         "CUDA_DEVICE_MEMORY_LIMIT_0=8192m",
         "CUDA_DEVICE_SM_LIMIT_0=70",
-    ] {
-        assert!(limits.iter().any(|l| l == want), "{want}: {limits:?}");
-    }
+    ];
+    assert_share(cluster, &pool, "v100-70", ("8Gi", "70"), &limits).await;
 }
 
 /// whole-gpu-claim.yaml: the RTX 3090, all its memory, no SM limit.
@@ -385,11 +343,9 @@ async fn whole_gpu_claim_gets_the_whole_card_unthrottled(cluster: &TestCluster) 
     assert_eq!((pool.as_str(), device.as_str()), ("node-rtx", "gpu-0"));
     let card = &devices_of(cluster, &pool, 1).await[&device];
     let card_mib = memory_mib(card);
-    let limits = limits_of(cluster, &pool, "whole-rtx-3090").await;
     let want_memory = format!("CUDA_DEVICE_MEMORY_LIMIT_0={card_mib}m");
-    for want in [want_memory.as_str(), "CUDA_DEVICE_SM_LIMIT_0=0"] {
-        assert!(limits.iter().any(|l| l == want), "{want}: {limits:?}");
-    }
+    let limits = [want_memory.as_str(), "CUDA_DEVICE_SM_LIMIT_0=0"];
+    assert_limits(cluster, &pool, "whole-rtx-3090", &limits).await;
     let (memory, cores) = consumed(cluster, "whole-rtx-3090").await;
     if let Some(memory) = memory {
         let bytes = gpupool_api::quantity::parse(&memory)
@@ -430,15 +386,8 @@ async fn deployment_replicas_each_get_their_own_share(cluster: &TestCluster) {
         let (_, pool, device, share) = allocation_of_running(cluster, pod, &claim_name).await;
         assert_eq!(pool, "node-a100", "{claim_name}");
         assert_eq!(model_of(cluster, &pool, &device).await, "A100-SXM4-40GB");
-        assert_eq!(
-            consumed(cluster, &claim_name).await,
-            (Some("8Gi".into()), Some("25".into()))
-        );
-        let limits = limits_of(cluster, &pool, &claim_name).await;
-        assert!(
-            limits.iter().any(|l| l == "CUDA_DEVICE_SM_LIMIT_0=25"),
-            "{limits:?}"
-        );
+        let limits = ["CUDA_DEVICE_SM_LIMIT_0=25"];
+        assert_share(cluster, &pool, &claim_name, ("8Gi", "25"), &limits).await;
         claims.insert(claim_name);
         shares.insert(share.unwrap_or_else(|| panic!("{pod}'s claim is not a share")));
     }
@@ -522,8 +471,9 @@ async fn prefer_a100_waits_for_a_pod_then_takes_an_a100_else_a_v100(cluster: &Te
     .await
     .unwrap_or_else(|e| panic!("{e}; left: {:?}", last.lock().unwrap()));
 
-    let prefer_yaml = std::fs::read_to_string(examples_dir().join("claim-prefer-a100.yaml"))
-        .expect("reading claim-prefer-a100.yaml");
+    let prefer_yaml =
+        std::fs::read_to_string(sandbox::examples_dir().join("claim-prefer-a100.yaml"))
+            .expect("reading claim-prefer-a100.yaml");
     // Two more claims like it: with the one from the file they take both A100s, then a V100.
     for name in ["prefer-a100-2", "prefer-a100-3"] {
         let copy = prefer_yaml.replace("name: prefer-a100\n", &format!("name: {name}\n"));

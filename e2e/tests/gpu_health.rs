@@ -6,9 +6,9 @@ mod common;
 
 use std::time::Duration;
 
-use gpupool_e2e::harness::objects::{claim_yaml, device_class_yaml, pod_yaml, Request, E2E_CLASS};
+use gpupool_e2e::harness::objects::Request;
 use gpupool_e2e::harness::process::find_binary;
-use gpupool_e2e::harness::{wait_for, Backend, ClusterSpec, NodeSpec, TestCluster};
+use gpupool_e2e::harness::{wait_for, Backend, NodeSpec, TestCluster};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::DeviceTaint;
 use kube::Api;
@@ -87,6 +87,31 @@ async fn claim_ready(cluster: &TestCluster, ns: &str, pod: &str) -> Option<(Stri
     Some((ready.status, ready.reason))
 }
 
+/// Waits until the pod's one device shows `health`.
+async fn wait_pod_health(pods: &Api<Pod>, name: &str, health: &str, what: &str) {
+    wait_for(what, common::TIMEOUT, || async {
+        (pod_health(pods, name).await == [health]).then_some(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// Waits until the Ready condition on the claim of `pod` is `(status, reason)`.
+async fn wait_claim_ready(
+    cluster: &TestCluster,
+    ns: &str,
+    pod: &str,
+    (status, reason): (&str, &str),
+    what: &str,
+) {
+    wait_for(what, common::TIMEOUT, || async {
+        let ready = claim_ready(cluster, ns, pod).await;
+        (ready == Some((status.into(), reason.into()))).then_some(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+}
+
 async fn node_event_reasons(cluster: &TestCluster) -> Vec<(String, String)> {
     common::events_about(cluster, "default", "Node", NODE)
         .await
@@ -97,41 +122,17 @@ async fn node_event_reasons(cluster: &TestCluster) -> Vec<(String, String)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_xid_taints_the_card_until_it_is_cleared() {
-    let cluster = TestCluster::start(ClusterSpec {
-        nodes: vec![NodeSpec::new(NODE, "a100-40gb:2")],
-        backend: Some(Backend::Emulator),
-        ..ClusterSpec::new()
-    })
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    let cluster = common::start_node(NodeSpec::new(NODE, "a100-40gb:2"), Backend::Emulator).await;
     let _logs = cluster.logs_on_failure();
-    cluster
-        .apply_yaml(&device_class_yaml(), "default")
-        .await
-        .unwrap();
+    common::apply_device_class(&cluster).await;
     let ns = cluster.create_namespace("e2e-gpu-health").await.unwrap();
     let pods: Api<Pod> = Api::namespaced(cluster.client(), &ns);
     let gpu0 = common::device_uuid(&cluster, NODE, "gpu-0", 2).await;
 
     // A share running on gpu-0, from a template: the kubelet reports health for those.
-    let template = format!(
-        "apiVersion: resource.k8s.io/v1\nkind: ResourceClaimTemplate\nmetadata:\n  name: trainer\n\
-         spec:\n  spec:\n    devices:\n      requests:\n      - name: gpu\n        exactly:\n          \
-         deviceClassName: {E2E_CLASS}\n          selectors:\n          - cel:\n              \
-         expression: device.attributes[\"gpupool.dev\"].uuid == \"{gpu0}\"\n          \
-         capacity:\n            requests: {{memory: 4Gi, cores: \"25\"}}\n"
-    );
-    common::apply(&cluster, &ns, &template).await;
-    let pod = "apiVersion: v1\nkind: Pod\nmetadata:\n  name: trainer\nspec:\n  resourceClaims:\n  \
-               - name: gpu\n    resourceClaimTemplateName: trainer\n  containers:\n  - name: main\n    \
-               image: busybox:1.36\n    resources:\n      claims:\n      - name: gpu\n";
-    common::apply(&cluster, &ns, pod).await;
-    common::wait_pod_running(&cluster, &ns, "trainer").await;
-    wait_for("the share to show Healthy", common::TIMEOUT, || async {
-        (pod_health(&pods, "trainer").await == ["Healthy"]).then_some(())
-    })
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    let share = Request::new("gpu").on(&gpu0).memory("4Gi").cores("25");
+    common::run_from_template(&cluster, &ns, "trainer", "trainer", &[share]).await;
+    wait_pod_health(&pods, "trainer", "Healthy", "the share to show Healthy").await;
 
     // Names that are not this node's devices are refused before anything changes.
     let (ok, text) = inject(&cluster, "gpu-7", "79");
@@ -160,21 +161,15 @@ async fn an_xid_taints_the_card_until_it_is_cleared() {
     assert!(taints_of(&cluster, "gpu-1").await.is_empty());
 
     // The running share shows the card Unhealthy, and its claim is no longer Ready.
-    wait_for("the share to show Unhealthy", common::TIMEOUT, || async {
-        (pod_health(&pods, "trainer").await == ["Unhealthy"]).then_some(())
-    })
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
-    wait_for(
+    wait_pod_health(&pods, "trainer", "Unhealthy", "the share to show Unhealthy").await;
+    wait_claim_ready(
+        &cluster,
+        &ns,
+        "trainer",
+        ("False", "DeviceUnhealthy"),
         "the share's claim to be Ready=False",
-        common::TIMEOUT,
-        || async {
-            let ready = claim_ready(&cluster, &ns, "trainer").await;
-            (ready == Some(("False".into(), "DeviceUnhealthy".into()))).then_some(())
-        },
     )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    .await;
 
     // The Node Event says what happened.
     let events = wait_for("a GpuXidError Node Event", common::TIMEOUT, || async {
@@ -193,9 +188,8 @@ async fn an_xid_taints_the_card_until_it_is_cleared() {
     );
 
     // A new share lands on the healthy card. 20Gi leaves gpu-1 too little for the third claim.
-    let second = claim_yaml("second", &[Request::new("gpu").memory("20Gi")]);
-    common::apply(&cluster, &ns, &second).await;
-    common::apply(&cluster, &ns, &pod_yaml("second", &["second"])).await;
+    let second = Request::new("gpu").memory("20Gi");
+    common::apply_claim_and_pod(&cluster, &ns, "second", &[second]).await;
     common::wait_pod_running(&cluster, &ns, "second").await;
     assert_eq!(
         allocated_device(&cluster, &ns, "second").await.as_deref(),
@@ -203,9 +197,8 @@ async fn an_xid_taints_the_card_until_it_is_cleared() {
     );
 
     // 30Gi fits only in what gpu-0 has left: it waits while gpu-0 is tainted.
-    let third = claim_yaml("third", &[Request::new("gpu").memory("30Gi")]);
-    common::apply(&cluster, &ns, &third).await;
-    common::apply(&cluster, &ns, &pod_yaml("third", &["third"])).await;
+    let third = Request::new("gpu").memory("30Gi");
+    common::apply_claim_and_pod(&cluster, &ns, "third", &[third]).await;
     let refused = wait_for(
         "the scheduler to refuse the third pod",
         common::TIMEOUT,
@@ -236,23 +229,21 @@ async fn an_xid_taints_the_card_until_it_is_cleared() {
         allocated_device(&cluster, &ns, "third").await.as_deref(),
         Some("gpu-0")
     );
-    wait_for(
+    wait_pod_health(
+        &pods,
+        "trainer",
+        "Healthy",
         "the share to show Healthy again",
-        common::TIMEOUT,
-        || async { (pod_health(&pods, "trainer").await == ["Healthy"]).then_some(()) },
     )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
-    wait_for(
+    .await;
+    wait_claim_ready(
+        &cluster,
+        &ns,
+        "trainer",
+        ("True", "DeviceRecovered"),
         "the share's claim to be Ready again",
-        common::TIMEOUT,
-        || async {
-            let ready = claim_ready(&cluster, &ns, "trainer").await;
-            (ready == Some(("True".into(), "DeviceRecovered".into()))).then_some(())
-        },
     )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    .await;
     let events = node_event_reasons(&cluster).await;
     assert!(
         events

@@ -15,8 +15,10 @@ use std::time::Duration;
 
 use gpupool_api::names::DRIVER_NAME;
 use gpupool_apiserver::ApiServer;
+use gpupool_e2e::harness::process::{assert_succeeded, offline_go};
 use gpupool_e2e::harness::{
-    cleanup, find_binary, start_api_emulator, wait_for, ManagedProcess, NodeDirs, DRIVER_BIN,
+    cleanup, find_binary, start_api_emulator, wait_for, workspace_root, ManagedProcess, NodeDirs,
+    DRIVER_BIN,
 };
 use serde_json::Value;
 
@@ -27,13 +29,6 @@ const GPUS: usize = 2;
 /// Where golang-google-grpc-dev installs grpc-go and its dependencies: GOPATH mode finds them there,
 /// so the build needs no module proxy (CI reaches none).
 const DEBIAN_GOPATH: &str = "/usr/share/gocode";
-
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("the e2e crate sits in the workspace")
-        .to_path_buf()
-}
 
 /// The built client, or why the test skips. A client that does not compile is a failure, not a
 /// reason to skip.
@@ -71,26 +66,16 @@ fn build_go_client() -> Result<PathBuf, String> {
         .keep();
     cleanup::remove_at_exit(dir.clone());
     let binary = dir.join("grpc-client");
-    let out = Command::new("go")
-        .current_dir(repo_root().join("e2e/go/grpc-client"))
+    let out = offline_go(&workspace_root().join("e2e/go/grpc-client"))
         .arg("build")
         .arg("-o")
         .arg(&binary)
         .arg(".")
         .env("GO111MODULE", "off")
         .env("GOPATH", DEBIAN_GOPATH)
-        .env("GOPROXY", "off")
-        .env("GOTOOLCHAIN", "local")
-        .env("GOFLAGS", "-buildvcs=false")
-        .env("GOCACHE", repo_root().join("target/go-build"))
         .output()
         .expect("running go build");
-    assert!(
-        out.status.success(),
-        "go build in e2e/go/grpc-client failed:\n{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out, "go build in e2e/go/grpc-client failed");
     Ok(binary)
 }
 

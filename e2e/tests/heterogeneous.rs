@@ -9,16 +9,16 @@
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use common::*;
 use gpupool_api::names::{attr, capacity};
 use gpupool_api::quantity;
-use gpupool_e2e::harness::objects::pod_yaml;
-use gpupool_e2e::harness::{wait_for, Backend, ClusterSpec, NodeSpec, TestCluster};
-use gpupool_e2e::sandbox::cdi_limits;
+use gpupool_e2e::harness::objects::{pod_yaml, template_pod_yaml};
+use gpupool_e2e::harness::{wait_for, ClusterSpec, NodeSpec, TestCluster};
+use gpupool_e2e::sandbox::{cdi_limits, examples_dir};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{
     DeviceClass, DeviceSubRequest, ResourceClaim, ResourceClaimTemplate,
@@ -69,9 +69,7 @@ const MODELS: [Model; 3] = [
 ];
 
 fn example(file: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../deploy/examples")
-        .join(file)
+    examples_dir().join(file)
 }
 
 /// A claim for one whole card through a model's class (no capacity request: the whole memory).
@@ -92,10 +90,7 @@ fn gpu_models_classes_profiles_and_weights_over_the_real_controller() {
             .map(|m| NodeSpec::new(m.node, m.fake_gpus))
             .collect();
         // Fake cards of three models on three nodes: only the emulator can give us that.
-        spec.backend = Some(Backend::Emulator);
-        let cluster = TestCluster::start(spec)
-            .await
-            .unwrap_or_else(|e| panic!("starting the cluster: {e}"));
+        let cluster = start(spec.emulated()).await;
 
         gpu_models_become_classes_and_kubectl_counts_the_pool(&cluster).await;
         claims_through_a_model_class_land_only_on_that_model(&cluster).await;
@@ -165,14 +160,12 @@ async fn gpu_models_become_classes_and_kubectl_counts_the_pool(cluster: &TestClu
     assert_eq!(expected["a100-sxm4-40gb"][1..], ["2", "1", "80Gi"]);
     assert_eq!(expected["v100-sxm2-32gb"][1..], ["2", "1", "64Gi"]);
     assert_eq!(expected["rtx-3090"][1..], ["1", "1", "24Gi"]);
-    let last = Mutex::new(String::new());
-    let shown = wait_for("`kubectl get gpumodels` to count the pool", TIMEOUT, || {
-        let last = &last;
-        let expected = &expected;
-        async move {
-            let table = cluster.kubectl(&["get", "gpumodels"]).await.ok()?;
-            *last.lock().unwrap() = table.clone();
-            let rows = table_rows(&table);
+    let shown = wait_for_kubectl(
+        cluster,
+        &["get", "gpumodels"],
+        "`kubectl get gpumodels` to count the pool",
+        |table| {
+            let rows = table_rows(table);
             let matches = expected.iter().all(|(name, want)| {
                 rows.get(*name).is_some_and(|row| {
                     ["MODEL", "DEVICES", "NODES", "MEMORY"]
@@ -182,10 +175,9 @@ async fn gpu_models_become_classes_and_kubectl_counts_the_pool(cluster: &TestClu
                 })
             });
             matches.then_some(rows)
-        }
-    })
-    .await
-    .unwrap_or_else(|e| panic!("{e}; last output:\n{}", last.lock().unwrap()));
+        },
+    )
+    .await;
     assert_eq!(shown["a100-sxm4-40gb"]["WEIGHT"], "312");
     assert_eq!(shown["v100-sxm2-32gb"]["WEIGHT"], "256");
     assert_eq!(shown["rtx-3090"]["WEIGHT"], "71");
@@ -219,12 +211,17 @@ async fn delete_all(cluster: &TestCluster, namespace: &str) {
     .unwrap_or_else(|e| panic!("{e}"));
 }
 
+/// The claim `name` of one whole card through `class`, and the pod `name` using it.
+async fn claim_by_class_and_use(cluster: &TestCluster, namespace: &str, name: &str, class: &str) {
+    apply(cluster, namespace, &class_claim_yaml(name, class)).await;
+    apply(cluster, namespace, &pod_yaml(name, &[name])).await;
+}
+
 /// A whole-card claim and a pod using it, per card of the model; returns (pool, device) per claim.
 async fn fill_model(cluster: &TestCluster, namespace: &str, m: &Model) -> Vec<(String, String)> {
     for i in 0..m.cards {
         let name = format!("{}-{i}", m.gpu_model);
-        apply(cluster, namespace, &class_claim_yaml(&name, m.class)).await;
-        apply(cluster, namespace, &pod_yaml(&name, &[&name])).await;
+        claim_by_class_and_use(cluster, namespace, &name, m.class).await;
     }
     let mut placed = Vec::new();
     for i in 0..m.cards {
@@ -266,30 +263,15 @@ async fn claims_through_a_model_class_land_only_on_that_model(cluster: &TestClus
     }
 
     // Every A100 is taken; free V100s and an RTX do not make a third A100 claim allocatable.
-    apply(
+    claim_by_class_and_use(cluster, &namespace, "one-a100-too-many", A100_CLASS).await;
+    wait_pod_event(
         cluster,
         &namespace,
-        &class_claim_yaml("one-a100-too-many", A100_CLASS),
-    )
-    .await;
-    apply(
-        cluster,
-        &namespace,
-        &pod_yaml("one-a100-too-many", &["one-a100-too-many"]),
-    )
-    .await;
-    wait_for(
+        "one-a100-too-many",
+        "FailedScheduling",
         "a FailedScheduling event for the A100 pod that cannot fit",
-        TIMEOUT,
-        || async {
-            events_about(cluster, &namespace, "Pod", "one-a100-too-many")
-                .await
-                .into_iter()
-                .find(|e| e.reason.as_deref() == Some("FailedScheduling"))
-        },
     )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    .await;
     let waiting = claim(cluster, &namespace, "one-a100-too-many").await;
     assert!(
         results(&waiting).is_empty(),
@@ -376,16 +358,7 @@ async fn half_a100_falls_back_to_a_v100_with_61_percent(cluster: &TestCluster) {
     fill_model(cluster, &fill, &MODELS[0]).await;
 
     let pod = "trainer";
-    apply(
-        cluster,
-        "team-a",
-        &format!(
-            "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {pod}\nspec:\n  restartPolicy: Never\n  resourceClaims:\n  \
-             - name: gpu\n    resourceClaimTemplateName: half-a100\n  containers:\n  - name: main\n    image: busybox:1.36\n    \
-             command: [\"sleep\", \"3600\"]\n    resources:\n      claims:\n      - name: gpu\n"
-        ),
-    )
-    .await;
+    apply(cluster, "team-a", &template_pod_yaml(pod, "half-a100")).await;
     let running = wait_pod_running(cluster, "team-a", pod).await;
     let claim_name = running
         .status

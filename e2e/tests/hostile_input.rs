@@ -50,16 +50,10 @@ fn written_outside(root: &Path, before: &BTreeSet<PathBuf>, allowed: &[&Path]) -
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_claims_get_their_own_error_and_write_nothing_outside() {
-    let mut node = CrashNode::new("node-hostile", "a100-40gb:2").await;
-    node.create_namespace(NAMESPACE).await;
+    let mut node = CrashNode::with_namespace("node-hostile", "a100-40gb:2", NAMESPACE).await;
     let pool = node.name.clone();
     let good = node
-        .create_allocated_claim(
-            NAMESPACE,
-            "good",
-            vec![result("gpu0", &pool, "gpu-0", Some("4Gi"), Some("10"))],
-            Vec::new(),
-        )
+        .create_claim_on(NAMESPACE, "good", "gpu-0", Some(("4Gi", "10")))
         .await;
     let field = "status.allocation.devices.config[0].opaque.parameters";
     // (name, parameters, what the error must say)

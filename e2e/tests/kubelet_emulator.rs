@@ -4,7 +4,6 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -12,9 +11,9 @@ use std::time::Duration;
 
 use futures::TryStreamExt;
 use gpupool_api::claim::ClaimRef;
-use gpupool_e2e::harness::objects::{device_class_yaml, pod_yaml, E2E_CLASS};
-use gpupool_e2e::harness::{wait_for, Backend, ClusterSpec, NodeSpec, TestCluster};
-use gpupool_e2e::kubelet::{DraVersion, Kubelet, KubeletConfig};
+use gpupool_e2e::harness::objects::{self, pod_yaml};
+use gpupool_e2e::harness::{wait_for, Backend, NodeSpec};
+use gpupool_e2e::kubelet::{DraVersion, Kubelet, KubeletConfig, Registration};
 use gpupool_proto::health_v1alpha1::{self as health, HealthStatus};
 use gpupool_proto::{dra_v1, dra_v1beta1, registration};
 use k8s_openapi::api::core::v1::Pod;
@@ -32,6 +31,18 @@ struct FakePlugin {
     endpoint: PathBuf,
     versions: Vec<String>,
     notified: Arc<Mutex<Vec<registration::RegistrationStatus>>>,
+}
+
+impl FakePlugin {
+    /// A plugin of `plugin_type` serving DRA at `endpoint`, nothing heard from the kubelet yet.
+    fn new(plugin_type: &str, endpoint: PathBuf, versions: &[&str]) -> FakePlugin {
+        FakePlugin {
+            plugin_type: plugin_type.into(),
+            endpoint,
+            versions: versions.iter().map(|s| s.to_string()).collect(),
+            notified: Arc::default(),
+        }
+    }
 }
 
 #[tonic::async_trait]
@@ -61,103 +72,69 @@ impl registration::registration_server::Registration for FakePlugin {
 #[derive(Clone)]
 struct FakeDra;
 
-#[tonic::async_trait]
-impl dra_v1::dra_plugin_server::DraPlugin for FakeDra {
-    async fn node_prepare_resources(
-        &self,
-        request: Request<dra_v1::NodePrepareResourcesRequest>,
-    ) -> Result<Response<dra_v1::NodePrepareResourcesResponse>, Status> {
-        let claims = request
-            .into_inner()
-            .claims
-            .into_iter()
-            .map(|c| {
-                let response = if c.name == "bad" {
-                    dra_v1::NodePrepareResourceResponse {
-                        devices: vec![],
-                        error: format!("claim {}/{}: refused", c.namespace, c.name),
-                    }
-                } else {
-                    dra_v1::NodePrepareResourceResponse {
-                        devices: vec![dra_v1::Device {
-                            request_names: vec!["gpu".into()],
-                            pool_name: "node-a".into(),
-                            device_name: "gpu-0".into(),
-                            cdi_device_ids: vec![format!("gpupool.dev/claim={}-gpu-0-s1", c.uid)],
-                            share_id: Some("s1".into()),
-                        }],
-                        error: String::new(),
-                    }
-                };
-                (c.uid, response)
-            })
-            .collect::<HashMap<_, _>>();
-        Ok(Response::new(dra_v1::NodePrepareResourcesResponse {
-            claims,
-        }))
-    }
+/// `FakeDra` in one DRA version; `$device` makes the device of a claim uid.
+macro_rules! fake_dra {
+    ($dra:ident, $device:expr) => {
+        #[tonic::async_trait]
+        impl $dra::dra_plugin_server::DraPlugin for FakeDra {
+            async fn node_prepare_resources(
+                &self,
+                request: Request<$dra::NodePrepareResourcesRequest>,
+            ) -> Result<Response<$dra::NodePrepareResourcesResponse>, Status> {
+                let device: fn(&str) -> $dra::Device = $device;
+                let claims = request
+                    .into_inner()
+                    .claims
+                    .into_iter()
+                    .map(|c| {
+                        let response = if c.name == "bad" {
+                            $dra::NodePrepareResourceResponse {
+                                devices: vec![],
+                                error: format!("claim {}/{}: refused", c.namespace, c.name),
+                            }
+                        } else {
+                            $dra::NodePrepareResourceResponse {
+                                devices: vec![device(&c.uid)],
+                                error: String::new(),
+                            }
+                        };
+                        (c.uid, response)
+                    })
+                    .collect();
+                Ok(Response::new($dra::NodePrepareResourcesResponse { claims }))
+            }
 
-    async fn node_unprepare_resources(
-        &self,
-        request: Request<dra_v1::NodeUnprepareResourcesRequest>,
-    ) -> Result<Response<dra_v1::NodeUnprepareResourcesResponse>, Status> {
-        let claims = request
-            .into_inner()
-            .claims
-            .into_iter()
-            .map(|c| {
-                (
-                    c.uid,
-                    dra_v1::NodeUnprepareResourceResponse {
-                        error: String::new(),
-                    },
-                )
-            })
-            .collect();
-        Ok(Response::new(dra_v1::NodeUnprepareResourcesResponse {
-            claims,
-        }))
-    }
+            async fn node_unprepare_resources(
+                &self,
+                request: Request<$dra::NodeUnprepareResourcesRequest>,
+            ) -> Result<Response<$dra::NodeUnprepareResourcesResponse>, Status> {
+                let claims = request
+                    .into_inner()
+                    .claims
+                    .into_iter()
+                    .map(|c| (c.uid, $dra::NodeUnprepareResourceResponse::default()))
+                    .collect();
+                Ok(Response::new($dra::NodeUnprepareResourcesResponse {
+                    claims,
+                }))
+            }
+        }
+    };
 }
 
-#[tonic::async_trait]
-impl dra_v1beta1::dra_plugin_server::DraPlugin for FakeDra {
-    async fn node_prepare_resources(
-        &self,
-        request: Request<dra_v1beta1::NodePrepareResourcesRequest>,
-    ) -> Result<Response<dra_v1beta1::NodePrepareResourcesResponse>, Status> {
-        let claims = request
-            .into_inner()
-            .claims
-            .into_iter()
-            .map(|c| {
-                let device = dra_v1beta1::Device {
-                    request_names: vec!["gpu".into()],
-                    pool_name: "node-a".into(),
-                    device_name: "gpu-0".into(),
-                    cdi_device_ids: vec![format!("gpupool.dev/claim={}-gpu-0", c.uid)],
-                };
-                let response = dra_v1beta1::NodePrepareResourceResponse {
-                    devices: vec![device],
-                    error: String::new(),
-                };
-                (c.uid, response)
-            })
-            .collect();
-        Ok(Response::new(dra_v1beta1::NodePrepareResourcesResponse {
-            claims,
-        }))
-    }
-
-    async fn node_unprepare_resources(
-        &self,
-        _: Request<dra_v1beta1::NodeUnprepareResourcesRequest>,
-    ) -> Result<Response<dra_v1beta1::NodeUnprepareResourcesResponse>, Status> {
-        Ok(Response::new(
-            dra_v1beta1::NodeUnprepareResourcesResponse::default(),
-        ))
-    }
-}
+fake_dra!(dra_v1, |uid| dra_v1::Device {
+    request_names: vec!["gpu".into()],
+    pool_name: "node-a".into(),
+    device_name: "gpu-0".into(),
+    cdi_device_ids: vec![format!("gpupool.dev/claim={uid}-gpu-0-s1")],
+    share_id: Some("s1".into()),
+});
+fake_dra!(dra_v1beta1, |uid| dra_v1beta1::Device {
+    request_names: vec!["gpu".into()],
+    pool_name: "node-a".into(),
+    device_name: "gpu-0".into(),
+    cdi_device_ids: vec![format!("gpupool.dev/claim={uid}-gpu-0")],
+});
 
 /// Streams the health of `node-a/gpu-0`: the value in the channel every 100 ms, nothing while it
 /// is `None` (a plugin gone quiet, its stream still open).
@@ -200,25 +177,6 @@ impl health::dra_resource_health_server::DraResourceHealth for FakeHealth {
     }
 }
 
-/// Serves the fake plugin: registration on `<registry>/fake.gpupool.dev-reg.sock`, DRA on `<plugin>/dra.sock`.
-fn serve_plugin(registry: &Path, plugin_dir: &Path, plugin: FakePlugin) {
-    serve_plugin_with_health(registry, plugin_dir, plugin, None)
-}
-
-fn serve_plugin_with_health(
-    registry: &Path,
-    plugin_dir: &Path,
-    plugin: FakePlugin,
-    health: Option<FakeHealth>,
-) {
-    serve_named_plugin(
-        &registry.join("fake.gpupool.dev-reg.sock"),
-        &plugin_dir.join("dra.sock"),
-        plugin,
-        health,
-    )
-}
-
 fn serve_named_plugin(
     registration_socket: &Path,
     dra_socket: &Path,
@@ -252,18 +210,24 @@ fn serve_named_plugin(
     );
 }
 
-/// A kube client that is never used: these kubelets neither register a node nor watch pods.
-fn offline_client() -> kube::Client {
-    let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
-    kube::Client::try_from(config).unwrap()
-}
-
-fn offline_kubelet_config(registry: &Path, known: &[&str]) -> KubeletConfig {
+/// A kubelet on `registry` speaking the `known` versions, with a kube client that is never used:
+/// it neither registers a node nor watches pods.
+async fn offline_kubelet(registry: &Path, known: &[&str]) -> Kubelet {
+    let client =
+        kube::Client::try_from(kube::Config::new("http://127.0.0.1:9".parse().unwrap())).unwrap();
     let mut config = KubeletConfig::new("node-a", registry);
     config.known_versions = known.iter().map(|s| s.to_string()).collect();
     config.register_node = false;
     config.manage_pods = false;
-    config
+    Kubelet::start(client, config).await.unwrap()
+}
+
+/// The fake plugin's registration, once the kubelet has it.
+async fn fake_registration(kubelet: &Kubelet) -> Registration {
+    kubelet
+        .wait_for_registration("fake.gpupool.dev", Duration::from_secs(5))
+        .await
+        .unwrap()
 }
 
 struct Setup {
@@ -273,21 +237,25 @@ struct Setup {
 }
 
 fn setup(plugin_type: &str, versions: &[&str]) -> Setup {
+    setup_with_health(plugin_type, versions, None)
+}
+
+/// Serves the fake plugin: registration on `<registry>/fake.gpupool.dev-reg.sock`, DRA (and
+/// `health` when given) on `<plugin>/dra.sock`.
+fn setup_with_health(plugin_type: &str, versions: &[&str], health: Option<FakeHealth>) -> Setup {
     let dir = tempfile::tempdir().unwrap();
     let registry = dir.path().join("registry");
     let plugins = dir.path().join("plugin");
     std::fs::create_dir_all(&registry).unwrap();
     std::fs::create_dir_all(&plugins).unwrap();
-    let notified = Arc::new(Mutex::new(Vec::new()));
-    serve_plugin(
-        &registry,
-        &plugins,
-        FakePlugin {
-            plugin_type: plugin_type.into(),
-            endpoint: plugins.join("dra.sock"),
-            versions: versions.iter().map(|s| s.to_string()).collect(),
-            notified: notified.clone(),
-        },
+    let endpoint = plugins.join("dra.sock");
+    let plugin = FakePlugin::new(plugin_type, endpoint.clone(), versions);
+    let notified = plugin.notified.clone();
+    serve_named_plugin(
+        &registry.join("fake.gpupool.dev-reg.sock"),
+        &endpoint,
+        plugin,
+        health,
     );
     Setup {
         _dir: dir,
@@ -305,16 +273,8 @@ const BOTH: [&str; 3] = [
 #[tokio::test]
 async fn registers_with_v1_and_prepares_per_claim() {
     let setup = setup("DRAPlugin", &BOTH);
-    let kubelet = Kubelet::start(
-        offline_client(),
-        offline_kubelet_config(&setup.registry, &["v1.DRAPlugin", "v1beta1.DRAPlugin"]),
-    )
-    .await
-    .unwrap();
-    let reg = kubelet
-        .wait_for_registration("fake.gpupool.dev", Duration::from_secs(5))
-        .await
-        .unwrap();
+    let kubelet = offline_kubelet(&setup.registry, &["v1.DRAPlugin", "v1beta1.DRAPlugin"]).await;
+    let reg = fake_registration(&kubelet).await;
     assert_eq!(reg.version, DraVersion::V1);
     assert!(reg.health_advertised);
     let notified = setup.notified.lock().unwrap().clone();
@@ -362,27 +322,14 @@ async fn the_newest_registration_wins_and_an_older_one_takes_over_when_it_goes()
         serve_named_plugin(
             &socket,
             &endpoint,
-            FakePlugin {
-                plugin_type: "DRAPlugin".into(),
-                endpoint: endpoint.clone(),
-                versions: BOTH.iter().map(|s| s.to_string()).collect(),
-                notified: Arc::new(Mutex::new(Vec::new())),
-            },
+            FakePlugin::new("DRAPlugin", endpoint.clone(), &BOTH),
             None,
         );
         (socket, endpoint)
     };
     let (socket_a, endpoint_a) = instance("a");
-    let kubelet = Kubelet::start(
-        offline_client(),
-        offline_kubelet_config(&registry, &["v1.DRAPlugin"]),
-    )
-    .await
-    .unwrap();
-    let first = kubelet
-        .wait_for_registration("fake.gpupool.dev", Duration::from_secs(5))
-        .await
-        .unwrap();
+    let kubelet = offline_kubelet(&registry, &["v1.DRAPlugin"]).await;
+    let first = fake_registration(&kubelet).await;
     assert_eq!(first.socket, socket_a);
 
     let (socket_b, endpoint_b) = instance("b");
@@ -423,16 +370,8 @@ async fn the_newest_registration_wins_and_an_older_one_takes_over_when_it_goes()
 #[tokio::test]
 async fn an_old_kubelet_picks_v1beta1() {
     let setup = setup("DRAPlugin", &BOTH);
-    let kubelet = Kubelet::start(
-        offline_client(),
-        offline_kubelet_config(&setup.registry, &["v1beta1.DRAPlugin"]),
-    )
-    .await
-    .unwrap();
-    let reg = kubelet
-        .wait_for_registration("fake.gpupool.dev", Duration::from_secs(5))
-        .await
-        .unwrap();
+    let kubelet = offline_kubelet(&setup.registry, &["v1beta1.DRAPlugin"]).await;
+    let reg = fake_registration(&kubelet).await;
     assert_eq!(reg.version, DraVersion::V1beta1);
     let claim = ClaimRef {
         namespace: "default".into(),
@@ -456,12 +395,8 @@ async fn a_plugin_with_no_common_version_or_wrong_type_is_told_why() {
         ("CSIPlugin", &BOTH[..], "CSIPlugin"),
     ] {
         let setup = setup(plugin_type, versions);
-        let kubelet = Kubelet::start(
-            offline_client(),
-            offline_kubelet_config(&setup.registry, &["v1.DRAPlugin", "v1beta1.DRAPlugin"]),
-        )
-        .await
-        .unwrap();
+        let kubelet =
+            offline_kubelet(&setup.registry, &["v1.DRAPlugin", "v1beta1.DRAPlugin"]).await;
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
         while kubelet.rejections().is_empty() && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -499,12 +434,7 @@ async fn a_registration_socket_that_does_not_answer_is_retried_with_growing_inte
             drop(stream);
         }
     });
-    let kubelet = Kubelet::start(
-        offline_client(),
-        offline_kubelet_config(&registry, &["v1.DRAPlugin"]),
-    )
-    .await
-    .unwrap();
+    let kubelet = offline_kubelet(&registry, &["v1.DRAPlugin"]).await;
     // Attempts at about 0, 0.5, 1.5 and 3.5 s; a kubelet polling every 100 ms without backoff
     // would have made about 40.
     tokio::time::sleep(Duration::from_millis(4200)).await;
@@ -553,23 +483,8 @@ async fn container_statuses(pods: &Api<Pod>, name: &str) -> Value {
 
 #[tokio::test]
 async fn a_running_pod_carries_ready_containers_and_the_health_the_plugin_streams() {
-    let dir = tempfile::tempdir().unwrap();
-    let registry = dir.path().join("registry");
-    let plugins = dir.path().join("plugin");
-    std::fs::create_dir_all(&registry).unwrap();
-    std::fs::create_dir_all(&plugins).unwrap();
     let (set_health, health) = watch::channel(Some(HealthStatus::Healthy));
-    serve_plugin_with_health(
-        &registry,
-        &plugins,
-        FakePlugin {
-            plugin_type: "DRAPlugin".into(),
-            endpoint: plugins.join("dra.sock"),
-            versions: BOTH.iter().map(|s| s.to_string()).collect(),
-            notified: Arc::default(),
-        },
-        Some(FakeHealth(health)),
-    );
+    let setup = setup_with_health("DRAPlugin", &BOTH, Some(FakeHealth(health)));
     let server = gpupool_apiserver::ApiServer::start().await.unwrap();
     let client = api_client(&server).await;
 
@@ -611,7 +526,7 @@ async fn a_running_pod_carries_ready_containers_and_the_health_the_plugin_stream
         .await
         .unwrap();
 
-    let mut config = KubeletConfig::new("node-a", &registry);
+    let mut config = KubeletConfig::new("node-a", &setup.registry);
     config.health_timeout = Duration::from_millis(1500);
     let _kubelet = Kubelet::start(client.clone(), config).await.unwrap();
 
@@ -671,30 +586,13 @@ async fn a_running_pod_carries_ready_containers_and_the_health_the_plugin_stream
 /// The real driver on fake GPUs: what `kubectl get pods` and the pod's status show a user.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_with_a_gpupool_claim_shows_ready_and_healthy() {
-    let cluster = TestCluster::start(ClusterSpec {
-        nodes: vec![NodeSpec::new("node-h", "a100-40gb:1")],
-        backend: Some(Backend::Emulator),
-        ..ClusterSpec::new()
-    })
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    let cluster =
+        common::start_node(NodeSpec::new("node-h", "a100-40gb:1"), Backend::Emulator).await;
     let _logs = cluster.logs_on_failure();
-    cluster
-        .apply_yaml(&device_class_yaml(), "default")
-        .await
-        .unwrap();
+    common::apply_device_class(&cluster).await;
     let ns = cluster.create_namespace("e2e-pod-status").await.unwrap();
-    let template = format!(
-        "apiVersion: resource.k8s.io/v1\nkind: ResourceClaimTemplate\nmetadata:\n  name: quarter\n\
-         spec:\n  spec:\n    devices:\n      requests:\n      - name: gpu\n        exactly:\n          \
-         deviceClassName: {E2E_CLASS}\n          capacity:\n            requests: {{memory: 4Gi, cores: \"25\"}}\n"
-    );
-    common::apply(&cluster, &ns, &template).await;
-    let pod = "apiVersion: v1\nkind: Pod\nmetadata:\n  name: trainer\nspec:\n  resourceClaims:\n  \
-               - name: gpu\n    resourceClaimTemplateName: quarter\n  containers:\n  - name: main\n    \
-               image: busybox:1.36\n    resources:\n      claims:\n      - name: gpu\n";
-    common::apply(&cluster, &ns, pod).await;
-    common::wait_pod_running(&cluster, &ns, "trainer").await;
+    let quarter = objects::Request::new("gpu").memory("4Gi").cores("25");
+    common::run_from_template(&cluster, &ns, "trainer", "quarter", &[quarter]).await;
 
     let pods: Api<Pod> = Api::namespaced(cluster.client(), &ns);
     let status = pods.get("trainer").await.unwrap().status.unwrap();
@@ -723,11 +621,8 @@ async fn a_pod_with_a_gpupool_claim_shows_ready_and_healthy() {
     }
 
     // A claim the pod names directly is prepared too; the v1.36 kubelet reports no health for it.
-    let direct = gpupool_e2e::harness::objects::claim_yaml(
-        "direct",
-        &[gpupool_e2e::harness::objects::Request::new("gpu").memory("1Gi")],
-    );
-    common::apply(&cluster, &ns, &direct).await;
+    let request = objects::Request::new("gpu").memory("1Gi");
+    common::apply_claim(&cluster, &ns, "direct", &[request]).await;
     common::apply(&cluster, &ns, &pod_yaml("direct", &["direct"])).await;
     common::wait_pod_running(&cluster, &ns, "direct").await;
     let statuses = container_statuses(&pods, "direct").await;

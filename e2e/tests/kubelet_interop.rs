@@ -7,12 +7,12 @@ use std::path::Path;
 use std::time::Duration;
 
 use gpupool_api::names::DRIVER_NAME;
+use gpupool_driver::plugin::registration::RegistrationService;
 use gpupool_e2e::grpc::path_authority::{PathAuthorityConnection, PathAuthorityError};
 use gpupool_e2e::harness::{Backend, ClusterSpec, TestCluster};
 use gpupool_proto::{dra_v1, registration, versions, DRA_PLUGIN_TYPE};
 use tokio::net::UnixListener;
 use tokio_stream::wrappers::UnixListenerStream;
-use tonic::{Request, Response, Status};
 
 const GET_INFO: &str = "/pluginregistration.Registration/GetInfo";
 const NOTIFY: &str = "/pluginregistration.Registration/NotifyRegistrationStatus";
@@ -40,8 +40,7 @@ async fn the_driver_answers_registration_calls_that_carry_the_socket_path_as_aut
     let mut conn = PathAuthorityConnection::connect(&registration.socket)
         .await
         .unwrap();
-    let info: registration::PluginInfo = conn
-        .unary(GET_INFO, &registration::InfoRequest {}, CALL)
+    let info = get_info(&mut conn)
         .await
         .expect("GetInfo with a path authority is answered");
     assert_eq!(info.r#type, DRA_PLUGIN_TYPE);
@@ -73,8 +72,7 @@ async fn the_driver_answers_registration_calls_that_carry_the_socket_path_as_aut
     let mut conn = PathAuthorityConnection::connect_with_authority(&registration.socket, &encoded)
         .await
         .unwrap();
-    let again: registration::PluginInfo = conn
-        .unary(GET_INFO, &registration::InfoRequest {}, CALL)
+    let again = get_info(&mut conn)
         .await
         .expect("GetInfo with a percent-encoded path authority is answered");
     assert_eq!(again, info);
@@ -94,44 +92,30 @@ async fn the_driver_answers_registration_calls_that_carry_the_socket_path_as_aut
     assert!(answer.claims.is_empty());
 }
 
-struct PlainRegistration;
-
-#[tonic::async_trait]
-impl registration::registration_server::Registration for PlainRegistration {
-    async fn get_info(
-        &self,
-        _: Request<registration::InfoRequest>,
-    ) -> Result<Response<registration::PluginInfo>, Status> {
-        Ok(Response::new(registration::PluginInfo::default()))
-    }
-
-    async fn notify_registration_status(
-        &self,
-        _: Request<registration::RegistrationStatus>,
-    ) -> Result<Response<registration::RegistrationStatusResponse>, Status> {
-        Ok(Response::new(registration::RegistrationStatusResponse {}))
-    }
+/// `GetInfo` on the connection, as the kubelet's plugin watcher calls it.
+async fn get_info(
+    conn: &mut PathAuthorityConnection,
+) -> Result<registration::PluginInfo, PathAuthorityError> {
+    conn.unary(GET_INFO, &registration::InfoRequest {}, CALL)
+        .await
 }
 
-/// The client is as strict as the kubelet: a tonic server without the driver's repair refuses
-/// it exactly as it refused the real kubelet.
+/// The client is as strict as the kubelet: a tonic server without the driver's repair (here the
+/// driver's own registration service) refuses it exactly as it refused the real kubelet.
 #[tokio::test]
 async fn a_plain_tonic_server_refuses_the_kubelets_registration_call() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("plain-reg.sock");
     let incoming = UnixListenerStream::new(UnixListener::bind(&socket).unwrap());
+    let (outcome, _) = tokio::sync::watch::channel(None);
+    let service = RegistrationService::new(socket.display().to_string(), outcome);
     let server = tokio::spawn(
         tonic::transport::Server::builder()
-            .add_service(registration::registration_server::RegistrationServer::new(
-                PlainRegistration,
-            ))
+            .add_service(service.into_server())
             .serve_with_incoming(incoming),
     );
     let mut conn = PathAuthorityConnection::connect(&socket).await.unwrap();
-    let err = conn
-        .unary::<_, registration::PluginInfo>(GET_INFO, &registration::InfoRequest {}, CALL)
-        .await
-        .unwrap_err();
+    let err = get_info(&mut conn).await.unwrap_err();
     assert!(matches!(err, PathAuthorityError::Reset(0x1)), "{err:?}");
     assert_eq!(
         err.to_string(),

@@ -15,18 +15,23 @@ use std::time::Duration;
 
 use common::*;
 use gpupool_api::quantity;
-use gpupool_e2e::harness::objects::{claim_yaml, device_class_yaml, pod_yaml, Request};
-use gpupool_e2e::harness::{wait_for, Backend, ClusterSpec, TestCluster};
+use gpupool_e2e::harness::objects::Request;
+use gpupool_e2e::harness::{wait_for, ClusterSpec, TestCluster};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const GIB: u64 = 1 << 30;
 
-fn tool(name: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH").and_then(|paths| {
+/// `name` on the PATH; without it the test says it skips for want of `what`.
+fn tool(name: &str, what: &str) -> Option<PathBuf> {
+    let found = std::env::var_os("PATH").and_then(|paths| {
         std::env::split_paths(&paths)
             .map(|dir| dir.join(name))
             .find(|p| p.is_file())
-    })
+    });
+    if found.is_none() {
+        eprintln!("skipped: {what} not found (Debian package `prometheus`)");
+    }
+    found
 }
 
 /// A plain HTTP/1.1 GET on loopback: (status, body).
@@ -111,14 +116,8 @@ async fn start_cluster(nodes: &[(&str, &str)]) -> TestCluster {
         spec = spec.node(name, gpus);
     }
     // Metrics addresses come from the logs of processes the harness started.
-    spec.backend = Some(Backend::Emulator);
-    let cluster = TestCluster::start(spec)
-        .await
-        .unwrap_or_else(|e| panic!("starting the cluster: {e}"));
-    cluster
-        .apply_yaml(&device_class_yaml(), "default")
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+    let cluster = start(spec.emulated()).await;
+    apply_device_class(&cluster).await;
     cluster
 }
 
@@ -129,19 +128,14 @@ type Share<'a> = (&'a str, &'a str, &'a str, usize, &'a str, &'a str);
 async fn claim_and_run(cluster: &TestCluster, namespace: &str, share: Share<'_>) {
     let (name, node, device, cards, memory, cores) = share;
     let uuid = device_uuid(cluster, node, device, cards).await;
-    let yaml = claim_yaml(
-        name,
-        &[Request::new("gpu").on(&uuid).memory(memory).cores(cores)],
-    );
-    apply(cluster, namespace, &yaml).await;
-    apply(cluster, namespace, &pod_yaml(name, &[name])).await;
+    let request = Request::new("gpu").on(&uuid).memory(memory).cores(cores);
+    apply_claim_and_pod(cluster, namespace, name, &[request]).await;
     wait_pod_running(cluster, namespace, name).await;
 }
 
 #[test]
 fn promtool_finds_nothing_to_lint_in_the_driver_and_controller_expositions() {
-    let Some(promtool) = tool("promtool") else {
-        eprintln!("skipped: promtool not found (Debian package `prometheus`)");
+    let Some(promtool) = tool("promtool", "promtool") else {
         return;
     };
     gpupool_e2e::harness::shared_runtime().block_on(async {
@@ -323,14 +317,7 @@ async fn allocated_per_model(cluster: &TestCluster, namespace: &str) -> BTreeMap
     .items;
     let mut per_model = BTreeMap::new();
     for claim in &claims {
-        let results = claim
-            .status
-            .as_ref()
-            .and_then(|s| s.allocation.as_ref())
-            .and_then(|a| a.devices.as_ref())
-            .and_then(|d| d.results.clone())
-            .unwrap_or_default();
-        for r in results {
+        for r in allocation_results(claim) {
             let memory = r
                 .consumed_capacity
                 .as_ref()
@@ -346,8 +333,7 @@ async fn allocated_per_model(cluster: &TestCluster, namespace: &str) -> BTreeMap
 
 #[test]
 fn prometheus_sees_allocation_per_model_and_prepared_claims_return_to_zero() {
-    let Some(prometheus) = tool("prometheus") else {
-        eprintln!("skipped: the prometheus server not found (Debian package `prometheus`)");
+    let Some(prometheus) = tool("prometheus", "the prometheus server") else {
         return;
     };
     gpupool_e2e::harness::shared_runtime().block_on(async {

@@ -12,7 +12,7 @@ use std::collections::BTreeSet;
 
 use common::*;
 use gpupool_api::claim::ClaimRef;
-use gpupool_e2e::harness::objects::{claim_yaml, device_class_yaml, pod_yaml, Request};
+use gpupool_e2e::harness::objects::{claim_yaml, pod_yaml, Request};
 use gpupool_e2e::harness::{
     real_node_names, shared_runtime, Backend, ClusterSpec, NodeSpec, TestCluster,
 };
@@ -56,10 +56,7 @@ async fn cluster(real: bool) -> &'static TestCluster {
         let cluster = TestCluster::start_shared(spec(backend))
             .await
             .unwrap_or_else(|e| panic!("starting the test cluster: {e}"));
-        cluster
-            .apply_yaml(&device_class_yaml(), "default")
-            .await
-            .unwrap_or_else(|e| panic!("creating the e2e DeviceClass: {e}"));
+        apply_device_class(&cluster).await;
         cluster
     })
     .await
@@ -283,12 +280,7 @@ mod scenarios {
 
         let ns = cluster.create_namespace("e2e-v1beta1").await.unwrap();
         let uuid = device_uuid(cluster, &node.name, "gpu-0", 1).await;
-        apply(
-            cluster,
-            &ns,
-            &claim_yaml("rtx", &[Request::new("gpu").on(&uuid)]),
-        )
-        .await;
+        apply_claim(cluster, &ns, "rtx", &[Request::new("gpu").on(&uuid)]).await;
         apply(cluster, &ns, &pod_yaml("p", &["rtx"])).await;
         wait_pod_running(cluster, &ns, "p").await;
         let claim = claim(cluster, &ns, "rtx").await;
@@ -312,21 +304,9 @@ mod scenarios {
             .create_namespace("e2e-whole-fraction")
             .await
             .unwrap();
-        apply(
-            cluster,
-            &ns,
-            &claim_yaml("whole", &[Request::new("gpu").on(&uuid0)]),
-        )
-        .await;
-        apply(
-            cluster,
-            &ns,
-            &claim_yaml(
-                "fraction",
-                &[Request::new("gpu").on(&uuid1).memory("8Gi").cores("50")],
-            ),
-        )
-        .await;
+        apply_claim(cluster, &ns, "whole", &[Request::new("gpu").on(&uuid0)]).await;
+        let fraction = Request::new("gpu").on(&uuid1).memory("8Gi").cores("50");
+        apply_claim(cluster, &ns, "fraction", &[fraction]).await;
         apply(cluster, &ns, &pod_yaml("whole", &["whole"])).await;
         apply(cluster, &ns, &pod_yaml("fraction", &["fraction"])).await;
         let whole_pod = wait_pod_running(cluster, &ns, "whole").await;
@@ -507,22 +487,9 @@ mod scenarios {
         };
         let uuid = device_uuid(cluster, &node.name, "gpu-5", A100S).await;
         let ns = cluster.create_namespace("e2e-bad-claims").await.unwrap();
-        apply(
-            cluster,
-            &ns,
-            &claim_yaml(
-                "good",
-                &[Request::new("gpu").on(&uuid).memory("4Gi").cores("10")],
-            ),
-        )
-        .await;
-        apply(cluster, &ns, &pod_yaml("good", &["good"])).await;
-        apply(
-            cluster,
-            &ns,
-            &claim_yaml("never-allocated", &[Request::new("gpu")]),
-        )
-        .await;
+        let share = Request::new("gpu").on(&uuid).memory("4Gi").cores("10");
+        apply_claim_and_pod(cluster, &ns, "good", &[share]).await;
+        apply_claim(cluster, &ns, "never-allocated", &[Request::new("gpu")]).await;
         wait_pod_running(cluster, &ns, "good").await;
         let good = claim(cluster, &ns, "good").await;
         let good_devices = prepared(node, &uid(&good)).await.devices;
@@ -541,13 +508,8 @@ mod scenarios {
         ];
         if let Some(other) = cluster.nodes().get(1) {
             let v100 = device_uuid(cluster, &other.name, "gpu-0", 2).await;
-            apply(
-                cluster,
-                &ns,
-                &claim_yaml("elsewhere", &[Request::new("gpu").on(&v100).memory("1Gi")]),
-            )
-            .await;
-            apply(cluster, &ns, &pod_yaml("elsewhere", &["elsewhere"])).await;
+            let share = Request::new("gpu").on(&v100).memory("1Gi");
+            apply_claim_and_pod(cluster, &ns, "elsewhere", &[share]).await;
             wait_pod_running(cluster, &ns, "elsewhere").await;
             let elsewhere = claim(cluster, &ns, "elsewhere").await;
             claims.push(ClaimRef::of(&elsewhere));
@@ -592,16 +554,13 @@ mod scenarios {
             ("s16b", "16Gi", "25", 16384),
         ];
         for (name, memory, cores, _) in shares {
-            apply(
+            apply_claim_and_pod(
                 cluster,
                 &ns,
-                &claim_yaml(
-                    name,
-                    &[Request::new("gpu").on(&uuid).memory(memory).cores(cores)],
-                ),
+                name,
+                &[Request::new("gpu").on(&uuid).memory(memory).cores(cores)],
             )
             .await;
-            apply(cluster, &ns, &pod_yaml(name, &[name])).await;
         }
         let mut share_ids = BTreeSet::new();
         let mut caches = BTreeSet::new();
@@ -658,16 +617,14 @@ mod scenarios {
         let uuid3 = device_uuid(cluster, &node.name, "gpu-3", A100S).await;
         let uuid4 = device_uuid(cluster, &node.name, "gpu-4", A100S).await;
         let ns = cluster.create_namespace("e2e-two-shares").await.unwrap();
-        apply(
+        apply_claim(
             cluster,
             &ns,
-            &claim_yaml(
-                "pair",
-                &[
-                    Request::new("a").on(&uuid3).memory("4Gi").cores("10"),
-                    Request::new("b").on(&uuid4).memory("6Gi").cores("20"),
-                ],
-            ),
+            "pair",
+            &[
+                Request::new("a").on(&uuid3).memory("4Gi").cores("10"),
+                Request::new("b").on(&uuid4).memory("6Gi").cores("20"),
+            ],
         )
         .await;
         apply(cluster, &ns, &pod_yaml("p", &["pair"])).await;
@@ -719,12 +676,7 @@ mod scenarios {
 
     pub async fn a_claim_that_cannot_fit_gets_an_event_and_stays_pending(cluster: &TestCluster) {
         let ns = cluster.create_namespace("e2e-cannot-fit").await.unwrap();
-        apply(
-            cluster,
-            &ns,
-            &claim_yaml("huge", &[Request::new("gpu").memory("100Gi")]),
-        )
-        .await;
+        apply_claim(cluster, &ns, "huge", &[Request::new("gpu").memory("100Gi")]).await;
         apply(cluster, &ns, &pod_yaml("p", &["huge"])).await;
         let pod_uid = Api::<Pod>::namespaced(cluster.client(), &ns)
             .get("p")
@@ -734,18 +686,14 @@ mod scenarios {
             .uid;
         // What kube-scheduler does: a Warning on the pod, saying how many nodes could not
         // allocate the claim; nothing on the claim.
-        let event = gpupool_e2e::harness::wait_for(
+        let event = wait_pod_event(
+            cluster,
+            &ns,
+            "p",
+            "FailedScheduling",
             "a FailedScheduling event on the pod whose claim cannot fit",
-            TIMEOUT,
-            || async {
-                events_about(cluster, &ns, "Pod", "p")
-                    .await
-                    .into_iter()
-                    .find(|e| e.reason.as_deref() == Some("FailedScheduling"))
-            },
         )
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+        .await;
         assert_eq!(event.type_.as_deref(), Some("Warning"), "{event:?}");
         assert_eq!(event.involved_object.uid, pod_uid, "{event:?}");
         let message = event.message.clone().unwrap_or_default();
@@ -805,24 +753,15 @@ mod scenarios {
             ),
         ];
         for (name, config, _) in &bad {
-            apply(
-                cluster,
-                &ns,
-                &claim_yaml(name, &[request().gpu_config(config.clone())]),
-            )
-            .await;
-            apply(cluster, &ns, &pod_yaml(name, &[name])).await;
+            apply_claim_and_pod(cluster, &ns, name, &[request().gpu_config(config.clone())]).await;
         }
-        apply(
+        apply_claim_and_pod(
             cluster,
             &ns,
-            &claim_yaml(
-                "lowered",
-                &[request().gpu_config(serde_json::json!({"memoryLimit": "1Gi"}))],
-            ),
+            "lowered",
+            &[request().gpu_config(serde_json::json!({"memoryLimit": "1Gi"}))],
         )
         .await;
-        apply(cluster, &ns, &pod_yaml("lowered", &["lowered"])).await;
 
         wait_pod_running(cluster, &ns, "lowered").await;
         let lowered = claim(cluster, &ns, "lowered").await;
@@ -916,12 +855,8 @@ mod scenarios {
         let node = cluster.node_at(0);
         let uuid = device_uuid(cluster, &node.name, "gpu-1", A100S).await;
         let ns = cluster.create_namespace("e2e-shared-claim").await.unwrap();
-        apply(
-            cluster,
-            &ns,
-            &claim_yaml("shared", &[Request::new("gpu").on(&uuid).memory("2Gi")]),
-        )
-        .await;
+        let share = Request::new("gpu").on(&uuid).memory("2Gi");
+        apply_claim(cluster, &ns, "shared", &[share]).await;
         apply(cluster, &ns, &pod_yaml("first", &["shared"])).await;
         apply(cluster, &ns, &pod_yaml("second", &["shared"])).await;
         wait_pod_running(cluster, &ns, "first").await;

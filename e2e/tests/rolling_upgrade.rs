@@ -17,10 +17,8 @@ use std::time::{Duration, Instant};
 use common::*;
 use gpupool_api::claim::ClaimRef;
 use gpupool_e2e::grpc::connect_unix;
-use gpupool_e2e::harness::objects::{claim_yaml, device_class_yaml, pod_yaml, Request};
-use gpupool_e2e::harness::{
-    find_binary, wait_for, Backend, ClusterSpec, NodeSpec, TestCluster, TestNode,
-};
+use gpupool_e2e::harness::objects::Request;
+use gpupool_e2e::harness::{find_binary, wait_for, Backend, NodeSpec, TestCluster, TestNode};
 use gpupool_proto::dra_v1;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::{Patch, PatchParams, PostParams};
@@ -400,13 +398,7 @@ async fn a_rolling_update_hands_every_claim_over_without_a_gap() {
     );
     let mut old_pod = NodeSpec::new("node-u", PROFILE);
     old_pod.extra_driver_args = vec!["--pod-uid".into(), uid_a.clone()];
-    let cluster = TestCluster::start(ClusterSpec {
-        nodes: vec![old_pod],
-        backend: Some(Backend::Emulator),
-        ..ClusterSpec::new()
-    })
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    let cluster = start_node(old_pod, Backend::Emulator).await;
     let node = cluster.node_at(0);
     let name = node.name.clone();
     let kubelet = node.kubelet();
@@ -426,10 +418,7 @@ async fn a_rolling_update_hands_every_claim_over_without_a_gap() {
         "the old pod's sockets carry its UID"
     );
 
-    cluster
-        .apply_yaml(&device_class_yaml(), "default")
-        .await
-        .unwrap();
+    apply_device_class(&cluster).await;
     let gpu0 = device_uuid(&cluster, &name, "gpu-0", 2).await;
     let ns = cluster.create_namespace("e2e-upgrade").await.unwrap();
     let request = || Request::new("gpu").on(&gpu0).memory("2Gi").cores("10");
@@ -437,8 +426,7 @@ async fn a_rolling_update_hands_every_claim_over_without_a_gap() {
     let mut old_pods = Vec::new();
     for i in 0..3 {
         let pod = format!("old-{i}");
-        apply(&cluster, &ns, &claim_yaml(&pod, &[request()])).await;
-        apply(&cluster, &ns, &pod_yaml(&pod, &[&pod])).await;
+        apply_claim_and_pod(&cluster, &ns, &pod, &[request()]).await;
         old_pods.push(pod);
     }
     for pod in &old_pods {
@@ -649,8 +637,7 @@ async fn a_rolling_update_hands_every_claim_over_without_a_gap() {
     // The new pod prepares new pods' claims and unprepares the old pod's.
     for i in 0..2 {
         let pod = format!("new-{i}");
-        apply(&cluster, &ns, &claim_yaml(&pod, &[request()])).await;
-        apply(&cluster, &ns, &pod_yaml(&pod, &[&pod])).await;
+        apply_claim_and_pod(&cluster, &ns, &pod, &[request()]).await;
         wait_pod_running(&cluster, &ns, &pod).await;
         let uid = claim(&cluster, &ns, &pod).await.metadata.uid.unwrap();
         believed.insert(uid.clone(), prepared(node, &uid).await.cdi_device_ids());

@@ -3,13 +3,14 @@
 //! driver per node, applies `deploy/examples/`, waits until the pods settle and prints what happened.
 //! `--serve` keeps it up for `kubectl`. Everything lives in a temporary folder removed at exit.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
 use gpupool_e2e::harness::{
-    find_binary, Backend, ClusterSpec, NodeSpec, TestCluster, CONTROLLER_BIN, DRIVER_BIN,
+    find_binary, init_stderr_tracing, two_worker_runtime, workspace_root, TestCluster,
+    CONTROLLER_BIN, DRIVER_BIN,
 };
 use gpupool_e2e::sandbox;
 
@@ -23,31 +24,11 @@ struct Args {
     #[arg(long)]
     serve: bool,
     /// Folder of YAML files to apply.
-    #[arg(long, default_value_os_t = default_examples())]
+    #[arg(long, default_value_os_t = sandbox::examples_dir())]
     examples: PathBuf,
     /// Longest wait for the pods to settle, in seconds.
     #[arg(long, default_value_t = 30)]
     settle_seconds: u64,
-}
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("e2e/ is inside the workspace")
-        .to_path_buf()
-}
-
-fn default_examples() -> PathBuf {
-    workspace_root().join("deploy").join("examples")
-}
-
-/// The seeds' pool.
-fn pool() -> Vec<NodeSpec> {
-    vec![
-        NodeSpec::new("node-a100", "a100-40gb:2"),
-        NodeSpec::new("node-v100", "v100-32gb:2"),
-        NodeSpec::new("node-rtx", "rtx3090:1"),
-    ]
 }
 
 /// Builds the driver and controller when they are missing and we were started by `cargo run`.
@@ -108,24 +89,6 @@ fn ensure_binaries() -> Result<(), String> {
     Ok(())
 }
 
-/// YAML files of the folder, GpuModels and ComputeProfiles first so that the classes and templates
-/// the other examples name exist by the time their claims are scheduled.
-fn example_files(dir: &Path) -> Result<Vec<PathBuf>, String> {
-    let entries = std::fs::read_dir(dir).map_err(|e| format!("reading {}: {e}", dir.display()))?;
-    let mut files: Vec<(bool, PathBuf)> = entries
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| matches!(p.extension().and_then(|e| e.to_str()), Some("yaml" | "yml")))
-        .map(|p| {
-            let text = std::fs::read_to_string(&p).unwrap_or_default();
-            let setup = text.contains("kind: GpuModel") || text.contains("kind: ComputeProfile");
-            (!setup, p)
-        })
-        .collect();
-    files.sort();
-    Ok(files.into_iter().map(|(_, p)| p).collect())
-}
-
 /// Waits until every pod runs, or nothing has changed for 3 s, or `limit` has passed.
 async fn settle(cluster: &TestCluster, limit: Duration) -> Result<sandbox::Report, String> {
     let start = Instant::now();
@@ -149,11 +112,9 @@ async fn settle(cluster: &TestCluster, limit: Duration) -> Result<sandbox::Repor
 async fn run(args: Args) -> Result<(), String> {
     let started = Instant::now();
     ensure_binaries()?;
-    let mut spec = ClusterSpec::new().with_controller();
-    spec.nodes = pool();
-    // The sandbox is the emulator, whatever GPUPOOL_E2E_KUBECONFIG says.
-    spec.backend = Some(Backend::Emulator);
-    let cluster = TestCluster::start(spec).await.map_err(|e| e.to_string())?;
+    let cluster = TestCluster::start(sandbox::cluster_spec())
+        .await
+        .map_err(|e| e.to_string())?;
     println!(
         "started the API server emulator, the scheduler stand-in, {CONTROLLER_BIN} and {} x {DRIVER_BIN} in {:.1}s",
         cluster.nodes().len(),
@@ -163,7 +124,7 @@ async fn run(args: Args) -> Result<(), String> {
         println!("  {:<10} fake GPUs {}", node.name, node.spec.fake_gpus);
     }
 
-    for file in example_files(&args.examples)? {
+    for file in sandbox::example_files(&args.examples)? {
         let shown = file
             .strip_prefix(workspace_root())
             .unwrap_or(&file)
@@ -224,19 +185,9 @@ async fn shutdown_signal() {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    init_stderr_tracing();
     let args = Args::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-    {
+    let runtime = match two_worker_runtime() {
         Ok(rt) => rt,
         Err(err) => {
             eprintln!("gpupool-sandbox: starting the runtime: {err}");

@@ -144,6 +144,12 @@ impl ClusterSpec {
         self.controller = true;
         self
     }
+
+    /// On the emulator, whatever `GPUPOOL_E2E_KUBECONFIG` says.
+    pub fn emulated(mut self) -> Self {
+        self.backend = Some(Backend::Emulator);
+        self
+    }
 }
 
 /// Where the cluster comes from.
@@ -924,13 +930,35 @@ impl Drop for LogsOnFailure<'_> {
 /// of one file (each `#[test]` calls `shared_runtime().block_on(..)`).
 pub fn shared_runtime() -> &'static tokio::runtime::Runtime {
     static RUNTIME: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
-    RUNTIME.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .expect("building the shared test runtime")
-    })
+    RUNTIME.get_or_init(|| two_worker_runtime().expect("building the shared test runtime"))
+}
+
+/// A multi-thread runtime of two workers: the emulators and the kubelet side share the machine
+/// with the real binaries.
+pub fn two_worker_runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+}
+
+/// Logs to stderr, filtered by `RUST_LOG` (`warn` without it): how the sandbox and the bench log.
+pub fn init_stderr_tracing() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+/// The workspace's root folder (the one above `e2e/`).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("e2e/ is inside the workspace")
+        .to_path_buf()
 }
 
 /// Starts the API server emulator and writes a kubeconfig for it at `kubeconfig`.

@@ -56,9 +56,26 @@ impl Request {
 
 /// A ResourceClaim with one `exactly` request per entry.
 pub fn claim_yaml(name: &str, requests: &[Request]) -> String {
-    let mut out = format!(
-        "apiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata:\n  name: {name}\nspec:\n  devices:\n    requests:\n"
-    );
+    format!(
+        "apiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata:\n  name: {name}\nspec:\n{}",
+        claim_spec_yaml(requests)
+    )
+}
+
+/// A ResourceClaimTemplate whose claims are `claim_yaml`'s of `requests`.
+pub fn claim_template_yaml(name: &str, requests: &[Request]) -> String {
+    let spec: String = claim_spec_yaml(requests)
+        .lines()
+        .map(|line| format!("  {line}\n"))
+        .collect();
+    format!(
+        "apiVersion: resource.k8s.io/v1\nkind: ResourceClaimTemplate\nmetadata:\n  name: {name}\nspec:\n  spec:\n{spec}"
+    )
+}
+
+/// The `spec` of a claim, indented for a claim's top level.
+fn claim_spec_yaml(requests: &[Request]) -> String {
+    let mut out = String::from("  devices:\n    requests:\n");
     for r in requests {
         let _ = write!(
             out,
@@ -108,17 +125,36 @@ pub fn claim_yaml(name: &str, requests: &[Request]) -> String {
 
 /// A pod whose one container uses the named claims.
 pub fn pod_yaml(name: &str, claims: &[&str]) -> String {
+    let claims: Vec<(String, String)> = claims
+        .iter()
+        .enumerate()
+        .map(|(i, claim)| (format!("c{i}"), format!("resourceClaimName: {claim}")))
+        .collect();
+    pod_with_claims(name, &claims)
+}
+
+/// A pod whose one container uses one claim, `gpu`, made from the ResourceClaimTemplate `template`.
+pub fn template_pod_yaml(name: &str, template: &str) -> String {
+    let claim = (
+        "gpu".to_string(),
+        format!("resourceClaimTemplateName: {template}"),
+    );
+    pod_with_claims(name, &[claim])
+}
+
+/// A pod whose one container uses `claims`: (the pod's name for it, where it comes from).
+fn pod_with_claims(name: &str, claims: &[(String, String)]) -> String {
     let mut out = format!(
         "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\nspec:\n  restartPolicy: Never\n  resourceClaims:\n"
     );
-    for (i, claim) in claims.iter().enumerate() {
-        let _ = write!(out, "  - name: c{i}\n    resourceClaimName: {claim}\n");
+    for (entry, source) in claims {
+        let _ = write!(out, "  - name: {entry}\n    {source}\n");
     }
     out.push_str(
         "  containers:\n  - name: main\n    image: busybox:1.36\n    command: [\"sleep\", \"3600\"]\n    resources:\n      claims:\n",
     );
-    for i in 0..claims.len() {
-        let _ = writeln!(out, "      - name: c{i}");
+    for (entry, _) in claims {
+        let _ = writeln!(out, "      - name: {entry}");
     }
     out
 }

@@ -64,6 +64,29 @@ pub fn find_binary(name: &str) -> Result<PathBuf, ProcessError> {
         })
 }
 
+/// `go` run in `dir` without the network: no module proxy, no toolchain switch, no VCS stamp; the
+/// build cache in the workspace's target folder.
+pub fn offline_go(dir: &Path) -> Command {
+    let mut command = Command::new("go");
+    command
+        .current_dir(dir)
+        .env("GOPROXY", "off")
+        .env("GOTOOLCHAIN", "local")
+        .env("GOFLAGS", "-buildvcs=false")
+        .env("GOCACHE", super::workspace_root().join("target/go-build"));
+    command
+}
+
+/// Fails the test unless the command succeeded, showing `what` and all it printed.
+pub fn assert_succeeded(out: &std::process::Output, what: &str) {
+    assert!(
+        out.status.success(),
+        "{what}:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 type SpawnRequest = (Command, mpsc::Sender<std::io::Result<Child>>);
 
 /// Spawns on a thread that lives as long as the process: PR_SET_PDEATHSIG fires when the *thread*

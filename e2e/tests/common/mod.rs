@@ -2,10 +2,14 @@
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use gpupool_api::claim::{ClaimRef, PreparedDevice};
-use gpupool_e2e::harness::{self, wait_for, TestCluster, TestNode};
+use gpupool_e2e::harness::objects::{
+    claim_template_yaml, claim_yaml, device_class_yaml, pod_yaml, template_pod_yaml, Request,
+};
+use gpupool_e2e::harness::{self, wait_for, Backend, ClusterSpec, NodeSpec, TestCluster, TestNode};
 use gpupool_e2e::kubelet::PreparedClaim;
 use k8s_openapi::api::core::v1::{Event, Pod};
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
@@ -13,13 +17,45 @@ use kube::api::{DeleteParams, ListParams};
 use kube::Api;
 use serde_json::Value;
 
+pub use gpupool_e2e::sandbox::{allocation_results, attribute};
+
 pub const TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Starts the cluster, or fails the test saying why it did not start.
+pub async fn start(spec: ClusterSpec) -> TestCluster {
+    TestCluster::start(spec)
+        .await
+        .unwrap_or_else(|e| panic!("starting the cluster: {e}"))
+}
+
+/// A cluster of the one node on `backend`.
+pub async fn start_node(node: NodeSpec, backend: Backend) -> TestCluster {
+    start(ClusterSpec {
+        nodes: vec![node],
+        backend: Some(backend),
+        ..ClusterSpec::new()
+    })
+    .await
+}
+
+/// Creates the e2e DeviceClass, the class the tests' claims name.
+pub async fn apply_device_class(cluster: &TestCluster) {
+    cluster
+        .apply_yaml(&device_class_yaml(), "default")
+        .await
+        .unwrap_or_else(|e| panic!("creating the e2e DeviceClass: {e}"));
+}
 
 pub async fn apply(cluster: &TestCluster, namespace: &str, yaml: &str) {
     cluster
         .apply_yaml(yaml, namespace)
         .await
         .unwrap_or_else(|e| panic!("applying to {namespace}: {e}\n{yaml}"));
+}
+
+/// Creates the claim `name` of `requests` (`claim_yaml`).
+pub async fn apply_claim(cluster: &TestCluster, namespace: &str, name: &str, requests: &[Request]) {
+    apply(cluster, namespace, &claim_yaml(name, requests)).await;
 }
 
 pub async fn claim(cluster: &TestCluster, namespace: &str, name: &str) -> ResourceClaim {
@@ -36,6 +72,69 @@ pub async fn events_about(
     name: &str,
 ) -> Vec<Event> {
     harness::events_about(&cluster.client(), Some(namespace), kind, name).await
+}
+
+/// Creates the claim `name` of `requests` and the pod `name` that uses it.
+pub async fn apply_claim_and_pod(
+    cluster: &TestCluster,
+    namespace: &str,
+    name: &str,
+    requests: &[Request],
+) {
+    apply_claim(cluster, namespace, name, requests).await;
+    apply(cluster, namespace, &pod_yaml(name, &[name])).await;
+}
+
+/// Creates the ResourceClaimTemplate `template` of `requests` and the pod `pod` with a claim from
+/// it; returns the pod once it runs.
+pub async fn run_from_template(
+    cluster: &TestCluster,
+    namespace: &str,
+    pod: &str,
+    template: &str,
+    requests: &[Request],
+) -> Pod {
+    apply(cluster, namespace, &claim_template_yaml(template, requests)).await;
+    apply(cluster, namespace, &template_pod_yaml(pod, template)).await;
+    wait_pod_running(cluster, namespace, pod).await
+}
+
+/// Runs `kubectl <args>` until `check` finds in its output what it returns; on timeout the panic
+/// shows the last output (`what` names the wait).
+pub async fn wait_for_kubectl<T>(
+    cluster: &TestCluster,
+    args: &[&str],
+    what: &str,
+    check: impl Fn(&str) -> Option<T>,
+) -> T {
+    let last = Mutex::new(String::new());
+    let (last_ref, check) = (&last, &check);
+    wait_for(what, TIMEOUT, || async move {
+        let output = cluster.kubectl(args).await.ok()?;
+        let found = check(&output);
+        *last_ref.lock().unwrap() = output;
+        found
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}; last output:\n{}", last.lock().unwrap()))
+}
+
+/// Waits for an Event about the pod with `reason` (`what` names the wait in a timeout).
+pub async fn wait_pod_event(
+    cluster: &TestCluster,
+    namespace: &str,
+    pod: &str,
+    reason: &str,
+    what: &str,
+) -> Event {
+    wait_for(what, TIMEOUT, || async {
+        events_about(cluster, namespace, "Pod", pod)
+            .await
+            .into_iter()
+            .find(|e| e.reason.as_deref() == Some(reason))
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Waits for the pod to run; on timeout the panic says where it is stuck.
@@ -102,17 +201,6 @@ pub async fn devices_of(
         .flat_map(|s| s.spec.devices.unwrap_or_default())
         .map(|d| (d.name.clone(), d))
         .collect()
-}
-
-/// A driver-domain attribute, published qualified (`gpupool.dev/x`) or not (`x`).
-pub fn attribute<'a>(
-    device: &'a k8s_openapi::api::resource::v1::Device,
-    name: &str,
-) -> Option<&'a k8s_openapi::api::resource::v1::DeviceAttribute> {
-    let attributes = device.attributes.as_ref()?;
-    attributes
-        .get(name)
-        .or_else(|| attributes.get(&format!("gpupool.dev/{name}")))
 }
 
 pub async fn device_uuid(cluster: &TestCluster, node: &str, device: &str, count: usize) -> String {
@@ -261,16 +349,13 @@ pub fn device_nodes(spec: &Value) -> Vec<String> {
 
 /// gpupool's allocation results of a claim: (request, pool, device, shareID).
 pub fn results(claim: &ResourceClaim) -> Vec<(String, String, String, Option<String>)> {
-    claim
-        .status
-        .as_ref()
-        .and_then(|s| s.allocation.as_ref())
-        .and_then(|a| a.devices.as_ref())
-        .and_then(|d| d.results.clone())
-        .unwrap_or_default()
-        .into_iter()
+    allocation_results(claim)
+        .iter()
         .filter(|r| r.driver == "gpupool.dev")
-        .map(|r| (r.request, r.pool, r.device, r.share_id))
+        .map(|r| {
+            let r = r.clone();
+            (r.request, r.pool, r.device, r.share_id)
+        })
         .collect()
 }
 

@@ -123,6 +123,13 @@ impl CrashNode {
         }
     }
 
+    /// `new`, with `namespace` created for the test's claims.
+    pub async fn with_namespace(name: &str, fake_gpus: &str, namespace: &str) -> CrashNode {
+        let node = CrashNode::new(name, fake_gpus).await;
+        node.create_namespace(namespace).await;
+        node
+    }
+
     /// The `--fake-gpus` profile of the next start (a card added or removed while the driver is down).
     pub fn set_fake_gpus(&mut self, profile: &str) {
         self.fake_gpus = profile.to_string();
@@ -299,6 +306,21 @@ impl CrashNode {
         ClaimRef::of(&created)
     }
 
+    /// `create_allocated_claim` of one request `gpu0` for `device` of this node, without config: a
+    /// share of (memory, cores), or the whole card.
+    pub async fn create_claim_on(
+        &self,
+        namespace: &str,
+        name: &str,
+        device: &str,
+        share: Option<(&str, &str)>,
+    ) -> ClaimRef {
+        let (memory, cores) = share.unzip();
+        let results = vec![result("gpu0", &self.name, device, memory, cores)];
+        self.create_allocated_claim(namespace, name, results, Vec::new())
+            .await
+    }
+
     /// NodePrepareResources through the kubelet emulator, retried while the driver is unreachable
     /// (restarting, not registered yet), as the kubelet does.
     pub async fn prepare_retrying(&self, claims: &[ClaimRef]) -> PrepareOutcome {
@@ -379,25 +401,37 @@ impl CrashNode {
         for name in expected.difference(&present) {
             problems.push(format!("CDI folder: no {name} for a completed entry"));
         }
+        self.unexpected_state_files(&mut problems);
+        for (kind, claim_dir) in self.claim_dirs() {
+            if !entries.contains_key(&claim_dir) {
+                problems.push(format!(
+                    "run folder: {kind}/{claim_dir} without a completed entry"
+                ));
+            }
+        }
+        none_or_all(problems)
+    }
+
+    /// A problem for each file of the state folder the driver does not declare.
+    fn unexpected_state_files(&self, problems: &mut Vec<String>) {
         for name in list_dir(&self.dirs.state) {
             if !STATE_FILES.contains(&name.as_str()) {
                 problems.push(format!("state folder: unexpected file {name}"));
             }
         }
-        for kind in CLAIM_FOLDERS.iter().map(|k| k.dir_name()) {
-            for claim_dir in list_dir(&self.dirs.run.join(kind)) {
-                if !entries.contains_key(&claim_dir) {
-                    problems.push(format!(
-                        "run folder: {kind}/{claim_dir} without a completed entry"
-                    ));
-                }
-            }
-        }
-        if problems.is_empty() {
-            Ok(())
-        } else {
-            Err(problems.join("\n"))
-        }
+    }
+
+    /// Every per-claim folder in the run folder: (its kind's folder, the claim's).
+    fn claim_dirs(&self) -> Vec<(&'static str, String)> {
+        CLAIM_FOLDERS
+            .iter()
+            .map(|k| k.dir_name())
+            .flat_map(|kind| {
+                list_dir(&self.dirs.run.join(kind))
+                    .into_iter()
+                    .map(move |claim_dir| (kind, claim_dir))
+            })
+            .collect()
     }
 
     /// Checks the node's folders against what the kubelet believes prepared (claim uid -> the CDI
@@ -466,11 +500,7 @@ impl CrashNode {
                 problems.push(format!("CDI folder: unexpected file {name}"));
             }
         }
-        for name in list_dir(&self.dirs.state) {
-            if !STATE_FILES.contains(&name.as_str()) {
-                problems.push(format!("state folder: unexpected file {name}"));
-            }
-        }
+        self.unexpected_state_files(&mut problems);
         // Besides the cache folders the run folder holds the driver's health socket and, once a
         // device had a fault, the faults it keeps across restarts.
         let run_files: Vec<&str> = CLAIM_FOLDERS
@@ -486,18 +516,21 @@ impl CrashNode {
                 problems.push(format!("run folder: unexpected file {name}"));
             }
         }
-        for kind in CLAIM_FOLDERS.iter().map(|k| k.dir_name()) {
-            for claim_dir in list_dir(&self.dirs.run.join(kind)) {
-                if !believed.contains_key(&claim_dir) {
-                    problems.push(format!("run folder: leftover {kind}/{claim_dir}"));
-                }
+        for (kind, claim_dir) in self.claim_dirs() {
+            if !believed.contains_key(&claim_dir) {
+                problems.push(format!("run folder: leftover {kind}/{claim_dir}"));
             }
         }
-        if problems.is_empty() {
-            Ok(())
-        } else {
-            Err(problems.join("\n"))
-        }
+        none_or_all(problems)
+    }
+}
+
+/// `Ok` without problems, else all of them, a line each.
+fn none_or_all(problems: Vec<String>) -> Result<(), String> {
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(problems.join("\n"))
     }
 }
 

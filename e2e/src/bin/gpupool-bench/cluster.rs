@@ -5,15 +5,15 @@
 //! 50 ms; the bench needs millisecond start-up timing and a client whose requests it can tell apart
 //! from the driver's (its user agent).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
+use anyhow::{bail, ensure, Context};
 use gpupool_api::claim::ClaimRef;
 use gpupool_apiserver::{ApiServer, ApiServerOptions};
 use gpupool_e2e::harness::{ManagedProcess, NodeDirs};
-use gpupool_e2e::kubelet::{Kubelet, KubeletConfig};
+use gpupool_e2e::kubelet::{Kubelet, KubeletConfig, KubeletError};
 use k8s_openapi::api::core::v1::{Namespace, Node};
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
@@ -366,28 +366,33 @@ async fn bench_client(kubeconfig: &Path) -> anyhow::Result<Client> {
     Client::try_from(config).context("building the kube client")
 }
 
-/// Prepares `claims` (one per call) and fails on any per-claim error.
+/// Prepares `claim` (alone in its call) and fails on its error or an answer without devices.
 pub async fn prepare_one(kubelet: &Kubelet, claim: &ClaimRef) -> anyhow::Result<()> {
-    let outcome = kubelet
-        .prepare(DRIVER, std::slice::from_ref(claim))
-        .await
-        .with_context(|| format!("NodePrepareResources of claim {}", claim.name))?;
-    match outcome.get(&claim.uid) {
-        Some(Ok(devices)) if !devices.is_empty() => Ok(()),
-        Some(Ok(_)) => bail!("claim {} prepared with no devices", claim.name),
-        Some(Err(error)) => bail!("prepare of claim {} failed: {error}", claim.name),
-        None => bail!("no prepare answer for claim {}", claim.name),
-    }
+    let outcome = kubelet.prepare(DRIVER, std::slice::from_ref(claim)).await;
+    let devices = answer_for(claim, ("NodePrepareResources", "prepare"), outcome)?;
+    ensure!(
+        !devices.is_empty(),
+        "claim {} prepared with no devices",
+        claim.name
+    );
+    Ok(())
 }
 
 pub async fn unprepare_one(kubelet: &Kubelet, claim: &ClaimRef) -> anyhow::Result<()> {
-    let outcome = kubelet
-        .unprepare(DRIVER, std::slice::from_ref(claim))
-        .await
-        .with_context(|| format!("NodeUnprepareResources of claim {}", claim.name))?;
-    match outcome.get(&claim.uid) {
-        Some(Ok(())) => Ok(()),
-        Some(Err(error)) => bail!("unprepare of claim {} failed: {error}", claim.name),
-        None => bail!("no unprepare answer for claim {}", claim.name),
+    let outcome = kubelet.unprepare(DRIVER, std::slice::from_ref(claim)).await;
+    answer_for(claim, ("NodeUnprepareResources", "unprepare"), outcome)
+}
+
+/// The answer for `claim` of a call (its RPC name, its verb) that carried only that claim.
+fn answer_for<T>(
+    claim: &ClaimRef,
+    (rpc, verb): (&str, &str),
+    outcome: Result<BTreeMap<String, Result<T, String>>, KubeletError>,
+) -> anyhow::Result<T> {
+    let mut outcome = outcome.with_context(|| format!("{rpc} of claim {}", claim.name))?;
+    match outcome.remove(&claim.uid) {
+        Some(Ok(answer)) => Ok(answer),
+        Some(Err(error)) => bail!("{verb} of claim {} failed: {error}", claim.name),
+        None => bail!("no {verb} answer for claim {}", claim.name),
     }
 }

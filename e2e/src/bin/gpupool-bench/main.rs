@@ -17,7 +17,7 @@ use anyhow::Context;
 use clap::Parser;
 use gpupool_api::claim::ClaimRef;
 use gpupool_apiserver::{ApiProfile, ApiServerOptions};
-use gpupool_e2e::harness::{find_binary, DRIVER_BIN};
+use gpupool_e2e::harness::{find_binary, init_stderr_tracing, two_worker_runtime, DRIVER_BIN};
 use gpupool_e2e::kubelet::Kubelet;
 use kube::api::GetParams;
 
@@ -97,19 +97,8 @@ impl Plan {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    // Two workers: the emulator and the kubelet side share the machine with the driver.
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    init_stderr_tracing();
+    let runtime = two_worker_runtime().context("starting the async runtime")?;
     let report = runtime.block_on(run(&args))?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);

@@ -255,6 +255,15 @@ fn total(counts: &BTreeMap<String, usize>) -> usize {
     counts.values().sum()
 }
 
+/// `<what>, <count> calls: p50 <µs> µs, p99 <µs> µs` on a line of its own.
+fn write_calls(out: &mut String, what: &str, calls: &Summary) {
+    let _ = writeln!(
+        out,
+        "{what}, {} calls: p50 {:.0} µs, p99 {:.0} µs",
+        calls.count, calls.p50_us, calls.p99_us
+    );
+}
+
 /// The report as the table the bench prints.
 pub fn render_table(report: &Report) -> String {
     let mut out = String::new();
@@ -318,16 +327,12 @@ pub fn render_table(report: &Report) -> String {
     }
 
     let get = &report.api_get_claim;
-    let _ = writeln!(
-        out,
-        "API claim GET (bench client -> emulator), {} calls: p50 {:.0} µs, p99 {:.0} µs",
-        get.count, get.p50_us, get.p99_us
-    );
+    write_calls(&mut out, "API claim GET (bench client -> emulator)", get);
     let cached = &report.api_get_claim_cached;
-    let _ = writeln!(
-        out,
-        "API claim GET resourceVersion=0 (watch cache), {} calls: p50 {:.0} µs, p99 {:.0} µs",
-        cached.count, cached.p50_us, cached.p99_us
+    write_calls(
+        &mut out,
+        "API claim GET resourceVersion=0 (watch cache)",
+        cached,
     );
     let _ = writeln!(
         out,
@@ -355,11 +360,10 @@ pub fn render_table(report: &Report) -> String {
             format!(" ({})", kinds.join(", "))
         }
     );
-    let repeat = &report.repeat_prepare;
-    let _ = writeln!(
-        out,
-        "prepare of a claim already prepared (no API call, no file), {} calls: p50 {:.0} µs, p99 {:.0} µs",
-        repeat.count, repeat.p50_us, repeat.p99_us
+    write_calls(
+        &mut out,
+        "prepare of a claim already prepared (no API call, no file)",
+        &report.repeat_prepare,
     );
 
     let mem = &report.memory;
