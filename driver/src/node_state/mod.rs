@@ -186,17 +186,21 @@ impl NodeState {
     /// Record the claim `PrepareStarted`, write its folders and the spec `completed` carries, then
     /// record `completed`; undone on failure. Blocking.
     pub fn prepare(&self, uid: &str, completed: ClaimEntry) -> Result<(), NodeStateError> {
-        let spec = completed.spec.clone().ok_or(NodeStateError::NoSpec)?;
+        let spec = completed.spec.as_ref().ok_or(NodeStateError::NoSpec)?;
+        // The started entry names the claim only: the spec and the answer come with `completed`.
         let started = ClaimEntry {
             state: ClaimState::PrepareStarted,
+            namespace: completed.namespace.clone(),
+            name: completed.name.clone(),
             devices: Vec::new(),
             spec: None,
-            ..completed.clone()
+            warning: completed.warning.clone(),
+            recovered: false,
         };
         self.checkpoint
             .commit(Change::Put(uid.to_string(), Box::new(started)))?;
         fault_point("after-prepare-started");
-        let done = files::write_spec_with_sources(&self.layout, uid, &spec)
+        let done = files::write_spec_with_sources(&self.layout, uid, spec)
             .map_err(NodeStateError::WriteSpec)
             .and_then(|()| {
                 self.checkpoint
