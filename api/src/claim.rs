@@ -1,7 +1,7 @@
 //! A claim as the kubelet names it in its DRA calls, and a device as the plugin answers it. The
 //! driver and the kubelet emulator speak about the same things, so they share these types.
 
-use k8s_openapi::api::resource::v1::ResourceClaim;
+use k8s_openapi::api::resource::v1::{DeviceRequestAllocationResult, ResourceClaim};
 use serde::{Deserialize, Serialize};
 
 /// A claim as the kubelet names it (namespace, name, UID: nothing else reaches the plugin).
@@ -21,6 +21,17 @@ impl ClaimRef {
             uid: claim.metadata.uid.clone().unwrap_or_default(),
         }
     }
+}
+
+/// Every allocation result of a claim, whichever driver's (none before it is allocated).
+pub fn allocation_results(claim: &ResourceClaim) -> &[DeviceRequestAllocationResult] {
+    claim
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .and_then(|a| a.devices.as_ref())
+        .and_then(|d| d.results.as_deref())
+        .unwrap_or_default()
 }
 
 impl std::fmt::Display for ClaimRef {

@@ -7,13 +7,12 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use k8s_openapi::api::core::v1::{Event, Pod};
-use k8s_openapi::api::resource::v1::{
-    Device, DeviceRequestAllocationResult, ResourceClaim, ResourceSlice,
-};
+use k8s_openapi::api::resource::v1::{Device, ResourceClaim, ResourceSlice};
 use kube::api::ListParams;
 use kube::Api;
 use serde_json::Value;
 
+use gpupool_api::claim::allocation_results;
 use gpupool_api::names::{attr, capacity, DRIVER_NAME};
 use gpupool_api::quantity;
 
@@ -155,17 +154,6 @@ pub fn device_lines(slices: &[ResourceSlice]) -> Vec<DeviceLine> {
     }
     lines.sort_by(|a, b| (&a.node, &a.device).cmp(&(&b.node, &b.device)));
     lines
-}
-
-/// Every allocation result of a claim, whichever driver's (none before it is allocated).
-pub fn allocation_results(claim: &ResourceClaim) -> &[DeviceRequestAllocationResult] {
-    claim
-        .status
-        .as_ref()
-        .and_then(|s| s.allocation.as_ref())
-        .and_then(|a| a.devices.as_ref())
-        .and_then(|d| d.results.as_deref())
-        .unwrap_or_default()
 }
 
 /// gpupool's allocation results of a claim.

@@ -72,13 +72,9 @@ pub(super) fn ensure_shared_dir(dir: &Path) -> io::Result<()> {
 /// Create the host folders a spec mounts that this driver owns (the claim's folders, the
 /// HAMi-core lock folder), so a spec written again after a reboot still has its mount sources.
 pub(super) fn ensure_mount_sources(layout: &NodeLayout, uid: &str, spec: &Spec) -> io::Result<()> {
-    let owned: Vec<_> = layout
-        .claim_folders(uid)
-        .chain(std::iter::once(layout.vgpu_lock_dir.clone()))
-        .collect();
     for mount in spec.devices.iter().flat_map(|d| &d.container_edits.mounts) {
         let host = Path::new(&mount.host_path);
-        if owned.iter().any(|o| o == host) {
+        if host == layout.vgpu_lock_dir || layout.claim_folders(uid).any(|f| f == host) {
             ensure_shared_dir(host)?;
         }
     }

@@ -107,11 +107,10 @@ impl NodeLayout {
     }
 
     /// Every per-claim folder of the claim.
-    pub fn claim_folders(&self, uid: &str) -> impl Iterator<Item = PathBuf> + '_ {
-        let uid = uid.to_string();
+    pub fn claim_folders<'a>(&'a self, uid: &'a str) -> impl Iterator<Item = PathBuf> + 'a {
         CLAIM_FOLDERS
             .iter()
-            .map(move |kind| self.claim_folder(*kind, &uid))
+            .map(move |kind| self.claim_folder(*kind, uid))
     }
 
     /// The claim's CDI spec. `uid` must have been checked (a UUID).

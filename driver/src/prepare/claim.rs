@@ -10,7 +10,7 @@ use gpupool_api::validation::{is_dns_label, is_dns_subdomain, is_uuid};
 use k8s_openapi::api::resource::v1::{AllocatedDeviceStatus, ResourceClaim};
 use thiserror::Error;
 
-use gpupool_api::claim::{ClaimRef, PreparedDevice};
+use gpupool_api::claim::{allocation_results, ClaimRef, PreparedDevice};
 
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum ClaimError {
@@ -206,13 +206,7 @@ pub type AllocationId = Vec<(String, String, Option<String>)>;
 
 /// This driver's results for `pool` in the claim's allocation, as an [`AllocationId`].
 pub fn allocation_id(claim: &ResourceClaim, pool: &str) -> AllocationId {
-    claim
-        .status
-        .as_ref()
-        .and_then(|s| s.allocation.as_ref())
-        .and_then(|a| a.devices.as_ref())
-        .and_then(|d| d.results.as_deref())
-        .unwrap_or(&[])
+    allocation_results(claim)
         .iter()
         .filter(|r| r.driver == DRIVER_NAME && r.pool == pool)
         .map(|r| {

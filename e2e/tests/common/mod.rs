@@ -17,7 +17,8 @@ use kube::api::{DeleteParams, ListParams};
 use kube::Api;
 use serde_json::Value;
 
-pub use gpupool_e2e::sandbox::{allocation_results, attribute};
+pub use gpupool_api::claim::allocation_results;
+pub use gpupool_e2e::sandbox::attribute;
 
 pub const TIMEOUT: Duration = Duration::from_secs(30);
 

@@ -14,6 +14,7 @@ mod tests;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
+use gpupool_api::claim::allocation_results;
 use k8s_openapi::api::core::v1::{NodeSelector, NodeSelectorRequirement, NodeSelectorTerm};
 use k8s_openapi::api::resource::v1::{
     AllocationResult, DeviceAllocationConfiguration, DeviceAllocationResult, DeviceAttribute,
@@ -245,14 +246,10 @@ impl InUse {
             }
         };
         for other in allocated.iter().filter(|other| !same(other)) {
-            let results = other
-                .status
-                .as_ref()
-                .and_then(|s| s.allocation.as_ref())
-                .and_then(|a| a.devices.as_ref())
-                .and_then(|d| d.results.as_deref())
-                .unwrap_or_default();
-            for result in results.iter().filter(|r| r.admin_access != Some(true)) {
+            for result in allocation_results(other)
+                .iter()
+                .filter(|r| r.admin_access != Some(true))
+            {
                 let key = (
                     result.driver.clone(),
                     result.pool.clone(),
