@@ -215,6 +215,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
 }
 
 fn main() -> anyhow::Result<()> {
+    gpupool_telemetry::abort_on_panic();
     let cli = Cli::parse();
     match cli.command {
         Command::Crds { dir: None } => print!("{}", gpupool_controller::crds::multi_document()),

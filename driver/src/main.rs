@@ -47,6 +47,7 @@ fn limit_malloc_arenas() {
 }
 
 fn main() -> ExitCode {
+    gpupool_telemetry::abort_on_panic();
     let cli = Cli::parse();
     let logging = matches!(cli.command, Command::Run(_));
     let result = match cli.command {

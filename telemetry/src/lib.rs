@@ -1,5 +1,6 @@
 //! The `GET /metrics` endpoint of the driver and the controller: the `--metrics-addr` flag, the
-//! exposition of a `prometheus-client` registry, and the HTTP server.
+//! exposition of a `prometheus-client` registry, and the HTTP server; and how both processes end
+//! on a panic.
 //!
 //! Prometheus asks for OpenMetrics and gets it. Anything else (curl, `promtool check metrics`,
 //! older scrapers) gets the classic text format 0.0.4, which some tools still read exclusively.
@@ -12,6 +13,17 @@ use prometheus_client::registry::Registry;
 pub const OPENMETRICS_CONTENT_TYPE: &str =
     "application/openmetrics-text; version=1.0.0; charset=utf-8";
 pub const TEXT_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// Makes any panic end the process after the usual message, as `panic = "abort"` would: a panic
+/// in a driver or controller task is a bug, and carrying on without that task (tokio would) leaves
+/// the process half alive. The workspace builds with unwinding for the enforcement library's sake.
+pub fn abort_on_panic() {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        report(info);
+        std::process::abort();
+    }));
+}
 
 /// `--metrics-addr`: `host:port`, `:port` for every address, or empty for no endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
