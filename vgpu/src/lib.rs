@@ -1,0 +1,1 @@
+//! gpupool-vgpu: the enforcement library preloaded into every limited container (docs/enforcement.md).

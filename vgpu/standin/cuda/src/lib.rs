@@ -1,0 +1,1 @@
+//! Test-only: a stand-in libcuda.so.1.

@@ -1,0 +1,1 @@
+//! Test-only: a stand-in libnvidia-ml.so.1.
