@@ -4,7 +4,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::resource::v1::{
-    CapacityRequestPolicy, Device, DeviceAttribute, DeviceCapacity, ResourceSlice,
+    CapacityRequestPolicy, CounterSet, Device, DeviceAttribute, DeviceCapacity,
+    DeviceCounterConsumption, ResourceSlice,
 };
 
 use crate::quantity::{self, Milli};
@@ -20,6 +21,12 @@ pub const MAX_ATTRIBUTE_VALUE_LENGTH: usize = 64;
 pub const MAX_DRIVER_NAME_LENGTH: usize = 63;
 pub const MAX_POOL_NAME_LENGTH: usize = 253;
 pub const MAX_VALID_VALUES: usize = 10;
+/// Partitionable devices (resource.k8s.io/v1, 1.36): counter sets per slice, counters per set,
+/// counter consumptions per device and counters per consumption.
+pub const MAX_COUNTER_SETS_PER_SLICE: usize = 8;
+pub const MAX_COUNTERS_PER_COUNTER_SET: usize = 32;
+pub const MAX_COUNTER_CONSUMPTIONS_PER_DEVICE: usize = 2;
+pub const MAX_COUNTERS_PER_CONSUMPTION: usize = 32;
 
 /// One violation, named by its field path as the API server names it (e.g. `spec.devices[3].attributes`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -317,6 +324,96 @@ fn validate_capacity(capacity: &DeviceCapacity, field: &str, errors: &mut Errors
     }
 }
 
+/// A counter or counter-set name: a DNS label (`memory-slice-0`; `memorySlice0` is rejected).
+fn validate_counter_name(name: &str, field: &str, errors: &mut Errors) {
+    if name.is_empty() {
+        errors.push(field, "Required value");
+    } else if !is_dns_label(name) {
+        errors.push(field, format!("Invalid value: {name:?}: {DNS_LABEL_RULE}"));
+    }
+}
+
+/// Counters of a set or of a consumption: at most `max`, DNS-label names, quantity values.
+fn validate_counters(
+    counters: &BTreeMap<String, k8s_openapi::api::resource::v1::Counter>,
+    max: usize,
+    field: &str,
+    errors: &mut Errors,
+) {
+    if counters.is_empty() {
+        errors.push(field, "Required value");
+    } else if counters.len() > max {
+        errors.too_many(field, counters.len(), max);
+    }
+    for (name, counter) in counters {
+        let counter_field = format!("{field}[{name}]");
+        validate_counter_name(name, &counter_field, errors);
+        parse_quantity(&counter.value.0, &format!("{counter_field}.value"), errors);
+    }
+}
+
+fn validate_counter_sets(sets: &[CounterSet], errors: &mut Errors) {
+    if sets.len() > MAX_COUNTER_SETS_PER_SLICE {
+        errors.too_many(
+            "spec.sharedCounters",
+            sets.len(),
+            MAX_COUNTER_SETS_PER_SLICE,
+        );
+    }
+    let mut seen = BTreeSet::new();
+    for (i, set) in sets.iter().enumerate() {
+        let field = format!("spec.sharedCounters[{i}]");
+        validate_counter_name(&set.name, &format!("{field}.name"), errors);
+        if !set.name.is_empty() && !seen.insert(set.name.as_str()) {
+            errors.push(
+                format!("{field}.name"),
+                format!("Duplicate value: {:?}", set.name),
+            );
+        }
+        validate_counters(
+            &set.counters,
+            MAX_COUNTERS_PER_COUNTER_SET,
+            &format!("{field}.counters"),
+            errors,
+        );
+    }
+}
+
+fn validate_consumes_counters(
+    consumptions: &[DeviceCounterConsumption],
+    field: &str,
+    errors: &mut Errors,
+) {
+    if consumptions.len() > MAX_COUNTER_CONSUMPTIONS_PER_DEVICE {
+        errors.too_many(
+            field,
+            consumptions.len(),
+            MAX_COUNTER_CONSUMPTIONS_PER_DEVICE,
+        );
+    }
+    let mut seen = BTreeSet::new();
+    for (i, consumption) in consumptions.iter().enumerate() {
+        let entry = format!("{field}[{i}]");
+        validate_counter_name(
+            &consumption.counter_set,
+            &format!("{entry}.counterSet"),
+            errors,
+        );
+        if !consumption.counter_set.is_empty() && !seen.insert(consumption.counter_set.as_str()) {
+            errors.push(
+                format!("{entry}.counterSet"),
+                format!("Duplicate value: {:?}", consumption.counter_set),
+            );
+        }
+        validate_counters(
+            &consumption.counters,
+            MAX_COUNTERS_PER_CONSUMPTION,
+            &format!("{entry}.counters"),
+            errors,
+        );
+    }
+}
+
 fn validate_device(device: &Device, field: &str, errors: &mut Errors) {
     if device.name.is_empty() {
         errors.push(format!("{field}.name"), "Required value");
@@ -344,10 +441,20 @@ fn validate_device(device: &Device, field: &str, errors: &mut Errors) {
         validate_qualified_name(name, &attr_field, errors);
         validate_attribute(attribute, &attr_field, errors);
     }
+    let shareable = device.allow_multiple_allocations == Some(true);
     for (name, capacity) in capacities {
         let cap_field = format!("{field}.capacity[{name}]");
         validate_qualified_name(name, &cap_field, errors);
         validate_capacity(capacity, &cap_field, errors);
+        if !shareable && capacity.request_policy.is_some() {
+            errors.push(
+                format!("{cap_field}.requestPolicy"),
+                "Forbidden: allowMultipleAllocations must be true",
+            );
+        }
+    }
+    if let Some(consumptions) = &device.consumes_counters {
+        validate_consumes_counters(consumptions, &format!("{field}.consumesCounters"), errors);
     }
     if let Some(taints) = &device.taints {
         if taints.len() > MAX_TAINTS_PER_DEVICE {
@@ -469,6 +576,18 @@ pub fn validate_resource_slice(slice: &ResourceSlice) -> Vec<FieldError> {
                 format!("Invalid value: {node:?}: {DNS_SUBDOMAIN_RULE}"),
             );
         }
+    }
+
+    // Since 1.35 a slice carries counter sets or devices, never both; the counter sets sit in
+    // slices of their own in the same pool (docs/architecture.md, "Device model").
+    if spec.shared_counters.is_some() && spec.devices.is_some() {
+        errors.push(
+            "spec",
+            "Invalid value: \"\": only one of `sharedCounters` or `devices` is allowed",
+        );
+    }
+    if let Some(sets) = &spec.shared_counters {
+        validate_counter_sets(sets, &mut errors);
     }
 
     let devices = spec.devices.as_deref().unwrap_or_default();
@@ -793,6 +912,122 @@ mod tests {
                 .remove("allNodes");
         });
         assert_eq!(fields, vec!["spec.devices[1]"]);
+    }
+
+    fn counter_slice_json(sets: usize, counters: usize) -> serde_json::Value {
+        let set = |i: usize| {
+            let counters: serde_json::Map<String, serde_json::Value> = (0..counters)
+                .map(|k| (format!("memory-slice-{k}"), json!({"value": "1"})))
+                .collect();
+            json!({"name": format!("gpu-{i}-counters"), "counters": counters})
+        };
+        json!({
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceSlice",
+            "metadata": {"name": "node-a-gpupool.dev-0"},
+            "spec": {
+                "driver": "gpupool.dev",
+                "nodeName": "node-a",
+                "pool": {"name": "node-a", "generation": 1, "resourceSliceCount": 2},
+                "sharedCounters": (0..sets).map(set).collect::<Vec<_>>()
+            }
+        })
+    }
+
+    #[test]
+    fn a_counter_only_slice_within_the_limits_is_accepted() {
+        assert_eq!(errors_of(counter_slice_json(8, 32)), vec![]);
+    }
+
+    #[test]
+    fn counter_sets_and_devices_never_share_a_slice() {
+        let mut value = counter_slice_json(1, 2);
+        value["spec"]["devices"] = json!([device(0)]);
+        let errors = errors_of(value);
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert_eq!(errors[0].field, "spec");
+        assert!(errors[0]
+            .message
+            .contains("only one of `sharedCounters` or `devices` is allowed"));
+        // An empty list is still a list: the real server decodes it as set.
+        let mut value = counter_slice_json(1, 2);
+        value["spec"]["devices"] = json!([]);
+        assert_eq!(errors_of(value)[0].field, "spec");
+    }
+
+    #[test]
+    fn at_most_8_counter_sets_of_32_counters() {
+        let errors = errors_of(counter_slice_json(9, 1));
+        assert_eq!(errors[0].field, "spec.sharedCounters");
+        assert_eq!(errors[0].message, "Too many: 9: must have at most 8 items");
+        let errors = errors_of(counter_slice_json(1, 33));
+        assert_eq!(errors[0].field, "spec.sharedCounters[0].counters");
+    }
+
+    #[test]
+    fn counter_and_counter_set_names_are_dns_labels() {
+        let mut value = counter_slice_json(1, 1);
+        value["spec"]["sharedCounters"][0]["counters"] = json!({"memorySlice0": {"value": "1"}});
+        value["spec"]["sharedCounters"][0]["name"] = json!("gpu_0");
+        let fields: Vec<String> = errors_of(value).into_iter().map(|e| e.field).collect();
+        assert_eq!(
+            fields,
+            vec![
+                "spec.sharedCounters[0].name",
+                "spec.sharedCounters[0].counters[memorySlice0]"
+            ]
+        );
+        let fields = fields_after(|v| {
+            v["spec"]["devices"][1]["consumesCounters"] =
+                json!([{"counterSet": "Gpu0", "counters": {"memory-slice-0": {"value": "1"}}}])
+        });
+        assert_eq!(
+            fields,
+            vec!["spec.devices[1].consumesCounters[0].counterSet"]
+        );
+    }
+
+    #[test]
+    fn at_most_2_consumptions_of_32_counters_per_device() {
+        let consumption = |set: &str, n: usize| {
+            let counters: serde_json::Map<String, serde_json::Value> = (0..n)
+                .map(|k| (format!("c-{k}"), json!({"value": "1"})))
+                .collect();
+            json!({"counterSet": set, "counters": counters})
+        };
+        let three = json!([
+            consumption("a", 1),
+            consumption("b", 1),
+            consumption("c", 1)
+        ]);
+        let fields = fields_after(|v| v["spec"]["devices"][0]["consumesCounters"] = three.clone());
+        assert_eq!(fields, vec!["spec.devices[0].consumesCounters"]);
+        let wide = json!([consumption("a", 33)]);
+        let fields = fields_after(|v| v["spec"]["devices"][0]["consumesCounters"] = wide.clone());
+        assert_eq!(fields, vec!["spec.devices[0].consumesCounters[0].counters"]);
+        let twice = json!([consumption("a", 1), consumption("a", 1)]);
+        let fields = fields_after(|v| v["spec"]["devices"][0]["consumesCounters"] = twice.clone());
+        assert_eq!(
+            fields,
+            vec!["spec.devices[0].consumesCounters[1].counterSet"]
+        );
+    }
+
+    #[test]
+    fn an_exclusive_device_may_not_have_a_request_policy() {
+        let fields = fields_after(|v| {
+            v["spec"]["devices"][0]
+                .as_object_mut()
+                .unwrap()
+                .remove("allowMultipleAllocations");
+        });
+        assert_eq!(
+            fields,
+            vec![
+                "spec.devices[0].capacity[cores].requestPolicy",
+                "spec.devices[0].capacity[memory].requestPolicy"
+            ]
+        );
     }
 
     #[test]
