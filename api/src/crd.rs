@@ -47,6 +47,11 @@ pub struct GpuModelSpec {
     /// selecting every model of that tier.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tier: Option<String>,
+    /// MIG profiles of this model to offer (e.g. "1g.10gb", "3g.40gb"), each through a DeviceClass
+    /// `<model>-mig-<profile>.gpupool.dev` (`h100-80gb-hbm3-mig-1g-10gb.gpupool.dev`). The
+    /// profiles' geometry comes from the nodes (NVML); a name no node publishes matches nothing.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mig_profiles: Vec<String>,
 }
 
 /// What the controller observed of a GpuModel.
@@ -65,12 +70,47 @@ pub struct GpuModelStatus {
     /// The DeviceClass the controller manages for this model.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_class_name: Option<String>,
+    /// Each MIG profile of `spec.migProfiles`: its class and what the nodes publish of it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mig_profiles: Vec<MigProfileStatus>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
     /// `Ready`, `NoMatchingDevices`, `Conflict`, `Invalid`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(schema_with = "conditions_schema")]
     pub conditions: Vec<Condition>,
+}
+
+/// One MIG profile of a GpuModel as the controller sees it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MigProfileStatus {
+    /// e.g. "1g.10gb".
+    pub name: String,
+    /// The DeviceClass selecting this model's MIG devices of this profile.
+    pub device_class_name: String,
+    /// MIG devices of this profile published (one per placement and card).
+    #[serde(default)]
+    pub devices: i64,
+    /// SMs of one instance, as the nodes publish it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub multiprocessors: Option<i64>,
+    /// Compute of one instance in weight units: the model's weight scaled by the instance's share
+    /// of the card's SMs (what a ComputeProfile compares with its `compute`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_weight: Option<i64>,
+}
+
+/// Whether a ComputeProfile may be served by MIG devices, and before or after fractions.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum MigUse {
+    /// Fractions of cards only.
+    #[default]
+    Never,
+    /// A MIG device first (hardware isolation), a fraction when none is free.
+    First,
+    /// A fraction first, a MIG device when no card has room.
+    Last,
 }
 
 /// Which way a ComputeProfile orders the models it may use.
@@ -117,6 +157,23 @@ pub struct ComputeProfileSpec {
     /// Or: namespaces whose labels match.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub namespace_selector: Option<LabelSelector>,
+    /// MIG devices as well as fractions: the smallest MIG profile of each allowed model whose
+    /// compute (its `computeWeight`) and memory reach the profile's, through the GpuModel's MIG
+    /// classes. Needs `cards: 1`.
+    #[serde(default, skip_serializing_if = "is_never")]
+    pub mig: MigUse,
+    /// Cards per claim, each with `compute` and `memory` (default 1). More than one card get
+    /// distinct cards (`distinctAttribute` on the uuid).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cards: Option<i64>,
+    /// With `cards` > 1: all cards on one NVLink domain (`matchAttribute` on
+    /// `gpupool.dev/nvlinkDomain`), e.g. one NVSwitch board or one bridged pair.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub same_nvlink_domain: bool,
+}
+
+fn is_never(mig: &MigUse) -> bool {
+    *mig == MigUse::Never
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]

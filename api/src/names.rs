@@ -23,11 +23,30 @@ pub mod attr {
     pub const CUDA_COMPUTE_CAPABILITY: &str = "cudaComputeCapability";
     pub const DRIVER_VERSION: &str = "driverVersion";
     pub const CUDA_DRIVER_VERSION: &str = "cudaDriverVersion";
+    /// What a device is: [`DEVICE_TYPE_GPU`] (a whole card, shareable in fractions) or
+    /// [`DEVICE_TYPE_MIG`] (one MIG partition of a card).
+    pub const TYPE: &str = "type";
+    /// A MIG device's profile, e.g. "1g.10gb".
+    pub const MIG_PROFILE: &str = "migProfile";
+    /// NVML's id of that profile.
+    pub const MIG_PROFILE_ID: &str = "migProfileId";
+    /// First memory slice of a MIG device's placement, and how many it takes.
+    pub const MIG_PLACEMENT_START: &str = "migPlacementStart";
+    pub const MIG_MEMORY_SLICES: &str = "migMemorySlices";
+    /// The UUID of the card a MIG device is carved from (the MIG device's own UUID only exists
+    /// once it is created, at prepare).
+    pub const PARENT_UUID: &str = "parentUUID";
+    /// Cards that share a value talk over NVLink (directly or through one NVSwitch fabric).
+    pub const NVLINK_DOMAIN: &str = "nvlinkDomain";
     /// Standard names shared with other drivers, so that constraints can align devices across drivers.
     pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
     pub const PCIE_ROOT: &str = "resource.kubernetes.io/pcieRoot";
     pub const NUMA_NODE: &str = "resource.kubernetes.io/numaNode";
 }
+
+/// Values of [`attr::TYPE`].
+pub const DEVICE_TYPE_GPU: &str = "gpu";
+pub const DEVICE_TYPE_MIG: &str = "mig";
 
 /// The only two consumable capacities of a device (docs/architecture.md, "Device model").
 pub mod capacity {
@@ -43,6 +62,36 @@ pub const MEMORY_STEP_BYTES: u64 = 1024 * 1024;
 /// Name of the device that stands for GPU `index` on its node.
 pub fn device_name(index: u32) -> String {
     format!("gpu-{index}")
+}
+
+/// Name of the device for a MIG partition of GPU `index`: `gpu-<index>-mig-<profile label>-<start>`
+/// (profile label: [`crate::inventory::mig_profile_label`], e.g. `gpu-0-mig-1g-10gb-2`).
+pub fn mig_device_name(index: u32, profile_name: &str, start: u32) -> String {
+    format!(
+        "gpu-{index}-mig-{}-{start}",
+        crate::inventory::mig_profile_label(profile_name)
+    )
+}
+
+/// Name of GPU `index`'s counter set (`spec.sharedCounters[].name`).
+pub fn counter_set_name(index: u32) -> String {
+    format!("gpu-{index}-counters")
+}
+
+/// Counters of a GPU's counter set: DNS labels, as the API requires.
+pub mod counter {
+    pub const MULTIPROCESSORS: &str = "multiprocessors";
+    pub const COPY_ENGINES: &str = "copy-engines";
+    pub const DECODERS: &str = "decoders";
+    pub const ENCODERS: &str = "encoders";
+    pub const JPEG_ENGINES: &str = "jpeg-engines";
+    pub const OFA_ENGINES: &str = "ofa-engines";
+    pub const MEMORY: &str = "memory";
+
+    /// Memory slice `k` of the card (value 1: taken or not).
+    pub fn memory_slice(k: u32) -> String {
+        format!("memory-slice-{k}")
+    }
 }
 
 /// File name of the CDI spec of one prepared claim, inside the CDI root.
@@ -66,6 +115,16 @@ pub fn cdi_device_id(cdi_device_name: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mig_devices_and_counter_sets_have_dns_label_names() {
+        use crate::validation::is_dns_label;
+        let name = mig_device_name(3, "1g.10gb+me", 6);
+        assert_eq!(name, "gpu-3-mig-1g-10gb-me-6");
+        assert!(is_dns_label(&name));
+        assert!(is_dns_label(&counter_set_name(7)));
+        assert!(is_dns_label(&counter::memory_slice(7)));
+    }
 
     #[test]
     fn cdi_names_follow_the_layout() {

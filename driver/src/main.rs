@@ -15,7 +15,10 @@ use gpupool_driver::health::{
 };
 use gpupool_driver::inventory::{self, Inventory};
 use gpupool_driver::metrics::{self, DriverMetrics, InstrumentedPreparer};
-use gpupool_driver::node_state::NodeLayout;
+use gpupool_driver::mig::fake::FakeMig;
+use gpupool_driver::mig::nvml::NvmlMig;
+use gpupool_driver::mig::MigManager;
+use gpupool_driver::node_state::{MigCards, NodeLayout};
 use gpupool_driver::plugin::health::HealthService;
 use gpupool_driver::plugin::registration::RegistrationService;
 use gpupool_driver::plugin::{server, stale, Preparer};
@@ -127,6 +130,7 @@ fn inspect(args: InspectArgs) -> anyhow::Result<()> {
         &HealthMap::default(),
         1,
         SliceMode::Shared,
+        gpupool_driver::devices::Partitioning::Counters,
     )?;
     let report = InspectReport {
         node: &node,
@@ -217,6 +221,29 @@ async fn serve_healthz(
         .context("health endpoint")
 }
 
+/// The node's cards with MIG and what manages their instances: NVML on real cards, a file in the
+/// run folder on fake ones.
+fn mig_cards(inventory: &Inventory, args: &RunArgs) -> anyhow::Result<MigCards> {
+    let cards: Vec<String> = inventory
+        .gpus
+        .iter()
+        .filter(|g| g.mig.is_some())
+        .map(|g| g.uuid.clone())
+        .collect();
+    let manager: Arc<dyn MigManager> = if args.fake_gpus.is_some() {
+        Arc::new(
+            FakeMig::new(&args.run_dir, inventory)
+                .with_context(|| format!("fake MIG state in {}", args.run_dir.display()))?,
+        )
+    } else {
+        Arc::new(NvmlMig::new(inventory).map_err(|e| anyhow::anyhow!("{e}"))?)
+    };
+    if !cards.is_empty() {
+        tracing::info!(cards = ?cards, "cards with MIG: their MIG devices are created at prepare");
+    }
+    Ok(MigCards { manager, cards })
+}
+
 async fn run(args: RunArgs) -> anyhow::Result<()> {
     let mut signals = ShutdownSignals::install()?;
     let node = args.node_name.clone();
@@ -258,6 +285,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             "taking turns on this node's claims with any other instance (rolling update)"
         );
     }
+    let mig = mig_cards(&inventory, &args)?;
     // Start-up reconciliation of claims happens before the kubelet can reach us.
     let preparer = ClaimPreparer::new(
         PrepareOptions {
@@ -273,6 +301,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                 )
             },
             driver_libraries: args.driver_libraries(),
+            mig,
         },
         inventory.clone(),
         client.clone(),

@@ -18,6 +18,7 @@ use kube::{Api, Client, ResourceExt};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use crate::devices::Partitioning;
 use crate::health::HealthMap;
 use crate::slices::{build_slices, SliceError, SliceMode};
 
@@ -87,6 +88,7 @@ pub fn plan(
     weights: &BTreeMap<String, i64>,
     health: &HealthMap,
     mode: SliceMode,
+    partitioning: Partitioning,
 ) -> Result<Plan, SliceError> {
     let mine: Vec<&ResourceSlice> = stored
         .iter()
@@ -100,7 +102,15 @@ pub fn plan(
     let by_name: BTreeMap<String, &ResourceSlice> =
         mine.iter().map(|s| (s.name_any(), *s)).collect();
 
-    let same = build_slices(inventory, node_name, weights, health, current, mode)?;
+    let same = build_slices(
+        inventory,
+        node_name,
+        weights,
+        health,
+        current,
+        mode,
+        partitioning,
+    )?;
     let up_to_date = same.len() == by_name.len()
         && same.iter().all(|want| {
             by_name
@@ -115,7 +125,15 @@ pub fn plan(
     }
 
     let generation = current + 1;
-    let desired = build_slices(inventory, node_name, weights, health, generation, mode)?;
+    let desired = build_slices(
+        inventory,
+        node_name,
+        weights,
+        health,
+        generation,
+        mode,
+        partitioning,
+    )?;
     let mut plan = Plan {
         generation,
         ..Default::default()
@@ -175,6 +193,46 @@ pub fn fallback_reason_from_stored(sent: &ResourceSlice, stored: &ResourceSlice)
     })
 }
 
+/// Why the cluster does not take partitionable devices, when it says so: a 422 naming a counter
+/// field, or a stored object that lost the counter sets or consumptions it was sent with (the
+/// real API server drops fields of a disabled feature, DRAPartitionableDevices, without a word).
+pub fn partitioning_fallback_from_error(err: &kube::Error) -> Option<String> {
+    match err {
+        kube::Error::Api(status) if status.code == 422 => {
+            let msg = &status.message;
+            ["sharedCounters", "consumesCounters"]
+                .iter()
+                .any(|field| msg.contains(field))
+                .then(|| format!("the API server rejected the counter fields: {msg}"))
+        }
+        _ => None,
+    }
+}
+
+pub fn partitioning_fallback_from_stored(
+    sent: &ResourceSlice,
+    stored: &ResourceSlice,
+) -> Option<String> {
+    let counters = |s: &ResourceSlice| {
+        s.spec
+            .shared_counters
+            .as_ref()
+            .is_some_and(|c| !c.is_empty())
+            || s.spec
+                .devices
+                .iter()
+                .flatten()
+                .any(|d| d.consumes_counters.as_ref().is_some_and(|c| !c.is_empty()))
+    };
+    (counters(sent) && !counters(stored)).then(|| {
+        format!(
+            "the API server dropped sharedCounters/consumesCounters from ResourceSlice {} \
+             (feature DRAPartitionableDevices is off)",
+            sent.name_any()
+        )
+    })
+}
+
 fn is_conflict(err: &kube::Error) -> bool {
     matches!(err, kube::Error::Api(s) if s.code == 409)
 }
@@ -182,7 +240,10 @@ fn is_conflict(err: &kube::Error) -> bool {
 enum Applied {
     Done,
     Conflict,
+    /// No consumable capacity: exclusive whole cards.
     FallBack(String),
+    /// No partitionable devices: no MIG devices, no counter sets.
+    WholeCardsOnly(String),
 }
 
 /// Publishes one node's slices.
@@ -191,6 +252,7 @@ pub struct SlicePublisher {
     client: Client,
     node_name: String,
     mode: SliceMode,
+    partitioning: Partitioning,
 }
 
 impl SlicePublisher {
@@ -200,11 +262,16 @@ impl SlicePublisher {
             client,
             node_name: node_name.into(),
             mode: SliceMode::Shared,
+            partitioning: Partitioning::Counters,
         }
     }
 
     pub fn mode(&self) -> SliceMode {
         self.mode
+    }
+
+    pub fn partitioning(&self) -> Partitioning {
+        self.partitioning
     }
 
     async fn list(&self) -> Result<Vec<ResourceSlice>, PublishError> {
@@ -254,14 +321,25 @@ impl SlicePublisher {
             } else {
                 self.api.replace(&name, &pp, &slice).await
             };
+            // Counter slices come first (see `slices::split`): a server that drops counters is
+            // noticed before any MIG device is written without the counters that keep it apart
+            // from its card.
             match result {
                 Ok(stored) => {
+                    if let Some(reason) = partitioning_fallback_from_stored(&slice, &stored) {
+                        return Ok(Applied::WholeCardsOnly(reason));
+                    }
                     if let Some(reason) = fallback_reason_from_stored(&slice, &stored) {
                         return Ok(Applied::FallBack(reason));
                     }
                 }
                 Err(e) if is_conflict(&e) => return Ok(Applied::Conflict),
                 Err(e) => {
+                    if self.partitioning == Partitioning::Counters {
+                        if let Some(reason) = partitioning_fallback_from_error(&e) {
+                            return Ok(Applied::WholeCardsOnly(reason));
+                        }
+                    }
                     if self.mode == SliceMode::Shared {
                         if let Some(reason) = fallback_reason_from_error(&e) {
                             return Ok(Applied::FallBack(reason));
@@ -307,6 +385,7 @@ impl SlicePublisher {
                 weights,
                 health,
                 self.mode,
+                self.partitioning,
             )?;
             if plan.is_empty() {
                 return Ok(Outcome::Unchanged {
@@ -327,6 +406,24 @@ impl SlicePublisher {
                         "falling back to exclusive whole-GPU devices (no fractional sharing on this cluster)"
                     );
                     self.mode = SliceMode::ExclusiveFallback;
+                }
+                Applied::WholeCardsOnly(reason) => {
+                    // Cards in MIG mode that need a reset to leave it cannot run whole.
+                    let left_out: Vec<String> = inventory
+                        .gpus
+                        .iter()
+                        .filter(|g| {
+                            crate::devices::devices_of(g, Partitioning::WholeCardsOnly).is_empty()
+                        })
+                        .map(|g| gpupool_api::names::device_name(g.index))
+                        .collect();
+                    tracing::warn!(
+                        node = %self.node_name,
+                        %reason,
+                        not_offered = ?left_out,
+                        "publishing whole cards and fractions only: no MIG devices without partitionable devices (Kubernetes >= 1.35 with DRAPartitionableDevices)"
+                    );
+                    self.partitioning = Partitioning::WholeCardsOnly;
                 }
             }
         }
@@ -360,7 +457,8 @@ impl SlicePublisher {
                             node = %self.node_name,
                             generation,
                             slices,
-                            devices = inventory.gpus.len(),
+                            gpus = inventory.gpus.len(),
+                            partitioning = ?self.partitioning,
                             tainted = current_health.iter().filter(|(_, r)| !r.faults.is_empty()).count(),
                             mode = ?self.mode,
                             "published ResourceSlices"
@@ -426,6 +524,7 @@ mod tests {
             weights,
             &HealthMap::default(),
             SliceMode::Shared,
+            Partitioning::Counters,
         )
         .unwrap()
     }
@@ -440,6 +539,7 @@ mod tests {
             &BTreeMap::new(),
             &HealthMap::default(),
             SliceMode::Shared,
+            Partitioning::Counters,
         )
         .unwrap();
         assert_eq!(p.generation, 1);
@@ -453,7 +553,16 @@ mod tests {
         let inv = fake_inventory("a100-40gb:2", "n1").unwrap();
         let w = BTreeMap::new();
         let have = stored(
-            build_slices(&inv, "n1", &w, &HealthMap::default(), 4, SliceMode::Shared).unwrap(),
+            build_slices(
+                &inv,
+                "n1",
+                &w,
+                &HealthMap::default(),
+                4,
+                SliceMode::Shared,
+                Partitioning::Counters,
+            )
+            .unwrap(),
         );
         let p = healthy_plan(&have, &inv, &w);
         assert!(p.is_empty());
@@ -496,6 +605,7 @@ mod tests {
                 &HealthMap::default(),
                 4,
                 SliceMode::Shared,
+                Partitioning::Counters,
             )
             .unwrap(),
         );
@@ -521,14 +631,34 @@ mod tests {
         let inv = fake_inventory("a100-40gb:2", "n1").unwrap();
         let w = BTreeMap::new();
         let mut health = HealthMap::new(["gpu-0".to_string(), "gpu-1".to_string()]);
-        let have = stored(build_slices(&inv, "n1", &w, &health, 4, SliceMode::Shared).unwrap());
+        let have = stored(
+            build_slices(
+                &inv,
+                "n1",
+                &w,
+                &health,
+                4,
+                SliceMode::Shared,
+                Partitioning::Counters,
+            )
+            .unwrap(),
+        );
         let policy = XidPolicy::default();
         let xid = Observation::Xid {
             device: "gpu-0".into(),
             xid: 79,
         };
         health.apply(xid, &policy, 1_700_000_000).unwrap();
-        let p = plan(&have, &inv, "n1", &w, &health, SliceMode::Shared).unwrap();
+        let p = plan(
+            &have,
+            &inv,
+            "n1",
+            &w,
+            &health,
+            SliceMode::Shared,
+            Partitioning::Counters,
+        )
+        .unwrap();
         assert_eq!(p.generation, 5);
         let devices = p.update[0].spec.devices.clone().unwrap();
         assert_eq!(devices[0].taints.as_ref().map(Vec::len), Some(1));
@@ -541,15 +671,32 @@ mod tests {
             .map(|s| serde_json::from_value(serde_json::to_value(s).unwrap()).unwrap())
             .collect();
         let tainted = stored(returned);
-        assert!(plan(&tainted, &inv, "n1", &w, &health, SliceMode::Shared)
-            .unwrap()
-            .is_empty());
+        assert!(plan(
+            &tainted,
+            &inv,
+            "n1",
+            &w,
+            &health,
+            SliceMode::Shared,
+            Partitioning::Counters
+        )
+        .unwrap()
+        .is_empty());
 
         let clear = Observation::Clear {
             device: "gpu-0".into(),
         };
         health.apply(clear, &policy, 1_700_000_100).unwrap();
-        let p = plan(&tainted, &inv, "n1", &w, &health, SliceMode::Shared).unwrap();
+        let p = plan(
+            &tainted,
+            &inv,
+            "n1",
+            &w,
+            &health,
+            SliceMode::Shared,
+            Partitioning::Counters,
+        )
+        .unwrap();
         assert_eq!(p.generation, 6);
         assert!(p.update[0]
             .spec
@@ -564,7 +711,16 @@ mod tests {
         let big = fake_inventory("t4:130", "n1").unwrap();
         let w = BTreeMap::new();
         let mut have = stored(
-            build_slices(&big, "n1", &w, &HealthMap::default(), 2, SliceMode::Shared).unwrap(),
+            build_slices(
+                &big,
+                "n1",
+                &w,
+                &HealthMap::default(),
+                2,
+                SliceMode::Shared,
+                Partitioning::Counters,
+            )
+            .unwrap(),
         );
         let other_inv = fake_inventory("t4:1", "n2").unwrap();
         have.extend(
@@ -575,6 +731,7 @@ mod tests {
                 &HealthMap::default(),
                 9,
                 SliceMode::Shared,
+                Partitioning::Counters,
             )
             .unwrap(),
         );
@@ -586,6 +743,7 @@ mod tests {
             &w,
             &HealthMap::default(),
             SliceMode::Shared,
+            Partitioning::Counters,
         )
         .unwrap();
         assert_eq!(
@@ -602,9 +760,17 @@ mod tests {
     fn stored_object_without_sharing_means_fallback() {
         let inv = fake_inventory("a100-40gb:1", "n1").unwrap();
         let w = BTreeMap::new();
-        let sent = build_slices(&inv, "n1", &w, &HealthMap::default(), 1, SliceMode::Shared)
-            .unwrap()
-            .remove(0);
+        let sent = build_slices(
+            &inv,
+            "n1",
+            &w,
+            &HealthMap::default(),
+            1,
+            SliceMode::Shared,
+            Partitioning::Counters,
+        )
+        .unwrap()
+        .remove(0);
         let mut dropped = sent.clone();
         for d in dropped.spec.devices.iter_mut().flatten() {
             d.allow_multiple_allocations = None;
@@ -620,6 +786,7 @@ mod tests {
             &HealthMap::default(),
             1,
             SliceMode::ExclusiveFallback,
+            Partitioning::Counters,
         )
         .unwrap()
         .remove(0);
@@ -641,5 +808,59 @@ mod tests {
             fallback_reason_from_error(&status(422, "spec.pool.name: Required value")).is_none()
         );
         assert!(fallback_reason_from_error(&status(500, "allowMultipleAllocations")).is_none());
+    }
+
+    #[test]
+    fn a_stored_slice_without_its_counters_means_whole_cards_only() {
+        let inv = fake_inventory("h100-80gb:1", "n1").unwrap();
+        let sent = build_slices(
+            &inv,
+            "n1",
+            &BTreeMap::new(),
+            &HealthMap::default(),
+            1,
+            SliceMode::Shared,
+            Partitioning::Counters,
+        )
+        .unwrap();
+        // The counter slice comes first and is what a server without the feature empties.
+        let counters = &sent[0];
+        assert!(counters.spec.shared_counters.is_some());
+        let mut dropped = counters.clone();
+        dropped.spec.shared_counters = None;
+        let reason = partitioning_fallback_from_stored(counters, &dropped).unwrap();
+        assert!(reason.contains("DRAPartitionableDevices"), "{reason}");
+        assert_eq!(partitioning_fallback_from_stored(counters, counters), None);
+        let mut devices = sent[1].clone();
+        let kept = devices.clone();
+        for d in devices.spec.devices.iter_mut().flatten() {
+            d.consumes_counters = None;
+        }
+        assert!(partitioning_fallback_from_stored(&kept, &devices).is_some());
+        let whole = build_slices(
+            &inv,
+            "n1",
+            &BTreeMap::new(),
+            &HealthMap::default(),
+            1,
+            SliceMode::Shared,
+            Partitioning::WholeCardsOnly,
+        )
+        .unwrap();
+        assert_eq!(
+            partitioning_fallback_from_stored(&whole[0], &whole[0]),
+            None
+        );
+    }
+
+    #[test]
+    fn unprocessable_naming_counters_means_whole_cards_only() {
+        let e = kube::Error::Api(Box::new(kube::core::Status {
+            code: 422,
+            message: "ResourceSlice \"n\" is invalid: spec.sharedCounters: Forbidden".into(),
+            ..kube::core::Status::failure("x", "Invalid")
+        }));
+        assert!(partitioning_fallback_from_error(&e).is_some());
+        assert!(fallback_reason_from_error(&e).is_none());
     }
 }

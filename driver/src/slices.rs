@@ -1,21 +1,30 @@
 //! Inventory -> the ResourceSlices of this node's pool (pure; the publisher sends them).
 //!
-//! One pool per node, named after the node; one device per GPU (`gpu-<index>`) with the attributes and
-//! the two consumable capacities of the device model (docs/architecture.md).
+//! One pool per node, named after the node. Its devices and counter sets come from
+//! [`crate::devices`]: `gpu-<index>` per GPU with the attributes and the two consumable
+//! capacities of the device model, and on cards with MIG one device per profile and placement
+//! plus the card's counter set (docs/architecture.md, "Device model"). Counter sets go in slices
+//! of their own (the API takes counter sets or devices in a slice, never both), then the devices,
+//! each kind split within upstream's limits ([`split`]).
 
 use std::collections::BTreeMap;
 
 use gpupool_api::device::gpu_capacity;
-use gpupool_api::inventory::{to_semver, Gpu, Inventory};
-use gpupool_api::names::{attr, device_name, DRIVER_NAME};
+use gpupool_api::inventory::{to_semver, Gpu, Inventory, MigProfile};
+use gpupool_api::names::{attr, device_name, DEVICE_TYPE_GPU, DEVICE_TYPE_MIG, DRIVER_NAME};
+use gpupool_api::quantity::format_bytes;
 use gpupool_api::validation::{
-    validate_resource_slice, FieldError, MAX_DEVICES_PER_SLICE_WITH_TAINTS_OR_COUNTERS,
+    validate_resource_slice, FieldError, MAX_COUNTER_SETS_PER_SLICE,
+    MAX_DEVICES_PER_SLICE_WITH_TAINTS_OR_COUNTERS,
 };
 use k8s_openapi::api::resource::v1::{
-    Device, DeviceAttribute, DeviceCapacity, ResourcePool, ResourceSlice, ResourceSliceSpec,
+    CounterSet, Device, DeviceAttribute, DeviceCapacity, ResourcePool, ResourceSlice,
+    ResourceSliceSpec,
 };
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
+use crate::devices::{self, DeviceKind, NodeDevice, Partitioning};
 use crate::health::HealthMap;
 
 /// Upstream limit of devices per slice when no device has taints, counters or list attributes.
@@ -84,23 +93,12 @@ fn version(value: &str) -> Option<DeviceAttribute> {
     })
 }
 
-/// The attributes of one GPU (docs/architecture.md, "Device model"); `computeWeight` only when a weight is known, versions only
-/// when they have a semver form.
-pub fn device_attributes(gpu: &Gpu, weight: Option<i64>) -> BTreeMap<String, DeviceAttribute> {
-    let mut a = BTreeMap::new();
+/// Attributes every device of a card carries: what the card is and where it sits.
+fn card_attributes(gpu: &Gpu, a: &mut BTreeMap<String, DeviceAttribute>) {
     a.insert(attr::PRODUCT_NAME.into(), string(&gpu.product_name));
     a.insert(attr::MODEL.into(), string(&gpu.model));
     a.insert(attr::ARCHITECTURE.into(), string(&gpu.architecture));
-    a.insert(attr::UUID.into(), string(&gpu.uuid));
     a.insert(attr::INDEX.into(), int(gpu.index.into()));
-    a.insert(
-        attr::MULTIPROCESSORS.into(),
-        int(gpu.multiprocessors.into()),
-    );
-    a.insert(attr::CUDA_CORES.into(), int(gpu.cuda_cores.into()));
-    if let Some(w) = weight {
-        a.insert(attr::COMPUTE_WEIGHT.into(), int(w));
-    }
     a.insert(attr::BRAND.into(), string(&gpu.brand));
     for (name, value) in [
         (attr::CUDA_COMPUTE_CAPABILITY, &gpu.cuda_compute_capability),
@@ -118,6 +116,66 @@ pub fn device_attributes(gpu: &Gpu, weight: Option<i64>) -> BTreeMap<String, Dev
     if let Some(numa) = gpu.numa_node {
         a.insert(attr::NUMA_NODE.into(), int(numa));
     }
+}
+
+/// The attributes of one GPU (docs/architecture.md, "Device model"); `computeWeight` only when a weight is known, versions only
+/// when they have a semver form, `nvlinkDomain` only for a card joined to others by NVLink.
+pub fn device_attributes(gpu: &Gpu, weight: Option<i64>) -> BTreeMap<String, DeviceAttribute> {
+    let mut a = BTreeMap::new();
+    card_attributes(gpu, &mut a);
+    a.insert(attr::TYPE.into(), string(DEVICE_TYPE_GPU));
+    a.insert(attr::UUID.into(), string(&gpu.uuid));
+    a.insert(
+        attr::MULTIPROCESSORS.into(),
+        int(gpu.multiprocessors.into()),
+    );
+    a.insert(attr::CUDA_CORES.into(), int(gpu.cuda_cores.into()));
+    if let Some(w) = weight {
+        a.insert(attr::COMPUTE_WEIGHT.into(), int(w));
+    }
+    if let Some(domain) = &gpu.nvlink_domain {
+        a.insert(attr::NVLINK_DOMAIN.into(), string(domain));
+    }
+    a
+}
+
+/// The attributes of a MIG device: its card's, what the partition is (profile, placement, SMs,
+/// CUDA cores) and the card's weight scaled by its share of the SMs. No `uuid` (the MIG device
+/// gets one only when prepare creates it) and no `nvlinkDomain` (MIG devices have no NVLink
+/// peer-to-peer).
+pub fn mig_attributes(
+    gpu: &Gpu,
+    profile: &MigProfile,
+    start: u32,
+    weight: Option<i64>,
+) -> BTreeMap<String, DeviceAttribute> {
+    let mut a = BTreeMap::new();
+    card_attributes(gpu, &mut a);
+    a.insert(attr::TYPE.into(), string(DEVICE_TYPE_MIG));
+    a.insert(attr::PARENT_UUID.into(), string(&gpu.uuid));
+    a.insert(attr::MIG_PROFILE.into(), string(&profile.name));
+    a.insert(attr::MIG_PROFILE_ID.into(), int(profile.id.into()));
+    a.insert(attr::MIG_PLACEMENT_START.into(), int(start.into()));
+    a.insert(
+        attr::MIG_MEMORY_SLICES.into(),
+        int(profile.memory_slices.into()),
+    );
+    a.insert(
+        attr::MULTIPROCESSORS.into(),
+        int(profile.multiprocessors.into()),
+    );
+    if gpu.multiprocessors > 0 {
+        let per_sm = gpu.cuda_cores / gpu.multiprocessors;
+        a.insert(
+            attr::CUDA_CORES.into(),
+            int((per_sm * profile.multiprocessors).into()),
+        );
+    }
+    if let Some(w) =
+        weight.and_then(|w| devices::mig_weight(w, gpu.multiprocessors, profile.multiprocessors))
+    {
+        a.insert(attr::COMPUTE_WEIGHT.into(), int(w));
+    }
     a
 }
 
@@ -126,6 +184,7 @@ pub fn device_capacity(gpu: &Gpu, mode: SliceMode) -> BTreeMap<String, DeviceCap
     gpu_capacity(gpu.memory_bytes, mode == SliceMode::Shared)
 }
 
+/// `gpu-<index>`: a whole card, shareable in fractions when the cluster has consumable capacity.
 pub fn device(gpu: &Gpu, weight: Option<i64>, mode: SliceMode) -> Device {
     Device {
         name: device_name(gpu.index),
@@ -136,9 +195,75 @@ pub fn device(gpu: &Gpu, weight: Option<i64>, mode: SliceMode) -> Device {
     }
 }
 
+/// The published form of one device of the node, with its counter consumption and the taints
+/// of its card.
+fn published(
+    d: &NodeDevice<'_>,
+    weights: &BTreeMap<String, i64>,
+    health: &HealthMap,
+    mode: SliceMode,
+    partitioning: Partitioning,
+) -> Device {
+    let weight = weights.get(&d.gpu.model).copied();
+    let mut device = match d.kind {
+        DeviceKind::Card => device(d.gpu, weight, mode),
+        DeviceKind::Mig { profile, start } => Device {
+            name: d.name.clone(),
+            attributes: Some(mig_attributes(d.gpu, profile, start, weight)),
+            // Not shareable: a plain value, for selectors and for what `kubectl` shows.
+            capacity: Some(BTreeMap::from([(
+                gpupool_api::names::capacity::MEMORY.to_string(),
+                DeviceCapacity {
+                    value: Quantity(format_bytes(profile.memory_bytes)),
+                    request_policy: None,
+                },
+            )])),
+            ..Default::default()
+        },
+    };
+    device.consumes_counters = devices::consumption(d, partitioning).map(|c| vec![c]);
+    // A MIG device is on its card: the card's fault is its fault.
+    let taints = health.taints(&device_name(d.gpu.index));
+    device.taints = (!taints.is_empty()).then_some(taints);
+    device
+}
+
+/// What one slice of the pool carries.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SliceContent {
+    Counters(Vec<CounterSet>),
+    Devices(Vec<Device>),
+}
+
+/// Counter sets and devices over as few slices as upstream's limits allow: counter sets 8 to a
+/// slice, first; devices 128 to a slice, or 64 when any device of the pool has taints or
+/// consumes counters (the lower limit for the whole pool is simpler than packing around those
+/// devices, and differs only on nodes with more than 64 devices).
+pub fn split(counter_sets: Vec<CounterSet>, devices: Vec<Device>) -> Vec<SliceContent> {
+    let restricted = devices.iter().any(|d| {
+        d.taints.as_ref().is_some_and(|t| !t.is_empty())
+            || d.consumes_counters.as_ref().is_some_and(|c| !c.is_empty())
+    });
+    let per_slice = if restricted {
+        MAX_DEVICES_PER_SLICE_WITH_TAINTS_OR_COUNTERS
+    } else {
+        MAX_DEVICES_PER_SLICE
+    };
+    let mut slices: Vec<SliceContent> = counter_sets
+        .chunks(MAX_COUNTER_SETS_PER_SLICE)
+        .map(|c| SliceContent::Counters(c.to_vec()))
+        .collect();
+    slices.extend(
+        devices
+            .chunks(per_slice)
+            .map(|d| SliceContent::Devices(d.to_vec())),
+    );
+    slices
+}
+
 /// All slices of `node_name`'s pool at `generation`, validated against the upstream limits.
 /// `weights` maps a GPU's `model` to its compute weight; `health` gives the taints of faulty
-/// devices. No GPUs -> no slices.
+/// devices; `partitioning` whether MIG devices and counter sets are offered. No GPUs -> no slices.
 pub fn build_slices(
     inventory: &Inventory,
     node_name: &str,
@@ -146,23 +271,25 @@ pub fn build_slices(
     health: &HealthMap,
     generation: i64,
     mode: SliceMode,
+    partitioning: Partitioning,
 ) -> Result<Vec<ResourceSlice>, SliceError> {
-    // A slice with a tainted device may hold at most 64 devices. The lower limit for the whole
-    // pool is simpler than packing around the tainted ones, and differs only on nodes with more
-    // than 64 GPUs.
-    let per_slice = if inventory
+    let counter_sets: Vec<CounterSet> = inventory
         .gpus
         .iter()
-        .any(|g| !health.taints(&device_name(g.index)).is_empty())
-    {
-        MAX_DEVICES_PER_SLICE_WITH_TAINTS_OR_COUNTERS
-    } else {
-        MAX_DEVICES_PER_SLICE
-    };
-    let chunks: Vec<&[Gpu]> = inventory.gpus.chunks(per_slice).collect();
-    let count = chunks.len() as i64;
-    let mut slices = Vec::with_capacity(chunks.len());
-    for (n, chunk) in chunks.into_iter().enumerate() {
+        .filter_map(|g| devices::counter_set(g, partitioning))
+        .collect();
+    let devices: Vec<Device> = devices::node_devices(inventory, partitioning)
+        .iter()
+        .map(|d| published(d, weights, health, mode, partitioning))
+        .collect();
+    let contents = split(counter_sets, devices);
+    let count = contents.len() as i64;
+    let mut slices = Vec::with_capacity(contents.len());
+    for (n, content) in contents.into_iter().enumerate() {
+        let (shared_counters, devices) = match content {
+            SliceContent::Counters(sets) => (Some(sets), None),
+            SliceContent::Devices(devices) => (None, Some(devices)),
+        };
         let slice = ResourceSlice {
             metadata: ObjectMeta {
                 name: Some(slice_name(node_name, n)),
@@ -170,23 +297,15 @@ pub fn build_slices(
             },
             spec: ResourceSliceSpec {
                 driver: DRIVER_NAME.to_string(),
+                // Counter-only slices too: they belong to this node's pool.
                 node_name: Some(node_name.to_string()),
                 pool: ResourcePool {
                     name: node_name.to_string(),
                     generation,
                     resource_slice_count: count,
                 },
-                devices: Some(
-                    chunk
-                        .iter()
-                        .map(|gpu| {
-                            let mut d = device(gpu, weights.get(&gpu.model).copied(), mode);
-                            let taints = health.taints(&d.name);
-                            d.taints = (!taints.is_empty()).then_some(taints);
-                            d
-                        })
-                        .collect(),
-                ),
+                shared_counters,
+                devices,
                 ..Default::default()
             },
         };
@@ -222,6 +341,7 @@ mod tests {
             &HealthMap::default(),
             7,
             SliceMode::Shared,
+            Partitioning::Counters,
         )
         .unwrap();
         assert_eq!(slices.len(), 1);
@@ -299,6 +419,7 @@ mod tests {
             &HealthMap::default(),
             3,
             SliceMode::Shared,
+            Partitioning::Counters,
         )
         .unwrap();
         assert_eq!(slices.len(), 2);
@@ -339,8 +460,16 @@ mod tests {
         let inv = fake_inventory("a100-40gb:2", "n").unwrap();
         let mut health = all_devices(&inv);
         taint_xid(&mut health, "gpu-0", 79);
-        let slices =
-            build_slices(&inv, "n", &BTreeMap::new(), &health, 1, SliceMode::Shared).unwrap();
+        let slices = build_slices(
+            &inv,
+            "n",
+            &BTreeMap::new(),
+            &health,
+            1,
+            SliceMode::Shared,
+            Partitioning::Counters,
+        )
+        .unwrap();
         let devices = slices[0].spec.devices.as_ref().unwrap();
         let taints = devices[0].taints.as_ref().unwrap();
         assert_eq!(taints.len(), 1);
@@ -363,8 +492,16 @@ mod tests {
         let inv = fake_inventory("t4:130", "big").unwrap();
         let mut health = all_devices(&inv);
         taint_xid(&mut health, "gpu-100", 48);
-        let slices =
-            build_slices(&inv, "big", &BTreeMap::new(), &health, 2, SliceMode::Shared).unwrap();
+        let slices = build_slices(
+            &inv,
+            "big",
+            &BTreeMap::new(),
+            &health,
+            2,
+            SliceMode::Shared,
+            Partitioning::Counters,
+        )
+        .unwrap();
         let sizes: Vec<_> = slices
             .iter()
             .map(|s| s.spec.devices.as_ref().unwrap().len())
@@ -390,6 +527,7 @@ mod tests {
             &HealthMap::default(),
             1,
             SliceMode::ExclusiveFallback,
+            Partitioning::Counters,
         )
         .unwrap();
         let d = &slices[0].spec.devices.as_ref().unwrap()[0];
@@ -414,7 +552,8 @@ mod tests {
             &BTreeMap::new(),
             &HealthMap::default(),
             1,
-            SliceMode::Shared
+            SliceMode::Shared,
+            Partitioning::Counters
         )
         .unwrap()
         .is_empty());
@@ -422,23 +561,33 @@ mod tests {
 
     #[test]
     fn every_profile_builds_a_valid_slice_within_the_attribute_limit() {
-        for p in crate::inventory::fake::PROFILES {
-            let inv = fake_inventory(&format!("{}:1", p.key), "node").unwrap();
+        let mig_on = crate::inventory::fake::PROFILES
+            .iter()
+            .filter(|p| p.mig.is_some())
+            .map(|p| format!("{}:1+mig", p.key));
+        let plain = crate::inventory::fake::PROFILES
+            .iter()
+            .map(|p| format!("{}:1", p.key));
+        for spec in plain.chain(mig_on) {
+            let inv = fake_inventory(&spec, "node").unwrap();
+            let weights = BTreeMap::from([(inv.gpus[0].model.clone(), 989)]);
             let slices = build_slices(
                 &inv,
                 "node",
-                &BTreeMap::new(),
+                &weights,
                 &HealthMap::default(),
                 1,
                 SliceMode::Shared,
+                Partitioning::Counters,
             )
-            .unwrap_or_else(|e| panic!("{}: {e}", p.key));
-            let d = &slices[0].spec.devices.as_ref().unwrap()[0];
-            let n = attrs(d).len() + d.capacity.as_ref().unwrap().len();
-            assert!(n <= 32, "{}: {n} attributes+capacities", p.key);
-            assert!(attrs(d)
-                .values()
-                .all(|v| v.string.as_ref().is_none_or(|s| s.len() <= 64)));
+            .unwrap_or_else(|e| panic!("{spec}: {e}"));
+            for d in devices_of_slices(&slices) {
+                let n = attrs(d).len() + d.capacity.as_ref().unwrap().len();
+                assert!(n <= 32, "{spec} {}: {n} attributes+capacities", d.name);
+                assert!(attrs(d)
+                    .values()
+                    .all(|v| v.string.as_ref().is_none_or(|s| s.len() <= 64)));
+            }
         }
     }
 
@@ -452,6 +601,7 @@ mod tests {
             &HealthMap::default(),
             1,
             SliceMode::Shared,
+            Partitioning::Counters,
         )
         .unwrap_err();
         assert_eq!(err.slice, "Node_A-gpupool.dev-0");
@@ -470,6 +620,7 @@ mod tests {
             &HealthMap::default(),
             1,
             SliceMode::Shared,
+            Partitioning::Counters,
         )
         .unwrap();
         let d = &slices[0].spec.devices.as_ref().unwrap()[0];
@@ -487,5 +638,187 @@ mod tests {
             slice_name(&long, 1),
             slice_name(&format!("{}m", &long[..249]), 1)
         );
+    }
+
+    fn devices_of_slices(slices: &[ResourceSlice]) -> Vec<&Device> {
+        slices
+            .iter()
+            .flat_map(|s| s.spec.devices.iter().flatten())
+            .collect()
+    }
+
+    #[test]
+    fn an_nvswitch_board_of_h100s_splits_counters_and_devices_within_the_limits() {
+        let inv = fake_inventory("h100-80gb:8+nvswitch", "hgx").unwrap();
+        let weights = BTreeMap::from([("H100-80GB-HBM3".to_string(), 989)]);
+        let slices = build_slices(
+            &inv,
+            "hgx",
+            &weights,
+            &HealthMap::default(),
+            2,
+            SliceMode::Shared,
+            Partitioning::Counters,
+        )
+        .unwrap();
+        // 8 counter sets in one slice, then 8 x 26 devices in slices of 64.
+        let shape: Vec<(usize, usize)> = slices
+            .iter()
+            .map(|s| {
+                (
+                    s.spec.shared_counters.as_ref().map_or(0, Vec::len),
+                    s.spec.devices.as_ref().map_or(0, Vec::len),
+                )
+            })
+            .collect();
+        assert_eq!(shape, [(8, 0), (0, 64), (0, 64), (0, 64), (0, 16)]);
+        for s in &slices {
+            assert_eq!(s.spec.pool.resource_slice_count, 5);
+            assert_eq!(s.spec.node_name.as_deref(), Some("hgx"));
+            assert!(s.spec.shared_counters.is_none() || s.spec.devices.is_none());
+        }
+        let devices = devices_of_slices(&slices);
+        let gpu0 = devices.iter().find(|d| d.name == "gpu-0").unwrap();
+        let a = attrs(gpu0);
+        assert_eq!(a["type"].string.as_deref(), Some("gpu"));
+        let domain = a["nvlinkDomain"].string.clone().unwrap();
+        assert!(devices
+            .iter()
+            .filter(|d| attrs(d)["type"].string.as_deref() == Some("gpu"))
+            .all(|d| attrs(d)["nvlinkDomain"].string.as_deref() == Some(domain.as_str())));
+        assert_eq!(
+            gpu0.consumes_counters.as_ref().unwrap()[0].counter_set,
+            "gpu-0-counters"
+        );
+        let mig = devices
+            .iter()
+            .find(|d| d.name == "gpu-3-mig-1g-10gb-2")
+            .unwrap();
+        let m = attrs(mig);
+        assert_eq!(m["type"].string.as_deref(), Some("mig"));
+        assert_eq!(m["migProfile"].string.as_deref(), Some("1g.10gb"));
+        assert_eq!(m["migProfileId"].int, Some(19));
+        assert_eq!(m["migPlacementStart"].int, Some(2));
+        assert_eq!(
+            m["parentUUID"].string.as_deref(),
+            Some(inv.gpus[3].uuid.as_str())
+        );
+        assert_eq!(m["multiprocessors"].int, Some(16));
+        assert_eq!(m["cudaCores"].int, Some(16 * 128));
+        assert_eq!(m["computeWeight"].int, Some(119), "989 x 16 / 132");
+        assert_eq!(m["model"].string.as_deref(), Some("H100-80GB-HBM3"));
+        assert!(!m.contains_key("uuid") && !m.contains_key("nvlinkDomain"));
+        assert_eq!(
+            mig.allow_multiple_allocations, None,
+            "a MIG device is exclusive"
+        );
+        assert_eq!(cap_of(mig, "memory"), "10194Mi");
+        assert_eq!(
+            mig.consumes_counters.as_ref().unwrap()[0].counter_set,
+            "gpu-3-counters"
+        );
+    }
+
+    #[test]
+    fn nine_mig_cards_need_two_counter_slices() {
+        let inv = fake_inventory("h200:9", "big").unwrap();
+        let slices = build_slices(
+            &inv,
+            "big",
+            &BTreeMap::new(),
+            &HealthMap::default(),
+            1,
+            SliceMode::Shared,
+            Partitioning::Counters,
+        )
+        .unwrap();
+        let sets: Vec<usize> = slices
+            .iter()
+            .filter_map(|s| s.spec.shared_counters.as_ref().map(Vec::len))
+            .collect();
+        assert_eq!(sets, [8, 1]);
+        assert_eq!(devices_of_slices(&slices).len(), 9 * 26);
+    }
+
+    #[test]
+    fn without_partitionable_devices_the_model_is_todays() {
+        let inv = fake_inventory("h100-80gb:2,a100-40gb:1+mig", "n").unwrap();
+        let slices = build_slices(
+            &inv,
+            "n",
+            &BTreeMap::new(),
+            &HealthMap::default(),
+            1,
+            SliceMode::Shared,
+            Partitioning::WholeCardsOnly,
+        )
+        .unwrap();
+        assert_eq!(slices.len(), 1);
+        assert!(slices[0].spec.shared_counters.is_none());
+        let names: Vec<&str> = devices_of_slices(&slices)
+            .iter()
+            .map(|d| d.name.as_str())
+            .collect();
+        assert_eq!(
+            names,
+            ["gpu-0", "gpu-1"],
+            "the A100 in MIG mode cannot run whole"
+        );
+        assert!(devices_of_slices(&slices)
+            .iter()
+            .all(|d| d.consumes_counters.is_none()));
+    }
+
+    #[test]
+    fn a_tainted_card_taints_its_mig_devices_too() {
+        let inv = fake_inventory("h100-80gb:2", "n").unwrap();
+        let mut health = all_devices(&inv);
+        taint_xid(&mut health, "gpu-1", 79);
+        let slices = build_slices(
+            &inv,
+            "n",
+            &BTreeMap::new(),
+            &health,
+            1,
+            SliceMode::Shared,
+            Partitioning::Counters,
+        )
+        .unwrap();
+        for d in devices_of_slices(&slices) {
+            let tainted = d.taints.is_some();
+            assert_eq!(tainted, d.name.starts_with("gpu-1"), "{}", d.name);
+        }
+    }
+
+    #[test]
+    fn split_puts_counter_sets_first_and_respects_both_limits() {
+        let set = |i: u32| CounterSet {
+            name: format!("s{i}"),
+            counters: BTreeMap::new(),
+        };
+        let plain = |i: u32| Device {
+            name: format!("d{i}"),
+            ..Default::default()
+        };
+        let shape = |contents: &[SliceContent]| -> Vec<String> {
+            contents
+                .iter()
+                .map(|c| match c {
+                    SliceContent::Counters(s) => format!("c{}", s.len()),
+                    SliceContent::Devices(d) => format!("d{}", d.len()),
+                })
+                .collect()
+        };
+        assert_eq!(
+            shape(&split(
+                (0..17).map(set).collect(),
+                (0..130).map(plain).collect()
+            )),
+            ["c8", "c8", "c1", "d128", "d2"]
+        );
+        let mut counted: Vec<Device> = (0..65).map(plain).collect();
+        counted[64].consumes_counters = Some(vec![Default::default()]);
+        assert_eq!(shape(&split(vec![], counted)), ["d64", "d1"]);
+        assert!(split(vec![], vec![]).is_empty());
     }
 }

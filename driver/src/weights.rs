@@ -183,6 +183,7 @@ mod tests {
                 compute_weight: weight,
                 device_class_name: None,
                 tier: None,
+                mig_profiles: Vec::new(),
             },
         )
     }

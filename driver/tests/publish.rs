@@ -40,6 +40,7 @@ fn one_t4_slice(node: &str, generation: i64) -> ResourceSlice {
         &HealthMap::default(),
         generation,
         SliceMode::Shared,
+        gpupool_driver::devices::Partitioning::Counters,
     )
     .unwrap()
     .remove(0)

@@ -1,8 +1,17 @@
 //! Fake GPUs with the figures NVML reports for real cards, so the whole driver runs on machines
-//! without a GPU (CI, kind, laptops) and tests see realistic slices.
+//! without a GPU (CI, kind, laptops) and tests see realistic slices: MIG geometry of the cards
+//! that have it, and NVLink layouts (an NVSwitch board, bridged pairs).
+//!
+//! `--fake-gpus` is a list of `<profile>[:<count>][+<option>...]`, e.g.
+//! `a100-40gb:2+mig,h100-80gb:8+nvswitch`. Options: `mig` (MIG mode on at start), `nvswitch`
+//! (the group's cards on one NVSwitch fabric), `nvlink-pairs` (cards bridged two by two).
 
-use gpupool_api::inventory::{model_from_product_name, Gpu, Inventory, InventorySource};
+use gpupool_api::inventory::{
+    model_from_product_name, Gpu, Inventory, InventorySource, Mig, MigProfile,
+};
 use sha2::{Digest, Sha256};
+
+use super::topology::{nvlink_domains, GpuLinks, LinkPeer};
 
 /// The NVML figures of one card model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,6 +28,210 @@ pub struct Profile {
     pub multiprocessors: u32,
     pub cuda_cores: u32,
     pub cuda_compute_capability: &'static str,
+    /// MIG geometry, for cards that can be partitioned.
+    pub mig: Option<&'static FakeMig>,
+}
+
+/// The MIG geometry of one card model, as NVML reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FakeMig {
+    /// Switches mode without a reset (Hopper).
+    pub switchable: bool,
+    pub profiles: &'static [FakeMigProfile],
+}
+
+/// One GPU-instance profile (`nvmlDeviceGetGpuInstanceProfileInfoV` and its placements).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FakeMigProfile {
+    pub id: u32,
+    pub name: &'static str,
+    pub memory_slices: u32,
+    pub placements: &'static [u32],
+    /// How many instances of it fit at once (`instanceCount`: one for the `+me` profiles, which
+    /// take the card's only JPEG and OFA engines).
+    pub instances: u32,
+    pub multiprocessors: u32,
+    /// Copy engines, decoders, encoders, JPEG and OFA engines.
+    pub engines: [u32; 5],
+    /// `memorySizeMB` where it is known from a real card; otherwise the instance's memory slices
+    /// times an eighth of the card (NVML reports a little less: firmware keeps some).
+    pub memory_mib: Option<u64>,
+}
+
+const ALL_1G: &[u32] = &[0, 1, 2, 3, 4, 5, 6];
+
+/// A100-40GB: ids, placements and memory sizes as NVML reports them on the real card (the
+/// geometry table of NVIDIA's MIG user guide); engine counts of go-nvml's A100 mock, which
+/// matches the real card.
+pub const A100_40GB_MIG: FakeMig = FakeMig {
+    switchable: false,
+    profiles: &[
+        mig(19, "1g.5gb", 1, ALL_1G, 7, 14, [1, 1, 0, 0, 0], Some(4864)),
+        mig(
+            20,
+            "1g.5gb+me",
+            1,
+            ALL_1G,
+            1,
+            14,
+            [1, 1, 0, 1, 1],
+            Some(4864),
+        ),
+        mig(
+            15,
+            "1g.10gb",
+            2,
+            &[0, 2, 4, 6],
+            4,
+            14,
+            [1, 1, 0, 0, 0],
+            Some(9856),
+        ),
+        mig(
+            14,
+            "2g.10gb",
+            2,
+            &[0, 2, 4],
+            3,
+            28,
+            [2, 1, 0, 0, 0],
+            Some(9856),
+        ),
+        mig(
+            9,
+            "3g.20gb",
+            4,
+            &[0, 4],
+            2,
+            42,
+            [3, 2, 0, 0, 0],
+            Some(19968),
+        ),
+        mig(5, "4g.20gb", 4, &[0], 1, 56, [4, 2, 0, 0, 0], Some(19968)),
+        mig(0, "7g.40gb", 8, &[0], 1, 98, [7, 5, 0, 1, 1], Some(40192)),
+    ],
+};
+
+/// A100-80GB: the A100-40GB geometry with twice the memory per slice.
+pub const A100_80GB_MIG: FakeMig = FakeMig {
+    switchable: false,
+    profiles: &[
+        mig(19, "1g.10gb", 1, ALL_1G, 7, 14, [1, 1, 0, 0, 0], Some(9856)),
+        mig(
+            20,
+            "1g.10gb+me",
+            1,
+            ALL_1G,
+            1,
+            14,
+            [1, 1, 0, 1, 1],
+            Some(9856),
+        ),
+        mig(
+            15,
+            "1g.20gb",
+            2,
+            &[0, 2, 4, 6],
+            4,
+            14,
+            [1, 1, 0, 0, 0],
+            Some(19968),
+        ),
+        mig(
+            14,
+            "2g.20gb",
+            2,
+            &[0, 2, 4],
+            3,
+            28,
+            [2, 1, 0, 0, 0],
+            Some(19968),
+        ),
+        mig(
+            9,
+            "3g.40gb",
+            4,
+            &[0, 4],
+            2,
+            42,
+            [3, 2, 0, 0, 0],
+            Some(40192),
+        ),
+        mig(5, "4g.40gb", 4, &[0], 1, 56, [4, 2, 0, 0, 0], Some(40192)),
+        mig(0, "7g.80gb", 8, &[0], 1, 98, [7, 5, 0, 1, 1], Some(80384)),
+    ],
+};
+
+/// H100-80GB: ids, placements and SM counts of the real card (NVIDIA's MIG user guide); engine
+/// counts are stand-ins (a decoder and a JPEG engine per compute slice, the only OFA engine for
+/// `+me` and the full profile), not read from a card; memory per slice an eighth of the card.
+/// Hopper switches MIG mode without a reset.
+pub const H100_80GB_MIG: FakeMig = FakeMig {
+    switchable: true,
+    profiles: &[
+        mig(19, "1g.10gb", 1, ALL_1G, 7, 16, [1, 1, 0, 1, 0], None),
+        mig(20, "1g.10gb+me", 1, ALL_1G, 1, 16, [1, 1, 0, 1, 1], None),
+        mig(
+            15,
+            "1g.20gb",
+            2,
+            &[0, 2, 4, 6],
+            4,
+            26,
+            [1, 1, 0, 1, 0],
+            None,
+        ),
+        mig(14, "2g.20gb", 2, &[0, 2, 4], 3, 32, [2, 2, 0, 2, 0], None),
+        mig(9, "3g.40gb", 4, &[0, 4], 2, 60, [3, 3, 0, 3, 0], None),
+        mig(5, "4g.40gb", 4, &[0], 1, 64, [4, 4, 0, 4, 0], None),
+        mig(0, "7g.80gb", 8, &[0], 1, 132, [8, 7, 0, 7, 1], None),
+    ],
+};
+
+/// H200: NVIDIA names the profiles after its 141 GB; ids, placements and SMs assumed equal to
+/// the H100's (not verified on a card, which is why the driver reads them from NVML).
+pub const H200_MIG: FakeMig = FakeMig {
+    switchable: true,
+    profiles: &[
+        mig(19, "1g.18gb", 1, ALL_1G, 7, 16, [1, 1, 0, 1, 0], None),
+        mig(20, "1g.18gb+me", 1, ALL_1G, 1, 16, [1, 1, 0, 1, 1], None),
+        mig(
+            15,
+            "1g.35gb",
+            2,
+            &[0, 2, 4, 6],
+            4,
+            26,
+            [1, 1, 0, 1, 0],
+            None,
+        ),
+        mig(14, "2g.35gb", 2, &[0, 2, 4], 3, 32, [2, 2, 0, 2, 0], None),
+        mig(9, "3g.71gb", 4, &[0, 4], 2, 60, [3, 3, 0, 3, 0], None),
+        mig(5, "4g.71gb", 4, &[0], 1, 64, [4, 4, 0, 4, 0], None),
+        mig(0, "7g.141gb", 8, &[0], 1, 132, [8, 7, 0, 7, 1], None),
+    ],
+};
+
+const fn mig(
+    id: u32,
+    name: &'static str,
+    memory_slices: u32,
+    placements: &'static [u32],
+    instances: u32,
+    multiprocessors: u32,
+    engines: [u32; 5],
+    memory_mib: Option<u64>,
+) -> FakeMigProfile {
+    FakeMigProfile {
+        id,
+        name,
+        memory_slices,
+        placements,
+        instances,
+        multiprocessors,
+        engines,
+        memory_mib,
+    }
 }
 
 /// Driver versions the fake cards claim, a current data-centre branch.
@@ -37,6 +250,7 @@ pub const PROFILES: &[Profile] = &[
         multiprocessors: 108,
         cuda_cores: 6912,
         cuda_compute_capability: "8.0",
+        mig: Some(&A100_40GB_MIG),
     },
     Profile {
         key: "a100-80gb",
@@ -47,6 +261,7 @@ pub const PROFILES: &[Profile] = &[
         multiprocessors: 108,
         cuda_cores: 6912,
         cuda_compute_capability: "8.0",
+        mig: Some(&A100_80GB_MIG),
     },
     Profile {
         key: "h100-80gb",
@@ -57,6 +272,7 @@ pub const PROFILES: &[Profile] = &[
         multiprocessors: 132,
         cuda_cores: 16896,
         cuda_compute_capability: "9.0",
+        mig: Some(&H100_80GB_MIG),
     },
     Profile {
         key: "h200",
@@ -67,6 +283,7 @@ pub const PROFILES: &[Profile] = &[
         multiprocessors: 132,
         cuda_cores: 16896,
         cuda_compute_capability: "9.0",
+        mig: Some(&H200_MIG),
     },
     Profile {
         key: "l40s",
@@ -77,6 +294,7 @@ pub const PROFILES: &[Profile] = &[
         multiprocessors: 142,
         cuda_cores: 18176,
         cuda_compute_capability: "8.9",
+        mig: None,
     },
     Profile {
         key: "v100-32gb",
@@ -87,6 +305,7 @@ pub const PROFILES: &[Profile] = &[
         multiprocessors: 80,
         cuda_cores: 5120,
         cuda_compute_capability: "7.0",
+        mig: None,
     },
     Profile {
         key: "t4",
@@ -97,6 +316,7 @@ pub const PROFILES: &[Profile] = &[
         multiprocessors: 40,
         cuda_cores: 2560,
         cuda_compute_capability: "7.5",
+        mig: None,
     },
     Profile {
         key: "rtx3090",
@@ -107,6 +327,7 @@ pub const PROFILES: &[Profile] = &[
         multiprocessors: 82,
         cuda_cores: 10496,
         cuda_compute_capability: "8.6",
+        mig: None,
     },
 ];
 
@@ -117,8 +338,39 @@ pub enum FakeGpuError {
     UnknownProfile { name: String, known: String },
     #[error("--fake-gpus: bad count {count:?} for profile {profile:?}: expected a whole number from 1 to 1024")]
     BadCount { profile: String, count: String },
+    #[error("--fake-gpus: unknown option {option:?} in {item:?}; known options: mig, nvswitch, nvlink-pairs")]
+    UnknownOption { item: String, option: String },
+    #[error("--fake-gpus: {item:?} asks for MIG mode, but profile {profile:?} has no MIG (profiles with MIG: {known})")]
+    NoMig {
+        item: String,
+        profile: String,
+        known: String,
+    },
+    #[error("--fake-gpus: {item:?} names two NVLink layouts; pick one of nvswitch, nvlink-pairs")]
+    TwoLayouts { item: String },
     #[error("--fake-gpus: empty list; expected e.g. a100-40gb:2,v100-32gb:1")]
     Empty,
+}
+
+/// How the cards of one `--fake-gpus` entry are joined by NVLink.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FakeLayout {
+    /// PCIe only.
+    None,
+    /// Every card of the entry on one NVSwitch fabric (an HGX board).
+    NvSwitch,
+    /// Cards bridged two by two (0-1, 2-3, ...); an odd last card has no partner.
+    Pairs,
+}
+
+/// One entry of `--fake-gpus`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FakeGroup {
+    pub profile: &'static Profile,
+    pub count: u32,
+    /// MIG mode on at start.
+    pub mig_enabled: bool,
+    pub layout: FakeLayout,
 }
 
 pub fn profile(key: &str) -> Option<&'static Profile> {
@@ -133,13 +385,24 @@ fn known_profiles() -> String {
         .join(", ")
 }
 
-/// Parses `a100-40gb:2,v100-32gb:1` (a missing count means 1) into profiles in order.
-pub fn parse_fake_gpus(spec: &str) -> Result<Vec<(&'static Profile, u32)>, FakeGpuError> {
+fn mig_profiles() -> String {
+    PROFILES
+        .iter()
+        .filter(|p| p.mig.is_some())
+        .map(|p| p.key)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Parses `a100-40gb:2+mig,v100-32gb:1` (a missing count means 1) into groups in order.
+pub fn parse_fake_gpus(spec: &str) -> Result<Vec<FakeGroup>, FakeGpuError> {
     let mut out = Vec::new();
     for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-        let (name, count) = match item.split_once(':') {
+        let mut parts = item.split('+').map(str::trim);
+        let head = parts.next().unwrap_or_default();
+        let (name, count) = match head.split_once(':') {
             Some((name, count)) => (name.trim(), Some(count.trim())),
-            None => (item, None),
+            None => (head, None),
         };
         let name = name.to_ascii_lowercase();
         let profile = profile(&name).ok_or_else(|| FakeGpuError::UnknownProfile {
@@ -158,7 +421,42 @@ pub fn parse_fake_gpus(spec: &str) -> Result<Vec<(&'static Profile, u32)>, FakeG
                 }
             },
         };
-        out.push((profile, count));
+        let mut group = FakeGroup {
+            profile,
+            count,
+            mig_enabled: false,
+            layout: FakeLayout::None,
+        };
+        for option in parts {
+            let layout = match option.to_ascii_lowercase().as_str() {
+                "mig" if profile.mig.is_none() => {
+                    return Err(FakeGpuError::NoMig {
+                        item: item.to_string(),
+                        profile: name,
+                        known: mig_profiles(),
+                    })
+                }
+                "mig" => {
+                    group.mig_enabled = true;
+                    continue;
+                }
+                "nvswitch" => FakeLayout::NvSwitch,
+                "nvlink-pairs" => FakeLayout::Pairs,
+                _ => {
+                    return Err(FakeGpuError::UnknownOption {
+                        item: item.to_string(),
+                        option: option.to_string(),
+                    })
+                }
+            };
+            if group.layout != FakeLayout::None {
+                return Err(FakeGpuError::TwoLayouts {
+                    item: item.to_string(),
+                });
+            }
+            group.layout = layout;
+        }
+        out.push(group);
     }
     if out.is_empty() {
         return Err(FakeGpuError::Empty);
@@ -169,10 +467,15 @@ pub fn parse_fake_gpus(spec: &str) -> Result<Vec<(&'static Profile, u32)>, FakeG
 /// A stable GPU UUID for fake GPU `index` on `node_name`, in NVML's `GPU-8-4-4-4-12` form,
 /// so that a restarted driver publishes the same devices.
 pub fn fake_uuid(node_name: &str, index: u32) -> String {
-    let digest = Sha256::digest(format!("gpupool-fake-gpu/{node_name}/{index}").as_bytes());
+    uuid_form("GPU", &format!("gpupool-fake-gpu/{node_name}/{index}"))
+}
+
+/// `<prefix>-8-4-4-4-12` hex from a digest of `seed`.
+pub fn uuid_form(prefix: &str, seed: &str) -> String {
+    let digest = Sha256::digest(seed.as_bytes());
     let hex = hex::encode(&digest[..16]);
     format!(
-        "GPU-{}-{}-{}-{}-{}",
+        "{prefix}-{}-{}-{}-{}-{}",
         &hex[0..8],
         &hex[8..12],
         &hex[12..16],
@@ -181,19 +484,105 @@ pub fn fake_uuid(node_name: &str, index: u32) -> String {
     )
 }
 
-/// The inventory a node with these fake cards would report: indices and minors 0.., one PCI bus per card.
+/// The inventory a node with these fake cards would report: indices and minors 0.., one PCI bus
+/// per card, MIG geometry where the model has it, NVLink domains from the entries' layouts.
 pub fn fake_inventory(spec: &str, node_name: &str) -> Result<Inventory, FakeGpuError> {
     let mut gpus = Vec::new();
+    let mut links = Vec::new();
     let mut index = 0u32;
-    for (profile, count) in parse_fake_gpus(spec)? {
-        for _ in 0..count {
-            gpus.push(fake_gpu(profile, node_name, index));
+    for (group_no, group) in parse_fake_gpus(spec)?.into_iter().enumerate() {
+        let first = index;
+        for _ in 0..group.count {
+            let mut gpu = fake_gpu(group.profile, node_name, index);
+            if let Some(mig) = &mut gpu.mig {
+                mig.enabled = group.mig_enabled;
+            }
+            gpus.push(gpu);
             index += 1;
         }
+        let members: Vec<&Gpu> = gpus[first as usize..].iter().collect();
+        links.extend(fake_links(&members, group.layout, group_no));
+    }
+    let domains = nvlink_domains(&links);
+    for gpu in &mut gpus {
+        gpu.nvlink_domain = domains.get(&gpu.pci_bus_id).cloned();
     }
     Ok(Inventory {
         source: InventorySource::Fake,
         gpus,
+    })
+}
+
+/// What NVML's link calls would report for a group of cards in `layout`: an NVSwitch board's
+/// cards each reach the group's switches, bridged pairs reach each other.
+fn fake_links(members: &[&Gpu], layout: FakeLayout, group_no: usize) -> Vec<GpuLinks> {
+    members
+        .iter()
+        .enumerate()
+        .map(|(i, gpu)| {
+            let peers = match layout {
+                FakeLayout::None => Vec::new(),
+                // An HGX H100 board has four NVSwitches; each card has links to all of them.
+                FakeLayout::NvSwitch => (0..4)
+                    .map(|s| LinkPeer::Switch(format!("switch-{group_no}-{s}")))
+                    .collect(),
+                FakeLayout::Pairs => {
+                    let partner = i ^ 1;
+                    members
+                        .get(partner)
+                        .map(|p| vec![LinkPeer::Gpu(p.pci_bus_id.clone()); 4])
+                        .unwrap_or_default()
+                }
+            };
+            GpuLinks {
+                bus_id: gpu.pci_bus_id.clone(),
+                peers,
+            }
+        })
+        .collect()
+}
+
+/// The MIG capability a card of this profile reports (mode off).
+fn fake_mig(profile: &Profile) -> Option<Mig> {
+    let fake = profile.mig?;
+    let slices = fake
+        .profiles
+        .iter()
+        .flat_map(|p| p.placements.iter().map(move |s| s + p.memory_slices))
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    let per_slice_mib = profile.memory_mib / u64::from(slices);
+    Some(Mig {
+        enabled: false,
+        switchable: fake.switchable,
+        profiles: fake
+            .profiles
+            .iter()
+            .map(|p| MigProfile {
+                id: p.id,
+                name: p.name.to_string(),
+                // "3g.40gb": three compute slices.
+                compute_slices: p
+                    .name
+                    .split_once('g')
+                    .and_then(|(n, _)| n.parse().ok())
+                    .unwrap_or(1),
+                memory_slices: p.memory_slices,
+                placements: p.placements.to_vec(),
+                instances: p.instances,
+                multiprocessors: p.multiprocessors,
+                copy_engines: p.engines[0],
+                decoders: p.engines[1],
+                encoders: p.engines[2],
+                jpeg_engines: p.engines[3],
+                ofa_engines: p.engines[4],
+                memory_bytes: p
+                    .memory_mib
+                    .unwrap_or(per_slice_mib * u64::from(p.memory_slices))
+                    << 20,
+            })
+            .collect(),
     })
 }
 
@@ -218,6 +607,8 @@ fn fake_gpu(profile: &Profile, node_name: &str, index: u32) -> Gpu {
         pci_bus_id: format!("{domain:04x}:{bus:02x}:00.0"),
         pcie_root: Some(format!("pci{domain:04x}:00")),
         numa_node: Some(0),
+        mig: fake_mig(profile),
+        nvlink_domain: None,
     }
 }
 
@@ -269,8 +660,11 @@ mod tests {
     #[test]
     fn parses_a_list_of_profiles_with_counts() {
         let parsed = parse_fake_gpus("a100-40gb:2, v100-32gb:1,t4").unwrap();
-        let keys: Vec<_> = parsed.iter().map(|(p, n)| (p.key, *n)).collect();
+        let keys: Vec<_> = parsed.iter().map(|g| (g.profile.key, g.count)).collect();
         assert_eq!(keys, vec![("a100-40gb", 2), ("v100-32gb", 1), ("t4", 1)]);
+        assert!(parsed
+            .iter()
+            .all(|g| !g.mig_enabled && g.layout == FakeLayout::None));
     }
 
     #[test]
@@ -328,5 +722,114 @@ mod tests {
             .collect();
         assert!(uuid.starts_with("GPU-"));
         assert_eq!(groups, vec![8, 4, 4, 4, 12]);
+    }
+
+    #[test]
+    fn options_set_mig_mode_and_the_nvlink_layout() {
+        let groups = parse_fake_gpus("a100-40gb:2+mig+nvlink-pairs,h100-80gb:8+nvswitch").unwrap();
+        assert_eq!(
+            groups
+                .iter()
+                .map(|g| (g.profile.key, g.count, g.mig_enabled, g.layout))
+                .collect::<Vec<_>>(),
+            vec![
+                ("a100-40gb", 2, true, FakeLayout::Pairs),
+                ("h100-80gb", 8, false, FakeLayout::NvSwitch)
+            ]
+        );
+    }
+
+    #[test]
+    fn bad_options_name_the_entry_and_what_is_known() {
+        let err = parse_fake_gpus("v100-32gb:2+mig").unwrap_err();
+        assert!(matches!(err, FakeGpuError::NoMig { .. }));
+        let text = err.to_string();
+        assert!(
+            text.contains("\"v100-32gb:2+mig\"") && text.contains("h100-80gb"),
+            "{text}"
+        );
+        let err = parse_fake_gpus("t4+nvlink").unwrap_err().to_string();
+        assert!(
+            err.contains("\"nvlink\"") && err.contains("nvlink-pairs"),
+            "{err}"
+        );
+        assert!(matches!(
+            parse_fake_gpus("h100-80gb:2+nvswitch+nvlink-pairs"),
+            Err(FakeGpuError::TwoLayouts { .. })
+        ));
+    }
+
+    #[test]
+    fn mig_cards_carry_the_geometry_of_the_real_ones() {
+        let inv = fake_inventory("a100-40gb:1+mig,h100-80gb:1,h200:1,v100-32gb:1", "n").unwrap();
+        let a100 = inv.gpus[0].mig.as_ref().unwrap();
+        assert!(a100.enabled && !a100.switchable);
+        assert_eq!(a100.memory_slices(), 8);
+        let one_g = a100.profile(19).unwrap();
+        assert_eq!(
+            (
+                one_g.name.as_str(),
+                one_g.placements.len(),
+                one_g.memory_bytes
+            ),
+            ("1g.5gb", 7, 4864 << 20)
+        );
+        assert_eq!(a100.profile(15).unwrap().placements, [0, 2, 4, 6]);
+        assert_eq!(a100.profile(9).unwrap().placements, [0, 4]);
+        assert_eq!(a100.profile(20).unwrap().instances, 1, "one +me at most");
+        let h100 = inv.gpus[1].mig.as_ref().unwrap();
+        assert!(!h100.enabled && h100.switchable);
+        let sms: Vec<(&str, u32)> = h100
+            .profiles
+            .iter()
+            .filter(|p| p.id != 20)
+            .map(|p| (p.name.as_str(), p.multiprocessors))
+            .collect();
+        assert_eq!(
+            sms,
+            [
+                ("1g.10gb", 16),
+                ("1g.20gb", 26),
+                ("2g.20gb", 32),
+                ("3g.40gb", 60),
+                ("4g.40gb", 64),
+                ("7g.80gb", 132)
+            ]
+        );
+        let h200 = inv.gpus[2].mig.as_ref().unwrap();
+        assert_eq!(h200.profile(0).unwrap().name, "7g.141gb");
+        assert!(inv.gpus[3].mig.is_none());
+        // No instance of a profile takes more memory than its share of the card.
+        for gpu in &inv.gpus {
+            for p in gpu.mig.iter().flat_map(|m| &m.profiles) {
+                assert!(
+                    p.memory_bytes * 8 <= gpu.memory_bytes * u64::from(p.memory_slices),
+                    "{} {}",
+                    gpu.model,
+                    p.name
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn an_nvswitch_board_is_one_domain_and_bridged_pairs_are_one_each() {
+        let inv =
+            fake_inventory("h100-80gb:8+nvswitch,a100-40gb:3+nvlink-pairs,t4:1", "n").unwrap();
+        let domains: Vec<Option<&str>> = inv
+            .gpus
+            .iter()
+            .map(|g| g.nvlink_domain.as_deref())
+            .collect();
+        let board = domains[0].expect("the board has a domain");
+        assert!(
+            domains[..8].iter().all(|d| *d == Some(board)),
+            "{domains:?}"
+        );
+        let pair = domains[8].expect("a pair has a domain");
+        assert_eq!(domains[9], Some(pair));
+        assert_ne!(pair, board);
+        assert_eq!(domains[10], None, "the odd card out has no partner");
+        assert_eq!(domains[11], None, "PCIe only");
     }
 }

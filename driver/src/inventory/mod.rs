@@ -2,6 +2,7 @@
 
 pub mod fake;
 pub mod nvml;
+pub mod topology;
 
 pub use gpupool_api::inventory::{Gpu, Inventory, InventorySource};
 

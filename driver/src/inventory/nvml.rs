@@ -8,9 +8,14 @@
 
 use std::path::Path;
 
-use gpupool_api::inventory::{model_from_product_name, Gpu, Inventory, InventorySource};
+use gpupool_api::inventory::{
+    model_from_product_name, Gpu, Inventory, InventorySource, Mig, MigProfile,
+};
 use nvml_wrapper::error::NvmlError;
-use nvml_wrapper::Nvml;
+use nvml_wrapper::{Device, Nvml};
+
+use super::topology::{nvlink_domains, GpuLinks, LinkPeer};
+use crate::nvml_ffi::{self, ProfileInfo};
 
 #[derive(Debug, thiserror::Error)]
 pub enum NvmlDiscoveryError {
@@ -102,6 +107,7 @@ pub fn discover() -> Result<Inventory, NvmlDiscoveryError> {
         .device_count()
         .map_err(call_err("nvmlDeviceGetCount"))?;
     let mut gpus = Vec::with_capacity(count as usize);
+    let mut links = Vec::with_capacity(count as usize);
     for i in 0..count {
         let device = nvml
             .device_by_index(i)
@@ -126,6 +132,11 @@ pub fn discover() -> Result<Inventory, NvmlDiscoveryError> {
             .map_err(call_err(name("nvmlDeviceGetPciInfo")))?;
         let pci_bus_id = normalize_pci_bus_id(&pci.bus_id);
         let sysfs = Path::new("/sys/bus/pci/devices").join(&pci_bus_id);
+        links.push(GpuLinks {
+            bus_id: pci_bus_id.clone(),
+            peers: nvlink_peers(&nvml, &device),
+        });
+        let mig = read_mig(&nvml, &device, cc.major);
         gpus.push(Gpu {
             index: device
                 .index()
@@ -160,7 +171,13 @@ pub fn discover() -> Result<Inventory, NvmlDiscoveryError> {
                 .ok()
                 .and_then(|c| parse_numa_node(&c)),
             pci_bus_id,
+            mig,
+            nvlink_domain: None,
         });
+    }
+    let domains = nvlink_domains(&links);
+    for gpu in &mut gpus {
+        gpu.nvlink_domain = domains.get(&gpu.pci_bus_id).cloned();
     }
     gpus.sort_by_key(|g| g.index);
     Ok(Inventory {
@@ -169,9 +186,125 @@ pub fn discover() -> Result<Inventory, NvmlDiscoveryError> {
     })
 }
 
+/// What each active NVLink of the card reaches. Links that do not answer (no NVLink on the
+/// card, a link index past its count) are skipped: a card without NVLink has no peers.
+fn nvlink_peers(nvml: &Nvml, device: &Device<'_>) -> Vec<LinkPeer> {
+    let mut peers = Vec::new();
+    for link in 0..nvml_wrapper_sys::bindings::NVML_NVLINK_MAX_LINKS {
+        let wrapper = device.link_wrapper_for(link);
+        if !matches!(wrapper.is_active(), Ok(true)) {
+            continue;
+        }
+        let Ok(remote) = wrapper.remote_pci_info() else {
+            continue;
+        };
+        let bus_id = normalize_pci_bus_id(&remote.bus_id);
+        peers.push(
+            match nvml_ffi::nvlink_remote_device_type(nvml, device, link) {
+                Ok(nvml_ffi::NVLINK_DEVICE_TYPE_GPU) => LinkPeer::Gpu(bus_id),
+                Ok(nvml_ffi::NVLINK_DEVICE_TYPE_SWITCH) => LinkPeer::Switch(bus_id),
+                _ => LinkPeer::Other,
+            },
+        );
+    }
+    peers
+}
+
+/// The card's MIG capability: `None` when NVML says the card has no MIG mode. Profiles come
+/// from `nvmlDeviceGetGpuInstanceProfileInfoV` for each profile NVML defines, placements from
+/// `nvmlDeviceGetGpuInstancePossiblePlacements_v2` (both work with MIG off); a profile that
+/// cannot be read is left out, with a log line.
+fn read_mig(nvml: &Nvml, device: &Device<'_>, cc_major: i32) -> Option<Mig> {
+    let mode = device.mig_mode().ok()?;
+    let mut profiles = Vec::new();
+    for profile in 0..nvml_wrapper_sys::bindings::NVML_GPU_INSTANCE_PROFILE_COUNT {
+        let info = match nvml_ffi::gpu_instance_profile(nvml, device, profile) {
+            Ok(info) => info,
+            Err(e) if e.is(nvml_ffi::NOT_SUPPORTED) || e.is(nvml_ffi::INVALID_ARGUMENT) => continue,
+            Err(e) => {
+                tracing::warn!(profile, error = %e, "cannot read a MIG profile; leaving it out");
+                continue;
+            }
+        };
+        match nvml_ffi::possible_placements(nvml, device, info.id) {
+            Ok(placements) => profiles.extend(mig_profile(&info, &placements)),
+            Err(e) => {
+                tracing::warn!(profile = %info.name, error = %e, "cannot read a MIG profile's placements; leaving it out")
+            }
+        }
+    }
+    Some(Mig {
+        enabled: mode.current == nvml_wrapper_sys::bindings::NVML_DEVICE_MIG_ENABLE,
+        // Hopper (compute capability 9) and newer switch MIG mode without a GPU reset.
+        switchable: cc_major >= 9,
+        profiles,
+    })
+}
+
+/// A profile of the inventory from NVML's figures and placements `(start, size)`; none when
+/// it has no placement or placements of different sizes (not a layout this driver understands).
+pub fn mig_profile(info: &ProfileInfo, placements: &[(u32, u32)]) -> Option<MigProfile> {
+    let size = placements.first()?.1;
+    if size == 0 || placements.iter().any(|(_, s)| *s != size) {
+        return None;
+    }
+    let mut starts: Vec<u32> = placements.iter().map(|(start, _)| *start).collect();
+    starts.sort_unstable();
+    starts.dedup();
+    let name = if info.name.is_empty() {
+        // Drivers before the v2 struct give no name: NVIDIA's form, "<g>g.<GB>gb".
+        format!("{}g.{}gb", info.slice_count, info.memory_mib.div_ceil(1024))
+    } else {
+        info.name.clone()
+    };
+    Some(MigProfile {
+        id: info.id,
+        name,
+        compute_slices: info.slice_count,
+        memory_slices: size,
+        placements: starts,
+        instances: info.instance_count,
+        multiprocessors: info.multiprocessors,
+        copy_engines: info.copy_engines,
+        decoders: info.decoders,
+        encoders: info.encoders,
+        jpeg_engines: info.jpeg_engines,
+        ofa_engines: info.ofa_engines,
+        memory_bytes: info.memory_mib << 20,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn info(name: &str) -> ProfileInfo {
+        ProfileInfo {
+            id: 15,
+            name: name.to_string(),
+            slice_count: 1,
+            instance_count: 4,
+            multiprocessors: 14,
+            copy_engines: 1,
+            decoders: 1,
+            encoders: 0,
+            jpeg_engines: 0,
+            ofa_engines: 0,
+            memory_mib: 9856,
+        }
+    }
+
+    #[test]
+    fn a_profile_takes_nvml_figures_and_sorted_placements() {
+        let p = mig_profile(&info("1g.10gb"), &[(6, 2), (0, 2), (4, 2), (2, 2)]).unwrap();
+        assert_eq!(p.placements, [0, 2, 4, 6]);
+        assert_eq!((p.memory_slices, p.compute_slices, p.instances), (2, 1, 4));
+        assert_eq!(p.memory_bytes, 9856 << 20);
+        let unnamed = mig_profile(&info(""), &[(0, 2)]).unwrap();
+        assert_eq!(unnamed.name, "1g.10gb");
+        assert!(mig_profile(&info("x"), &[]).is_none());
+        assert!(mig_profile(&info("x"), &[(0, 1), (2, 2)]).is_none());
+    }
 
     #[test]
     fn bus_ids_take_the_sysfs_form() {

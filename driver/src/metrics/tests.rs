@@ -104,6 +104,7 @@ fn prepared_entry(
             allocated: a,
             gpu: inventory.gpu(&a.device).unwrap(),
             limits: l,
+            mig: None,
         })
         .collect();
     let layout = NodeLayout::new(
@@ -132,6 +133,7 @@ fn prepared_entry(
         spec: Some(rendered.spec),
         warning: rendered.warning,
         recovered: false,
+        mig: Vec::new(),
     }
 }
 

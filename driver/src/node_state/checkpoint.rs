@@ -104,6 +104,38 @@ pub struct ClaimEntry {
     /// does the work again and unprepare removes it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub recovered: bool,
+    /// The MIG instances of the claim's MIG devices, each step recorded before the next is
+    /// taken (see [`MigRecord`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mig: Vec<MigRecord>,
+}
+
+/// One MIG device of a claim, as far as it got: the intent (card, profile, placement) is
+/// recorded before the GPU instance is created, its id before the compute instance is created,
+/// the compute instance and the MIG device's UUID before the spec is written. Whatever a crash
+/// interrupts, the next start knows what may exist and destroys it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MigRecord {
+    /// The device the claim was allocated, `gpu-<i>-mig-<profile>-<start>`.
+    pub device: String,
+    pub parent_uuid: String,
+    pub profile_id: u32,
+    /// Compute slices of the profile (what its compute instance spans).
+    pub compute_slices: u32,
+    /// First memory slice and how many.
+    pub start: u32,
+    pub size: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_instance: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_instance: Option<u32>,
+    /// The MIG device's UUID (`MIG-...`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
+    /// Capability device nodes the container gets with it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub device_nodes: Vec<String>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -779,6 +811,7 @@ mod tests {
                 spec: None,
                 warning: Some("w".into()),
                 recovered: false,
+                mig: Vec::new(),
             },
         );
         CheckpointData {

@@ -5,11 +5,16 @@
 
 /// Every point, in the order prepare and unprepare pass them.
 pub const FAULT_POINTS: &[&str] = &[
+    // Claims with MIG devices first create their instances (NodeState::create_mig).
+    "after-gpu-instance-created",
+    "after-gpu-instance-recorded",
+    "after-compute-instance-created",
     "after-prepare-started",
     "after-temp-spec-written",
     "after-spec-renamed",
     "after-prepare-completed",
     "mid-unprepare",
+    "after-compute-instance-destroyed",
 ];
 
 pub const FAULT_POINT_ENV: &str = "GPUPOOL_FAULT_POINT";

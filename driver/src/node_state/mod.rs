@@ -3,13 +3,18 @@
 //! after a crash. Files only: what a claim means and what the API server says is `prepare/`'s.
 //!
 //! The write order is what makes a crash at any point repairable (docs/architecture.md):
+//! - [`NodeState::create_mig`] (claims with MIG devices, before the spec can be rendered): entry
+//!   `PrepareStarted` naming each MIG device's card, profile and placement, then per device the
+//!   GPU instance, its id recorded, the compute instance, its id and UUID recorded; undone on
+//!   failure.
 //! - [`NodeState::prepare`]: entry `PrepareStarted`, then the folders and the spec (temp file,
 //!   rename), then entry `PrepareCompleted`; undone on failure. A spec never has its final name
 //!   without at least a started entry.
-//! - [`NodeState::remove`]: the spec and folders first, the entry last: a crash in between leaves
-//!   an entry whose spec start-up writes again, and the kubelet's retry removes both.
+//! - [`NodeState::remove`]: the spec and folders first, then the MIG instances (compute, then GPU
+//!   instance), the entry last: a crash in between leaves an entry whose spec start-up writes
+//!   again, and the kubelet's retry removes all of it.
 //! - [`NodeState::recover`]: completed entries get their spec back, anything else is rolled back,
-//!   files no completed entry accounts for are removed.
+//!   files and MIG instances no completed entry accounts for are removed.
 
 pub mod checkpoint;
 pub mod fault;
@@ -24,9 +29,12 @@ use std::sync::Arc;
 use gpupool_api::cdi::Spec;
 use thiserror::Error;
 
-use self::checkpoint::{Change, CheckpointData, CheckpointError, ClaimEntry, ClaimState};
+use self::checkpoint::{
+    Change, CheckpointData, CheckpointError, ClaimEntry, ClaimState, MigRecord,
+};
 use self::fault::fault_point;
 pub use self::layout::NodeLayout;
+use crate::mig::{MigError, MigManager, Placement};
 
 /// Test hook: a boot id to use instead of the kernel's (reboot simulation in e2e tests).
 pub const BOOT_ID_ENV: &str = "GPUPOOL_BOOT_ID";
@@ -75,6 +83,8 @@ pub enum NodeStateError {
     #[error("reading the checkpoint: {0}")]
     Refresh(#[source] CheckpointError),
     #[error(transparent)]
+    Mig(#[from] MigError),
+    #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
 }
 
@@ -92,6 +102,16 @@ pub struct NodeState {
     /// Taken before the lock file, so that this process's own calls queue here rather than each
     /// holding a blocking thread in `flock` (the threads the call holding the lock needs).
     turn: Arc<tokio::sync::Mutex<()>>,
+    /// The cards' MIG instances, created and destroyed in the order recorded here.
+    mig: Arc<dyn MigManager>,
+}
+
+/// Where MIG instances may exist: the node's cards that have MIG.
+#[derive(Debug, Clone)]
+pub struct MigCards {
+    pub manager: Arc<dyn MigManager>,
+    /// UUIDs of the cards with MIG.
+    pub cards: Vec<String>,
 }
 
 impl NodeState {
@@ -100,6 +120,7 @@ impl NodeState {
     pub fn recover(
         layout: NodeLayout,
         boot_id: &str,
+        mig: MigCards,
     ) -> Result<(Self, Option<String>), NodeStateError> {
         // Another instance may be preparing a claim right now: its spec would look like an orphan
         // to the sweep.
@@ -108,12 +129,13 @@ impl NodeState {
             .as_deref()
             .map(lock_shared_folders)
             .transpose()?;
-        let recovered = recovery::recover(&layout, boot_id)?;
+        let recovered = recovery::recover(&layout, boot_id, &mig)?;
         let checkpoint = checkpoint::Store::new(layout.state_dir.clone(), recovered.data);
         let state = NodeState {
             layout,
             checkpoint,
             turn: Arc::default(),
+            mig: mig.manager,
         };
         Ok((state, recovered.corrupt))
     }
@@ -183,11 +205,110 @@ impl NodeState {
         })
     }
 
+    /// Create the MIG instances of a claim's MIG devices (`started.mig`: card, profile and
+    /// placement of each), recording every step before the next (see the module's order); returns
+    /// the records with their instances' ids and UUIDs. On failure what was created is destroyed
+    /// and the entry removed. Blocking.
+    pub fn create_mig(
+        &self,
+        uid: &str,
+        mut started: ClaimEntry,
+    ) -> Result<Vec<MigRecord>, NodeStateError> {
+        started.state = ClaimState::PrepareStarted;
+        self.checkpoint
+            .commit(Change::Put(uid.to_string(), Box::new(started.clone())))?;
+        for i in 0..started.mig.len() {
+            if let Err(e) = self.create_instance(uid, &mut started, i) {
+                self.destroy_all(uid, &started.mig);
+                if let Err(e) = self.checkpoint.commit(Change::Remove(uid.to_string())) {
+                    tracing::error!(uid, error = %e, "rolling back a failed MIG creation could not update the checkpoint; the next start will");
+                }
+                return Err(e);
+            }
+        }
+        Ok(started.mig)
+    }
+
+    /// MIG instance `i` of `entry`: mode, GPU instance, record, compute instance, record.
+    fn create_instance(
+        &self,
+        uid: &str,
+        entry: &mut ClaimEntry,
+        i: usize,
+    ) -> Result<(), NodeStateError> {
+        let record = entry.mig[i].clone();
+        // Only cards that switch without a reset offer MIG devices while the mode is off.
+        if !self.mig.mig_enabled(&record.parent_uuid)? {
+            self.mig.set_mig_enabled(&record.parent_uuid, true)?;
+        }
+        let gi = self.mig.create_gpu_instance(&Placement {
+            parent_uuid: record.parent_uuid.clone(),
+            profile_id: record.profile_id,
+            start: record.start,
+            size: record.size,
+        })?;
+        entry.mig[i].gpu_instance = Some(gi);
+        fault_point("after-gpu-instance-created");
+        self.checkpoint
+            .commit(Change::Put(uid.to_string(), Box::new(entry.clone())))?;
+        fault_point("after-gpu-instance-recorded");
+        let ci =
+            self.mig
+                .create_compute_instance(&record.parent_uuid, gi, record.compute_slices)?;
+        entry.mig[i].compute_instance = Some(ci.id);
+        entry.mig[i].uuid = Some(ci.uuid);
+        entry.mig[i].device_nodes = ci.device_nodes;
+        fault_point("after-compute-instance-created");
+        self.checkpoint
+            .commit(Change::Put(uid.to_string(), Box::new(entry.clone())))?;
+        Ok(())
+    }
+
+    /// Destroy the instances of `records`, compute instance before GPU instance, newest first;
+    /// best effort (a failure is logged, and the next start destroys what is left).
+    fn destroy_all(&self, uid: &str, records: &[MigRecord]) {
+        for record in records.iter().rev() {
+            if let Err(e) = self.destroy(record) {
+                tracing::error!(uid, device = %record.device, error = %e, "could not destroy a MIG instance of a failed prepare; the next start will");
+            }
+        }
+    }
+
+    /// One MIG device's instances, compute instance first.
+    fn destroy(&self, record: &MigRecord) -> Result<(), MigError> {
+        let Some(gi) = record.gpu_instance else {
+            return Ok(());
+        };
+        if let Some(ci) = record.compute_instance {
+            self.mig
+                .destroy_compute_instance(&record.parent_uuid, gi, ci)?;
+        }
+        fault_point("after-compute-instance-destroyed");
+        self.mig.destroy_gpu_instance(&record.parent_uuid, gi)
+    }
+
+    /// Leave MIG mode on a card that switches without a reset, before it runs whole or in
+    /// fractions (no instance may exist: the node guard keeps MIG devices and cards apart).
+    /// Blocking.
+    pub fn leave_mig_mode(&self, parent_uuid: &str) -> Result<(), NodeStateError> {
+        if self.mig.mig_enabled(parent_uuid)? {
+            self.mig.set_mig_enabled(parent_uuid, false)?;
+        }
+        Ok(())
+    }
+
+    /// Undo [`NodeState::create_mig`] when the claim fails before [`NodeState::prepare`].
+    /// Blocking.
+    pub fn abandon(&self, uid: &str) {
+        self.roll_back(uid);
+    }
+
     /// Record the claim `PrepareStarted`, write its folders and the spec `completed` carries, then
     /// record `completed`; undone on failure. Blocking.
     pub fn prepare(&self, uid: &str, completed: ClaimEntry) -> Result<(), NodeStateError> {
         let spec = completed.spec.as_ref().ok_or(NodeStateError::NoSpec)?;
-        // The started entry names the claim only: the spec and the answer come with `completed`.
+        // The started entry names the claim and its MIG instances only: the spec and the answer
+        // come with `completed`.
         let started = ClaimEntry {
             state: ClaimState::PrepareStarted,
             namespace: completed.namespace.clone(),
@@ -196,6 +317,7 @@ impl NodeState {
             spec: None,
             warning: completed.warning.clone(),
             recovered: false,
+            mig: completed.mig.clone(),
         };
         self.checkpoint
             .commit(Change::Put(uid.to_string(), Box::new(started)))?;
@@ -223,15 +345,34 @@ impl NodeState {
                 "rolling back a failed prepare could not remove its files; the next start will"
             );
         }
+        let records = self.read(|data| {
+            data.claims
+                .get(uid)
+                .map(|e| e.mig.clone())
+                .unwrap_or_default()
+        });
+        self.destroy_all(uid, &records);
         if let Err(e) = self.checkpoint.commit(Change::Remove(uid.to_string())) {
             tracing::error!(uid, error = %e, "rolling back a failed prepare could not update the checkpoint; the next start will");
         }
     }
 
-    /// The claim's spec and folders, then its entry if it has one. Blocking.
+    /// The claim's spec and folders, then its MIG instances, then its entry if it has one.
+    /// Blocking.
     pub fn remove(&self, uid: &str) -> Result<(), NodeStateError> {
         files::remove_claim_files(&self.layout, uid, || fault_point("mid-unprepare"))
             .map_err(NodeStateError::RemoveFiles)?;
+        let records = self.read(|data| {
+            data.claims
+                .get(uid)
+                .map(|e| e.mig.clone())
+                .unwrap_or_default()
+        });
+        // Processes still running on an instance make NVML refuse (IN_USE): the entry stays and
+        // the kubelet's retry finishes the job.
+        for record in records.iter().rev() {
+            self.destroy(record)?;
+        }
         if self.read(|data| data.claims.contains_key(uid)) {
             self.checkpoint.commit(Change::Remove(uid.to_string()))?;
         }

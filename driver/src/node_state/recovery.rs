@@ -1,5 +1,5 @@
-//! Start-up: make the files and the checkpoint agree again, whatever a crash, a reboot or a lost
-//! checkpoint left behind. Blocking.
+//! Start-up: make the files, the MIG instances and the checkpoint agree again, whatever a crash,
+//! a reboot or a lost checkpoint left behind. Blocking.
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -8,11 +8,12 @@ use std::path::Path;
 use gpupool_api::cdi::Spec;
 use gpupool_api::validation::is_uuid;
 
-use super::checkpoint::{self, CheckpointData, ClaimEntry, ClaimState};
+use super::checkpoint::{self, CheckpointData, ClaimEntry, ClaimState, MigRecord};
 use super::files;
 use super::fsutil;
 use super::layout::{self, NodeLayout, CLAIM_FOLDERS, CONTAINER_LIB_PATH, PRELOAD_FILE_NAME};
-use super::NodeStateError;
+use super::{MigCards, NodeStateError};
+use crate::mig::{GpuInstance, MigManager};
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> NodeStateError {
     let path = path.to_path_buf();
@@ -34,10 +35,15 @@ fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
-/// Folders with their modes, `ld.so.preload`, then the checkpoint against the files: completed
-/// entries get their spec back (written again after a reboot), unfinished ones are rolled back,
-/// and files no completed entry accounts for are removed.
-pub(super) fn recover(layout: &NodeLayout, boot_id: &str) -> Result<Recovered, NodeStateError> {
+/// Folders with their modes, `ld.so.preload`, then the checkpoint against the files and the MIG
+/// instances: completed entries get their spec back (written again after a reboot) unless their
+/// MIG instances are gone, unfinished ones are rolled back, and files and instances no completed
+/// entry accounts for are removed.
+pub(super) fn recover(
+    layout: &NodeLayout,
+    boot_id: &str,
+    mig: &MigCards,
+) -> Result<Recovered, NodeStateError> {
     let state_dir = &layout.state_dir;
     let cdi_root = &layout.cdi_root;
     fsutil::ensure_private_dir(state_dir, 0o700).map_err(|source| NodeStateError::StateDir {
@@ -95,10 +101,20 @@ pub(super) fn recover(layout: &NodeLayout, boot_id: &str) -> Result<Recovered, N
         files::remove_spec(layout, uid).map_err(io_err(cdi_root))?;
         files::remove_claim_folders(layout, uid).map_err(io_err(&layout.run_dir))
     };
+    let instances = mig_instances(mig);
     let mut keep = BTreeMap::new();
     for (uid, entry) in std::mem::take(&mut data.claims) {
         let valid_uid = is_uuid(&uid);
         match (&entry.state, &entry.spec) {
+            (ClaimState::PrepareCompleted, Some(_))
+                if valid_uid && missing_instance(&entry.mig, &instances).is_some() =>
+            {
+                // A reboot or a driver reload destroyed MIG instances: the spec would name a MIG
+                // device that no longer exists. A fresh prepare creates new ones.
+                tracing::error!(uid, device = ?missing_instance(&entry.mig, &instances), "a prepared claim's MIG instance is gone; dropping it so the next prepare starts over");
+                destroy_records(mig.manager.as_ref(), &uid, &entry.mig);
+                remove_files(&uid)?;
+            }
             (ClaimState::PrepareCompleted, Some(spec))
                 if valid_uid && rebooted && missing_device_node(spec).is_some() =>
             {
@@ -116,6 +132,7 @@ pub(super) fn recover(layout: &NodeLayout, boot_id: &str) -> Result<Recovered, N
             }
             _ => {
                 tracing::info!(uid, state = ?entry.state, "rolling back an unfinished prepare");
+                destroy_records(mig.manager.as_ref(), &uid, &entry.mig);
                 if valid_uid {
                     remove_files(&uid)?;
                 }
@@ -124,6 +141,7 @@ pub(super) fn recover(layout: &NodeLayout, boot_id: &str) -> Result<Recovered, N
     }
     data.claims = keep;
     sweep_orphans(layout, &data)?;
+    sweep_mig(mig, &data);
 
     data.boot_id = boot_id.to_string();
     checkpoint::save(state_dir, &data)?;
@@ -161,6 +179,100 @@ fn sweep_orphans(layout: &NodeLayout, data: &CheckpointData) -> Result<(), NodeS
         }
     }
     fsutil::sync_dir(cdi_root).map_err(io_err(cdi_root))
+}
+
+/// The GPU instances of each MIG card in MIG mode, by card UUID; a card that cannot be read is
+/// left out (and logged): nothing is destroyed on it.
+fn mig_instances(mig: &MigCards) -> BTreeMap<String, Vec<GpuInstance>> {
+    let mut out = BTreeMap::new();
+    for card in &mig.cards {
+        let listed = mig.manager.mig_enabled(card).and_then(|enabled| {
+            if enabled {
+                mig.manager.gpu_instances(card)
+            } else {
+                Ok(Vec::new())
+            }
+        });
+        match listed {
+            Ok(instances) => {
+                out.insert(card.clone(), instances);
+            }
+            Err(e) => {
+                tracing::error!(card, error = %e, "cannot list the card's MIG instances; leaving them as they are")
+            }
+        }
+    }
+    out
+}
+
+/// The first MIG device of a completed entry whose GPU or compute instance does not exist.
+fn missing_instance(
+    records: &[MigRecord],
+    instances: &BTreeMap<String, Vec<GpuInstance>>,
+) -> Option<String> {
+    records
+        .iter()
+        .find(|r| {
+            let Some(listed) = instances.get(&r.parent_uuid) else {
+                // Unreadable card: assume it is there rather than drop a running claim.
+                return false;
+            };
+            let found = listed.iter().find(|gi| Some(gi.id) == r.gpu_instance);
+            !found.is_some_and(|gi| {
+                r.compute_instance
+                    .is_some_and(|ci| gi.compute_instances.contains(&ci))
+            })
+        })
+        .map(|r| r.device.clone())
+}
+
+/// Destroy what the records name, compute instance first; best effort (the sweep follows).
+fn destroy_records(manager: &dyn MigManager, uid: &str, records: &[MigRecord]) {
+    for r in records.iter().rev() {
+        let Some(gi) = r.gpu_instance else { continue };
+        let done = r
+            .compute_instance
+            .map_or(Ok(()), |ci| {
+                manager.destroy_compute_instance(&r.parent_uuid, gi, ci)
+            })
+            .and_then(|()| manager.destroy_gpu_instance(&r.parent_uuid, gi));
+        if let Err(e) = done {
+            tracing::error!(uid, device = %r.device, error = %e, "cannot destroy a MIG instance of an unfinished prepare");
+        }
+    }
+}
+
+/// Destroy every MIG instance no completed entry accounts for: left by a crash between creating
+/// an instance and recording it, or by a lost checkpoint. gpupool owns MIG on its cards.
+fn sweep_mig(mig: &MigCards, data: &CheckpointData) {
+    let accounted: std::collections::BTreeSet<(&str, u32)> = data
+        .claims
+        .values()
+        .flat_map(|e| &e.mig)
+        .filter_map(|r| Some((r.parent_uuid.as_str(), r.gpu_instance?)))
+        .collect();
+    for (card, instances) in mig_instances(mig) {
+        for gi in instances {
+            if accounted.contains(&(card.as_str(), gi.id)) {
+                continue;
+            }
+            tracing::info!(
+                card,
+                gpu_instance = gi.id,
+                profile = gi.profile_id,
+                start = gi.start,
+                "destroying a MIG instance no prepared claim accounts for"
+            );
+            let done = gi
+                .compute_instances
+                .iter()
+                .try_for_each(|ci| mig.manager.destroy_compute_instance(&card, gi.id, *ci))
+                .and_then(|()| mig.manager.destroy_gpu_instance(&card, gi.id));
+            if let Err(e) = done {
+                tracing::error!(card, gpu_instance = gi.id, error = %e, "cannot destroy a MIG instance no claim accounts for");
+            }
+        }
+    }
 }
 
 /// The first device node a spec names that is not on this host.
@@ -207,6 +319,7 @@ fn from_cdi_root(cdi_root: &Path) -> CheckpointData {
                     spec: Some(spec),
                     warning: None,
                     recovered: true,
+                    mig: Vec::new(),
                 },
             );
         }

@@ -2,8 +2,9 @@
 //! then written atomically to the CDI root.
 //!
 //! One spec per claim, kind `gpupool.dev/claim`, one CDI device per allocation result in result
-//! order. Per device: `/dev/nvidia<minor>`, the limit env, the HAMi-core mounts; spec-level: the
-//! control device nodes. A runtime fails a container whose device node or mount source is missing,
+//! order. Per device: `/dev/nvidia<minor>`, the limit env, the HAMi-core mounts; a MIG device
+//! also its GPU and compute instances' capability nodes and no HAMi-core (the hardware
+//! partition is the limit); spec-level: the control device nodes. A runtime fails a container whose device node or mount source is missing,
 //! so nothing that is not on the host is ever emitted: with fake GPUs it is left out, on a real GPU
 //! node the claim fails instead (dropping it silently would hand out an unusable or unlimited GPU).
 
@@ -39,6 +40,24 @@ pub struct SpecDevice<'a> {
     pub allocated: &'a AllocatedDevice,
     pub gpu: &'a Gpu,
     pub limits: &'a DeviceLimits,
+    /// Set for a MIG device: the instance prepare created for it.
+    pub mig: Option<MigSpec<'a>>,
+}
+
+/// A created MIG device, as the spec needs it.
+pub struct MigSpec<'a> {
+    pub profile: &'a str,
+    /// `MIG-...`: what CUDA_VISIBLE_DEVICES names so that CUDA sees the partition, not the card.
+    pub uuid: &'a str,
+    /// The GPU and compute instances' capability nodes.
+    pub device_nodes: &'a [String],
+}
+
+impl SpecDevice<'_> {
+    /// What CUDA and the fake env name the device by.
+    fn uuid(&self) -> &str {
+        self.mig.as_ref().map_or(self.gpu.uuid.as_str(), |m| m.uuid)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -100,8 +119,10 @@ pub fn render(
     // CUDA numbers visible devices in CUDA_VISIBLE_DEVICES order, which pins ordinal i to the
     // i-th device of the claim (otherwise CUDA orders fastest first and the limits could land on
     // the wrong card).
-    let visible = (!layout.fake_gpus && !enforced.is_empty()).then(|| {
-        let uuids: Vec<&str> = devices.iter().map(|d| d.gpu.uuid.as_str()).collect();
+    // A MIG device is only reachable through its MIG UUID in this list.
+    let has_mig = devices.iter().any(|d| d.mig.is_some());
+    let visible = (!layout.fake_gpus && (!enforced.is_empty() || has_mig)).then(|| {
+        let uuids: Vec<&str> = devices.iter().map(SpecDevice::uuid).collect();
         format!("CUDA_VISIBLE_DEVICES={}", uuids.join(","))
     });
 
@@ -118,6 +139,18 @@ pub fn render(
                 path: node,
                 ..Default::default()
             });
+            for node in d.mig.iter().flat_map(|m| m.device_nodes) {
+                if !exists(Path::new(node)) {
+                    return Err(CdiError::MissingDeviceNode(node.clone()));
+                }
+                edits.device_nodes.push(DeviceNode {
+                    path: node.clone(),
+                    ..Default::default()
+                });
+            }
+        }
+        if d.mig.is_some() {
+            edits.env.extend(visible.iter().cloned());
         }
         if d.limits.enforcement == Enforcement::HamiCore {
             edits.env.extend(limits::limit_env(d.limits));
@@ -140,6 +173,19 @@ pub fn render(
         }
         if layout.fake_gpus {
             edits.env.extend(limits::fake_env(d.limits.ordinal, d.gpu));
+            if let Some(mig) = &d.mig {
+                let i = d.limits.ordinal;
+                // The partition, not the card: what a pod on a GPU-less node can check.
+                edits
+                    .env
+                    .retain(|e| !e.starts_with(&format!("GPUPOOL_DEVICE_UUID_{i}=")));
+                edits
+                    .env
+                    .push(format!("GPUPOOL_DEVICE_UUID_{i}={}", mig.uuid));
+                edits
+                    .env
+                    .push(format!("GPUPOOL_DEVICE_MIG_PROFILE_{i}={}", mig.profile));
+            }
         }
         let name = cdi_device_name(
             claim_uid,
@@ -241,11 +287,13 @@ mod tests {
                 allocated: &a,
                 gpu: &inv.gpus[1],
                 limits: &la,
+                mig: None,
             },
             SpecDevice {
                 allocated: &b,
                 gpu: &inv.gpus[0],
                 limits: &lb,
+                mig: None,
             },
         ];
         let r = render(UID, &devices, &layout(false), &everything_exists).unwrap();
@@ -318,6 +366,7 @@ mod tests {
             allocated: &a,
             gpu: &inv.gpus[0],
             limits: &l,
+            mig: None,
         }];
         let no_node = |p: &Path| p != Path::new("/dev/nvidia0");
         assert_eq!(
@@ -349,6 +398,7 @@ mod tests {
             allocated: &a,
             gpu: &inv.gpus[0],
             limits: &l,
+            mig: None,
         }];
         // Only the claim's cache folder exists (the driver creates it).
         let only_cache = |p: &Path| p.starts_with("/var/run/gpupool/vgpu-cache");
@@ -378,11 +428,87 @@ mod tests {
             allocated: &a,
             gpu: &inv.gpus[0],
             limits: &l,
+            mig: None,
         }];
         let r = render(UID, &devices, &layout(true), &everything_exists).unwrap();
         let edits = &r.spec.devices[0].container_edits;
         assert!(edits.mounts.is_empty());
         assert!(edits.env.iter().all(|e| e.starts_with("GPUPOOL_DEVICE_")));
         assert_eq!(r.warning, None);
+    }
+
+    #[test]
+    fn a_mig_device_gets_its_capability_nodes_and_its_mig_uuid_and_no_hami_core() {
+        let inv = inventory();
+        let (a, b) = (
+            allocated("gpu-0", Some("s1")),
+            allocated("gpu-2-mig-1g-10gb-3", None),
+        );
+        let (la, lb) = (
+            limits(0, 8192, 50, Enforcement::HamiCore),
+            limits(1, 10194, 0, Enforcement::None),
+        );
+        let nodes = vec![
+            "/dev/nvidia-caps/nvidia-cap21".to_string(),
+            "/dev/nvidia-caps/nvidia-cap22".to_string(),
+        ];
+        let mig_uuid = "MIG-5a1b2c3d-0000-4000-8000-000000000001";
+        let devices = [
+            SpecDevice {
+                allocated: &a,
+                gpu: &inv.gpus[0],
+                limits: &la,
+                mig: None,
+            },
+            SpecDevice {
+                allocated: &b,
+                gpu: &inv.gpus[2],
+                limits: &lb,
+                mig: Some(MigSpec {
+                    profile: "1g.10gb",
+                    uuid: mig_uuid,
+                    device_nodes: &nodes,
+                }),
+            },
+        ];
+        let r = render(UID, &devices, &layout(false), &everything_exists).unwrap();
+        assert_eq!(
+            r.cdi_ids[1],
+            format!("gpupool.dev/claim={UID}-gpu-2-mig-1g-10gb-3")
+        );
+        let mig = &r.spec.devices[1].container_edits;
+        let paths: Vec<&str> = mig.device_nodes.iter().map(|n| n.path.as_str()).collect();
+        assert_eq!(
+            paths,
+            [
+                "/dev/nvidia2",
+                "/dev/nvidia-caps/nvidia-cap21",
+                "/dev/nvidia-caps/nvidia-cap22"
+            ]
+        );
+        let visible = format!("CUDA_VISIBLE_DEVICES={},{mig_uuid}", inv.gpus[0].uuid);
+        assert!(mig.env.contains(&visible), "{:?}", mig.env);
+        assert!(
+            r.spec.devices[0].container_edits.env.contains(&visible),
+            "the card's ordinal is fixed by the same list"
+        );
+        assert!(mig.mounts.is_empty(), "no HAMi-core on a MIG device");
+        assert!(!mig.env.iter().any(|e| e.starts_with("CUDA_DEVICE_")));
+        assert_eq!(cdi::validate(&r.spec), Vec::<String>::new());
+
+        let no_cap = |p: &Path| p != Path::new("/dev/nvidia-caps/nvidia-cap22");
+        assert_eq!(
+            render(UID, &devices, &layout(false), &no_cap).unwrap_err(),
+            CdiError::MissingDeviceNode("/dev/nvidia-caps/nvidia-cap22".into())
+        );
+
+        let fake = render(UID, &devices, &layout(true), &everything_exists).unwrap();
+        let env = &fake.spec.devices[1].container_edits.env;
+        assert!(
+            env.contains(&format!("GPUPOOL_DEVICE_UUID_1={mig_uuid}")),
+            "{env:?}"
+        );
+        assert!(env.contains(&"GPUPOOL_DEVICE_MIG_PROFILE_1=1g.10gb".to_string()));
+        assert!(!env.contains(&format!("GPUPOOL_DEVICE_UUID_1={}", inv.gpus[2].uuid)));
     }
 }

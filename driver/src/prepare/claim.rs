@@ -152,7 +152,10 @@ pub fn check_claim(
             share_id,
         });
     }
-    if let Some(missing) = ours.iter().find(|d| inventory.gpu(&d.device).is_none()) {
+    if let Some(missing) = ours
+        .iter()
+        .find(|d| crate::devices::find(inventory, &d.device).is_none())
+    {
         return Err(ClaimError::UnknownDevice {
             claim: name,
             pool: missing.pool.clone(),
@@ -365,12 +368,24 @@ pub(crate) mod tests {
             pci_bus_id: format!("0000:0{index}:00.0"),
             pcie_root: None,
             numa_node: None,
+            mig: None,
+            nvlink_domain: None,
         };
+        // gpu-2: an H100 with the real card's MIG geometry (it switches MIG mode at run time).
+        let mut h100 = crate::inventory::fake::fake_inventory("h100-80gb:1", "node-a")
+            .expect("a known profile")
+            .gpus
+            .remove(0);
+        h100.index = 2;
+        h100.minor = 2;
+        h100.uuid = "GPU-20000000-0000-0000-0000-000000000000".into();
+        h100.pci_bus_id = "0000:02:00.0".into();
         Inventory {
             source: gpupool_api::inventory::InventorySource::Fake,
             gpus: vec![
                 gpu(0, "A100-SXM4-40GB", 40 << 30),
                 gpu(1, "V100-SXM2-32GB", 32 << 30),
+                h100,
             ],
         }
     }

@@ -32,6 +32,10 @@ pub enum PrepareErrorKind {
     Limits(#[from] LimitsError),
     #[error(transparent)]
     Render(#[from] CdiError),
+    /// The node guard: the device would share its card with another claim's in a way MIG
+    /// forbids (see `guard.rs`).
+    #[error(transparent)]
+    Conflict(#[from] super::guard::Conflict),
     #[error("{device}: {source}")]
     NvidiaCdi {
         device: String,
@@ -78,6 +82,7 @@ impl PrepareError {
             PrepareErrorKind::Claim(_)
             | PrepareErrorKind::Limits(_)
             | PrepareErrorKind::Render(_)
+            | PrepareErrorKind::Conflict(_)
             | PrepareErrorKind::NvidiaCdi { .. } => false,
         }
     }

@@ -10,12 +10,13 @@
 //! supported shape (a claim may hold up to 16 devices).
 
 use gpupool_api::config::{EffectiveConfig, Enforcement, Sharing};
-use gpupool_api::inventory::Gpu;
+use gpupool_api::inventory::{Gpu, MigProfile};
 use gpupool_api::names::{capacity, MEMORY_STEP_BYTES};
 use gpupool_api::quantity;
 use thiserror::Error;
 
 use super::claim::AllocatedDevice;
+use crate::devices::{DeviceKind, NodeDevice};
 
 /// HAMi-core tracks at most this many devices per container.
 pub const MAX_DEVICES: usize = 16;
@@ -144,6 +145,41 @@ pub fn device_limits(
     })
 }
 
+/// Limits of a MIG device: its profile's memory, no SM limit and nothing for HAMi-core to
+/// enforce, since the hardware partition is the limit. A `memoryLimit` or `coreLimit` for it is
+/// an error naming the field: it could not be honoured, and silently ignoring it would hand out
+/// more than the user asked to allow.
+pub fn mig_limits(
+    ordinal: usize,
+    device: &AllocatedDevice,
+    profile: &MigProfile,
+    config: &EffectiveConfig,
+) -> Result<DeviceLimits, LimitsError> {
+    let not_applicable = |field: &Option<String>, what: &str| {
+        LimitsError::Override {
+        field: field.clone().unwrap_or_default(),
+        message: format!(
+            "{} is MIG {}, partitioned in hardware: a {what} does not apply (ask for a smaller MIG profile or a fraction of a card)",
+            device.device, profile.name
+        ),
+    }
+    };
+    let c = &config.config;
+    if c.memory_limit.is_some() {
+        return Err(not_applicable(&config.memory_limit_field, "memoryLimit"));
+    }
+    if c.core_limit.is_some() {
+        return Err(not_applicable(&config.core_limit_field, "coreLimit"));
+    }
+    Ok(DeviceLimits {
+        ordinal,
+        memory_bytes: profile.memory_bytes,
+        cores: 0,
+        enforcement: Enforcement::None,
+        priority: c.priority,
+    })
+}
+
 /// The per-ordinal HAMi-core variables of one device (empty when enforcement is off).
 pub fn limit_env(limits: &DeviceLimits) -> Vec<String> {
     if limits.enforcement == Enforcement::None {
@@ -176,7 +212,7 @@ pub fn shared_env(cache_file: &str, priority: Option<i64>) -> Vec<String> {
 
 /// Limits of every device of a claim, ordinals in result order.
 pub fn claim_limits(
-    devices: &[(AllocatedDevice, &Gpu, EffectiveConfig)],
+    devices: &[(AllocatedDevice, NodeDevice<'_>, EffectiveConfig)],
 ) -> Result<Vec<DeviceLimits>, LimitsError> {
     if devices.len() > MAX_DEVICES {
         return Err(LimitsError::TooManyDevices {
@@ -186,13 +222,19 @@ pub fn claim_limits(
     devices
         .iter()
         .enumerate()
-        .map(|(i, (device, gpu, config))| device_limits(i, device, gpu, config))
+        .map(
+            |(i, (device, node_device, config))| match node_device.kind {
+                DeviceKind::Card => device_limits(i, device, node_device.gpu, config),
+                DeviceKind::Mig { profile, .. } => mig_limits(i, device, profile, config),
+            },
+        )
         .collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::devices::find;
     use crate::prepare::claim::tests::inventory;
     use gpupool_api::config::GpuConfig;
 
@@ -262,12 +304,12 @@ mod tests {
         let devices = vec![
             (
                 device("gpu-1", Some("16Gi"), Some("25")),
-                &inv.gpus[1],
+                find(&inv, "gpu-1").unwrap(),
                 cfg(GpuConfig::default()),
             ),
             (
                 device("gpu-0", Some("8Gi"), Some("50")),
-                &inv.gpus[0],
+                find(&inv, "gpu-0").unwrap(),
                 cfg(GpuConfig::default()),
             ),
         ];
@@ -398,7 +440,7 @@ mod tests {
             .map(|_| {
                 (
                     device("gpu-0", Some("1Gi"), None),
-                    &inv.gpus[0],
+                    find(&inv, "gpu-0").unwrap(),
                     cfg(GpuConfig::default()),
                 )
             })
@@ -406,6 +448,52 @@ mod tests {
         assert_eq!(
             claim_limits(&many).unwrap_err(),
             LimitsError::TooManyDevices { count: 17 }
+        );
+    }
+
+    #[test]
+    fn a_mig_device_gets_its_profile_memory_and_no_hami_limits() {
+        let inv = inventory();
+        let mig = find(&inv, "gpu-2-mig-3g-40gb-4").unwrap();
+        let devices = vec![
+            (
+                device("gpu-0", Some("8Gi"), Some("50")),
+                find(&inv, "gpu-0").unwrap(),
+                cfg(GpuConfig::default()),
+            ),
+            (
+                device("gpu-2-mig-3g-40gb-4", None, None),
+                mig.clone(),
+                cfg(GpuConfig::default()),
+            ),
+        ];
+        let limits = claim_limits(&devices).unwrap();
+        assert_eq!(limits[1].ordinal, 1);
+        assert_eq!(
+            limits[1].memory_mib(),
+            4 * 10194,
+            "four memory slices of an H100"
+        );
+        assert_eq!(limits[1].enforcement, Enforcement::None);
+        assert!(
+            limit_env(&limits[1]).is_empty(),
+            "HAMi-core has nothing to do"
+        );
+        assert_eq!(limit_env(&limits[0]).len(), 2);
+
+        let mut lowered = cfg(GpuConfig {
+            core_limit: Some(10),
+            ..Default::default()
+        });
+        lowered.core_limit_field = Some("config[0].coreLimit".into());
+        let DeviceKind::Mig { profile, .. } = mig.kind else {
+            unreachable!()
+        };
+        let e = mig_limits(0, &devices[1].0, profile, &lowered).unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.starts_with("config[0].coreLimit:") && text.contains("MIG 3g.40gb"),
+            "{text}"
         );
     }
 }

@@ -10,7 +10,9 @@ mod api;
 pub(crate) mod cdi;
 pub mod claim;
 mod error;
+mod guard;
 pub(crate) mod limits;
+mod mig_status;
 mod nvidia_cdi;
 pub(crate) mod status;
 mod status_writes;
@@ -22,19 +24,21 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use gpupool_api::claim::{ClaimRef, PreparedDevice};
-use gpupool_api::config::effective_config;
+use gpupool_api::config::{effective_config, EffectiveConfig};
 use gpupool_api::inventory::Inventory;
 use k8s_openapi::jiff::Timestamp;
 use tokio::sync::watch;
 
 use self::api::{ApiError, ClaimApi, ClaimRead, KubeClaimApi};
 use self::cdi::SpecDevice;
-use self::claim::AllocationId;
+use self::claim::{AllocatedDevice, AllocationId};
 pub use self::error::{PrepareError, PrepareErrorKind};
+use self::guard::{Held, Use};
 pub use self::nvidia_cdi::DriverLibraries;
 use self::status_writes::{write_device_health, StatusQueue, StatusWrite};
-use crate::node_state::checkpoint::{CheckpointData, ClaimEntry, ClaimState};
-use crate::node_state::{current_boot_id, NodeLayout, NodeState, NodeStateError};
+use crate::devices::{self, DeviceKind, NodeDevice};
+use crate::node_state::checkpoint::{CheckpointData, ClaimEntry, ClaimState, MigRecord};
+use crate::node_state::{current_boot_id, MigCards, NodeLayout, NodeState, NodeStateError};
 
 /// What preparation needs to know about the node.
 #[derive(Debug, Clone)]
@@ -45,6 +49,8 @@ pub struct PrepareOptions {
     pub layout: NodeLayout,
     /// Where real GPUs' driver libraries come from (ignored with fake GPUs, which have none).
     pub driver_libraries: DriverLibraries,
+    /// The cards with MIG and what creates their instances.
+    pub mig: MigCards,
 }
 
 /// The kubelet gives a whole NodePrepareResources call 45 s; leave room for the rest.
@@ -65,6 +71,8 @@ pub struct ClaimPreparer {
     /// [`ClaimPreparer::report_device_health`].
     unhealthy: Mutex<BTreeMap<String, String>>,
     warned_missing_lib: AtomicBool,
+    /// Claims between their node-guard check and their checkpoint entry (see `reserve`).
+    in_flight: InFlight,
 }
 
 /// The allocations unprepared since start, newest last, so that a watch-cache copy still showing
@@ -113,9 +121,9 @@ impl ClaimPreparer {
         weights: watch::Receiver<BTreeMap<String, i64>>,
         boot_id: String,
     ) -> Result<Self, NodeStateError> {
-        let layout = opts.layout.clone();
+        let (layout, mig) = (opts.layout.clone(), opts.mig.clone());
         let (state, corrupt) =
-            tokio::task::spawn_blocking(move || NodeState::recover(layout, &boot_id))
+            tokio::task::spawn_blocking(move || NodeState::recover(layout, &boot_id, mig))
                 .await
                 .expect("reconciliation does not panic")?;
         if let Some(message) = corrupt {
@@ -144,6 +152,7 @@ impl ClaimPreparer {
             unprepared: UnpreparedAllocations::default(),
             unhealthy: Mutex::default(),
             warned_missing_lib: AtomicBool::new(false),
+            in_flight: Mutex::default(),
         })
     }
 
@@ -287,17 +296,17 @@ impl ClaimPreparer {
             .devices
             .iter()
             .map(|d| {
-                let gpu = self
-                    .inventory
-                    .gpu(&d.device)
-                    .expect("checked by check_claim");
+                let device =
+                    devices::find(&self.inventory, &d.device).expect("checked by check_claim");
                 (
                     d.clone(),
-                    gpu,
+                    device,
                     effective_config(&allocation.configs, &d.request),
                 )
             })
             .collect();
+        // Held until the claim is recorded prepared or has failed: the node guard sees it.
+        let _reserved = self.reserve(claim, &per_device)?;
         let device_limits = limits::claim_limits(&per_device).map_err(|e| fail(e.into()))?;
 
         let enforced = device_limits
@@ -309,13 +318,139 @@ impl ClaimPreparer {
                 .ensure_vgpu_lock_dir()
                 .map_err(|e| fail(e.into()))?;
         }
-        let spec_devices: Vec<SpecDevice> = per_device
+
+        // A card that switches MIG mode at run time runs whole or in fractions with MIG off.
+        for (_, device, _) in &per_device {
+            if device.kind == DeviceKind::Card
+                && device.gpu.mig.as_ref().is_some_and(|m| m.switchable)
+            {
+                let (state, uuid) = (self.state.clone(), device.gpu.uuid.clone());
+                run_blocking(claim, move || state.leave_mig_mode(&uuid)).await?;
+            }
+        }
+        // MIG devices: their instances exist (and are recorded) before the spec can name them.
+        let intents: Vec<MigRecord> = per_device
+            .iter()
+            .filter_map(|(_, device, _)| mig_intent(device))
+            .collect();
+        let mig = if intents.is_empty() {
+            Vec::new()
+        } else {
+            let started = ClaimEntry {
+                state: ClaimState::PrepareStarted,
+                namespace: claim.namespace.clone(),
+                name: claim.name.clone(),
+                devices: Vec::new(),
+                spec: None,
+                warning: None,
+                recovered: false,
+                mig: intents,
+            };
+            let (state, uid) = (self.state.clone(), claim.uid.clone());
+            run_blocking(claim, move || state.create_mig(&uid, started)).await?
+        };
+        let answer = self.answer(claim, &per_device, &device_limits, &mig);
+        let (rendered, devices) = match answer {
+            Ok(answer) => answer,
+            Err(e) => {
+                if !mig.is_empty() {
+                    let (state, uid) = (self.state.clone(), claim.uid.clone());
+                    let _ = tokio::task::spawn_blocking(move || state.abandon(&uid)).await;
+                }
+                return Err(e);
+            }
+        };
+
+        let completed = ClaimEntry {
+            state: ClaimState::PrepareCompleted,
+            namespace: claim.namespace.clone(),
+            name: claim.name.clone(),
+            devices: devices.clone(),
+            spec: Some(rendered.spec.clone()),
+            warning: rendered.warning.clone(),
+            recovered: false,
+            mig: mig.clone(),
+        };
+        let (state, uid) = (self.state.clone(), claim.uid.clone());
+        // One blocking section for the whole sequence: no thread hand-over between its steps.
+        run_blocking(claim, move || state.prepare(&uid, completed)).await?;
+
+        // The claim is prepared once its spec and entry exist; the status is for the user only.
+        let weights = self.weights.borrow().clone();
+        let now = Timestamp::now();
+        let ours = per_device
             .iter()
             .zip(&device_limits)
-            .map(|((allocated, gpu, _), limits)| SpecDevice {
+            .map(|((d, device, _), l)| {
+                let weight = weights.get(&device.gpu.model).copied();
+                let record = mig.iter().find(|r| r.device == d.device);
+                match (device.kind, record) {
+                    (DeviceKind::Mig { profile, .. }, Some(record)) => mig_status::device_status(
+                        d,
+                        device.gpu,
+                        (profile, record),
+                        l,
+                        weight,
+                        allocation.generation,
+                        now,
+                    ),
+                    _ => status::device_status(
+                        d,
+                        device.gpu,
+                        l,
+                        weight,
+                        rendered.warning.as_deref(),
+                        allocation.generation,
+                        now,
+                    ),
+                }
+            })
+            .collect::<Vec<_>>();
+        // A claim prepared on a device that is unhealthy (a request tolerating the taint) says so.
+        let unhealthy = self.unhealthy.lock().expect("never poisoned").clone();
+        let ours = status::with_device_health(&ours, pool, &unhealthy, now).unwrap_or(ours);
+        let write = StatusWrite {
+            api: self.api.clone(),
+            state: self.state.clone(),
+            claim: claim.clone(),
+            pool: pool.to_string(),
+            ours,
+            prepared_from: claim::allocation_id(&object, pool),
+            existing: allocation.device_status,
+            based_on: object.metadata.resource_version.clone(),
+        };
+        self.status_writes.push(&claim.uid, write.run());
+        Ok(devices)
+    }
+
+    /// The claim's CDI spec and the kubelet's answer, once its MIG instances exist (`mig`).
+    fn answer(
+        &self,
+        claim: &ClaimRef,
+        per_device: &[(AllocatedDevice, NodeDevice<'_>, EffectiveConfig)],
+        device_limits: &[limits::DeviceLimits],
+        mig: &[MigRecord],
+    ) -> Result<(cdi::Rendered, Vec<PreparedDevice>), PrepareError> {
+        let fail = |kind: PrepareErrorKind| PrepareError::new(claim, kind);
+        let layout = self.state.layout();
+        let spec_devices: Vec<SpecDevice> = per_device
+            .iter()
+            .zip(device_limits)
+            .map(|((allocated, device, _), limits)| SpecDevice {
                 allocated,
-                gpu,
+                gpu: device.gpu,
                 limits,
+                mig: match device.kind {
+                    DeviceKind::Mig { profile, .. } => mig
+                        .iter()
+                        .find(|r| r.device == allocated.device)
+                        .map(|r| cdi::MigSpec {
+                            profile: &profile.name,
+                            uuid: r.uuid.as_deref().unwrap_or_default(),
+                            device_nodes: &r.device_nodes,
+                        }),
+                    DeviceKind::Card => None,
+                },
             })
             .collect();
         let rendered = cdi::render(&claim.uid, &spec_devices, layout, &|p: &Path| p.exists())
@@ -327,11 +462,13 @@ impl ClaimPreparer {
         }
 
         let mut devices = Vec::with_capacity(per_device.len());
-        for ((d, gpu, _), id) in per_device.iter().zip(&rendered.cdi_ids) {
+        for ((d, device, _), id) in per_device.iter().zip(&rendered.cdi_ids) {
             let mut cdi_device_ids = vec![id.clone()];
             if let (false, DriverLibraries::NvidiaCdi { spec_dirs }) =
                 (layout.fake_gpus, &self.opts.driver_libraries)
             {
+                // A MIG device's driver libraries are its card's.
+                let gpu = device.gpu;
                 let nvidia = nvidia_cdi::find_device_id(spec_dirs, &gpu.uuid, gpu.index).map_err(
                     |source| {
                         fail(PrepareErrorKind::NvidiaCdi {
@@ -350,53 +487,61 @@ impl ClaimPreparer {
                 share_id: d.share_id.clone(),
             });
         }
+        Ok((rendered, devices))
+    }
 
-        let completed = ClaimEntry {
-            state: ClaimState::PrepareCompleted,
-            namespace: claim.namespace.clone(),
-            name: claim.name.clone(),
-            devices: devices.clone(),
-            spec: Some(rendered.spec.clone()),
-            warning: rendered.warning.clone(),
-            recovered: false,
-        };
-        let (state, uid) = (self.state.clone(), claim.uid.clone());
-        // One blocking section for the whole sequence: no thread hand-over between its steps.
-        run_blocking(claim, move || state.prepare(&uid, completed)).await?;
-
-        // The claim is prepared once its spec and entry exist; the status is for the user only.
-        let weights = self.weights.borrow().clone();
-        let now = Timestamp::now();
-        let ours = per_device
+    /// The node guard: the claim's devices against every other claim's prepared or being
+    /// prepared; on success the claim's devices count as held until the reservation is dropped.
+    fn reserve(
+        &self,
+        claim: &ClaimRef,
+        per_device: &[(AllocatedDevice, NodeDevice<'_>, EffectiveConfig)],
+    ) -> Result<Reservation<'_>, PrepareError> {
+        let wanted: Vec<(String, Use)> = per_device
             .iter()
-            .zip(&device_limits)
-            .map(|((d, gpu, _), l)| {
-                status::device_status(
-                    d,
-                    gpu,
-                    l,
-                    weights.get(&gpu.model).copied(),
-                    rendered.warning.as_deref(),
-                    allocation.generation,
-                    now,
-                )
-            })
-            .collect::<Vec<_>>();
-        // A claim prepared on a device that is unhealthy (a request tolerating the taint) says so.
-        let unhealthy = self.unhealthy.lock().expect("never poisoned").clone();
-        let ours = status::with_device_health(&ours, pool, &unhealthy, now).unwrap_or(ours);
-        let write = StatusWrite {
-            api: self.api.clone(),
-            state: self.state.clone(),
-            claim: claim.clone(),
-            pool: pool.to_string(),
-            ours,
-            prepared_from: claim::allocation_id(&object, pool),
-            existing: allocation.device_status,
-            based_on: object.metadata.resource_version.clone(),
-        };
-        self.status_writes.push(&claim.uid, write.run());
-        Ok(devices)
+            .map(|(_, device, _)| (device.name.clone(), use_of(device)))
+            .collect();
+        let mut in_flight = self.in_flight.lock().expect("never poisoned");
+        let mut held: Vec<Held> = self.state.read(|data| {
+            data.claims
+                .iter()
+                .filter(|(uid, _)| **uid != claim.uid)
+                .flat_map(|(_, entry)| {
+                    let name = format!("{}/{}", entry.namespace, entry.name);
+                    entry
+                        .devices
+                        .iter()
+                        .map(|d| d.device_name.clone())
+                        .chain(entry.mig.iter().map(|r| r.device.clone()))
+                        .filter_map(|device| {
+                            let found = devices::find(&self.inventory, &device)?;
+                            Some(Held {
+                                claim: name.clone(),
+                                what: use_of(&found),
+                                device,
+                            })
+                        })
+                        .collect::<Vec<_>>()
+                })
+                .collect()
+        });
+        for (uid, (name, devices)) in in_flight.iter() {
+            if *uid != claim.uid {
+                held.extend(devices.iter().map(|(device, what)| Held {
+                    claim: name.clone(),
+                    device: device.clone(),
+                    what: what.clone(),
+                }));
+            }
+        }
+        let name = format!("{}/{}", claim.namespace, claim.name);
+        guard::check(&name, &wanted, &held)
+            .map_err(|e| PrepareError::new(claim, PrepareErrorKind::Conflict(e)))?;
+        in_flight.insert(claim.uid.clone(), (name, wanted));
+        Ok(Reservation {
+            in_flight: &self.in_flight,
+            uid: claim.uid.clone(),
+        })
     }
 
     /// The claim as the API server has it: from its watch cache when that copy can only be the
@@ -523,6 +668,56 @@ impl ClaimPreparer {
     pub fn read_checkpoint<R>(&self, f: impl FnOnce(&CheckpointData) -> R) -> R {
         self.state.read(f)
     }
+}
+
+/// Devices of claims being prepared now, by claim UID: the claim's name and what it takes.
+type InFlight = Mutex<BTreeMap<String, (String, Vec<(String, Use)>)>>;
+
+/// A claim's devices held in [`InFlight`] until dropped.
+struct Reservation<'a> {
+    in_flight: &'a InFlight,
+    uid: String,
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        self.in_flight
+            .lock()
+            .expect("never poisoned")
+            .remove(&self.uid);
+    }
+}
+
+/// What a device takes of its card, for the node guard.
+fn use_of(device: &NodeDevice<'_>) -> Use {
+    match device.memory_slices() {
+        Some(slices) => Use::Mig {
+            gpu: device.gpu.index,
+            slices,
+        },
+        None => Use::Card {
+            gpu: device.gpu.index,
+        },
+    }
+}
+
+/// The checkpoint record of a MIG device before anything is created: card, profile, placement.
+fn mig_intent(device: &NodeDevice<'_>) -> Option<MigRecord> {
+    let DeviceKind::Mig { profile, start } = device.kind else {
+        return None;
+    };
+    Some(MigRecord {
+        device: device.name.clone(),
+        parent_uuid: device.gpu.uuid.clone(),
+        profile_id: profile.id,
+        compute_slices: profile.compute_slices,
+        start,
+        size: profile.memory_slices,
+        gpu_instance: None,
+        compute_instance: None,
+        uuid: None,
+        device_nodes: Vec::new(),
+    })
 }
 
 /// The same error for every claim of a call that could not start.

@@ -296,16 +296,28 @@ impl Node {
 }
 
 fn opts_under(top: &Path) -> PrepareOptions {
+    let run_dir = top.join("run/gpupool");
+    let inventory = inventory();
+    let manager = crate::mig::fake::FakeMig::new(&run_dir, &inventory).unwrap();
     PrepareOptions {
         node_name: NODE.into(),
         layout: NodeLayout::new(
             top.join("var/lib/gpupool"),
             top.join("run/cdi"),
-            top.join("run/gpupool"),
+            run_dir,
             &top.join("usr/local/vgpu"),
             true,
         ),
         driver_libraries: DriverLibraries::None,
+        mig: crate::node_state::MigCards {
+            manager: Arc::new(manager),
+            cards: inventory
+                .gpus
+                .iter()
+                .filter(|g| g.mig.is_some())
+                .map(|g| g.uuid.clone())
+                .collect(),
+        },
     }
 }
 
@@ -1132,7 +1144,10 @@ async fn crash_child() {
         return;
     };
     let api = Arc::new(FakeApi::default());
-    api.add("train", fractional(UID_A));
+    api.add(
+        "train",
+        crash_claim(&std::env::var(fault::FAULT_POINT_ENV).unwrap_or_default()),
+    );
     let (_tx, rx) = watch::channel(BTreeMap::new());
     let preparer = ClaimPreparer::with_api(
         opts_under(Path::new(&top)),
@@ -1145,6 +1160,41 @@ async fn crash_child() {
     .unwrap();
     prepare_one(&preparer, "train", UID_A).await.unwrap();
     unprepare_one(&preparer, "train", UID_A).await.unwrap();
+}
+
+/// The fault points only a claim with a MIG device passes.
+const MIG_POINTS: &[&str] = &[
+    "after-gpu-instance-created",
+    "after-gpu-instance-recorded",
+    "after-compute-instance-created",
+    "after-compute-instance-destroyed",
+];
+
+/// A claim of one MIG device of the node's H100 (gpu-2).
+fn mig_claim(uid: &str, device: &str) -> ResourceClaim {
+    allocated_claim(uid, &[("gpu", NODE, device, None, None, None)], json!([]))
+}
+
+/// The claim the crash test prepares to reach `point`.
+fn crash_claim(point: &str) -> ResourceClaim {
+    if MIG_POINTS.contains(&point) {
+        mig_claim(UID_A, "gpu-2-mig-1g-10gb-0")
+    } else {
+        fractional(UID_A)
+    }
+}
+
+/// The MIG instances the fake cards of a node hold, as (card, GPU instance id).
+fn mig_instances(node: &Node) -> Vec<(String, u32)> {
+    crate::mig::fake::load(&node.opts.layout.run_dir)
+        .cards
+        .into_iter()
+        .flat_map(|(card, c)| {
+            c.gpu_instances
+                .into_iter()
+                .map(move |gi| (card.clone(), gi.id))
+        })
+        .collect()
 }
 
 #[cfg(any(debug_assertions, feature = "fault-injection"))]
@@ -1163,7 +1213,7 @@ async fn killed_at_every_fault_point_the_node_recovers() {
             .unwrap();
         assert_eq!(status.signal(), Some(libc::SIGKILL), "{point}: not killed");
 
-        node.api.add("train", fractional(UID_A));
+        node.api.add("train", crash_claim(point));
         let preparer = node.start().await;
         let saved = checkpoint::load(&node.opts.layout.state_dir)
             .unwrap()
@@ -1180,7 +1230,7 @@ async fn killed_at_every_fault_point_the_node_recovers() {
                 assert!(cache.is_dir(), "{point}");
                 assert_eq!(node.cdi_files().len(), 1, "{point}");
             }
-            // Killed before: nothing at all is left.
+            // Killed before: nothing at all is left, no MIG instance either.
             None => {
                 assert!(
                     node.cdi_files().is_empty(),
@@ -1188,6 +1238,7 @@ async fn killed_at_every_fault_point_the_node_recovers() {
                     node.cdi_files()
                 );
                 assert!(!cache.exists(), "{point}");
+                assert_eq!(mig_instances(&node), [], "{point}");
             }
         }
         let expected_survivor = matches!(*point, "after-prepare-completed" | "mid-unprepare");
@@ -1204,6 +1255,7 @@ async fn killed_at_every_fault_point_the_node_recovers() {
             .is_ok());
         assert!(node.cdi_files().is_empty(), "{point}");
         assert!(!cache.exists(), "{point}");
+        assert_eq!(mig_instances(&node), [], "{point}");
     }
 }
 
@@ -1402,4 +1454,211 @@ async fn an_instance_starting_beside_one_mid_prepare_keeps_its_files() {
         "the sweep left the new claim's spec"
     );
     assert_eq!(started.prepared(UID_A).await, Some(devices));
+}
+
+/// A fraction of the node's H100 (gpu-2).
+fn h100_fraction(uid: &str) -> ResourceClaim {
+    allocated_claim(
+        uid,
+        &[("gpu", NODE, "gpu-2", Some("c3d4"), Some("8Gi"), Some("25"))],
+        json!([]),
+    )
+}
+
+#[tokio::test]
+async fn a_mig_device_is_created_recorded_described_and_destroyed() {
+    let node = Node::new();
+    node.api
+        .add("small", mig_claim(UID_A, "gpu-2-mig-3g-40gb-4"));
+    let preparer = node.start().await;
+    let h100 = inventory().gpus[2].uuid.clone();
+    let mig = crate::mig::fake::load(&node.opts.layout.run_dir);
+    assert!(!mig.cards[&h100].enabled, "the H100 starts with MIG off");
+
+    let devices = prepare_one(&preparer, "small", UID_A).await.unwrap();
+    assert_eq!(
+        devices[0].cdi_device_ids,
+        [format!("gpupool.dev/claim={UID_A}-gpu-2-mig-3g-40gb-4")]
+    );
+    // The card switched to MIG mode, one GPU instance at memory slice 4 with its compute instance.
+    let mig = crate::mig::fake::load(&node.opts.layout.run_dir);
+    let card = &mig.cards[&h100];
+    assert!(card.enabled);
+    assert_eq!(card.gpu_instances.len(), 1);
+    let gi = &card.gpu_instances[0];
+    assert_eq!((gi.profile_id, gi.start, gi.size), (9, 4, 4));
+    let mig_uuid = gi.compute_instances[&0].clone();
+
+    let saved = checkpoint::load(&node.opts.layout.state_dir)
+        .unwrap()
+        .unwrap();
+    let record = &saved.claims[UID_A].mig[0];
+    assert_eq!(
+        (
+            record.gpu_instance,
+            record.compute_instance,
+            record.uuid.as_deref()
+        ),
+        (Some(gi.id), Some(0), Some(mig_uuid.as_str()))
+    );
+    let env = &node.spec(UID_A).devices[0].container_edits.env;
+    assert!(
+        env.contains(&format!("GPUPOOL_DEVICE_UUID_0={mig_uuid}")),
+        "{env:?}"
+    );
+    assert!(
+        !env.iter()
+            .any(|e| e.starts_with("CUDA_DEVICE_MEMORY_LIMIT")),
+        "{env:?}"
+    );
+    assert!(
+        !node
+            .opts
+            .layout
+            .run_dir
+            .join("vgpu-cache")
+            .join(UID_A)
+            .exists(),
+        "no HAMi-core cache for a hardware partition"
+    );
+
+    preparer.flush_status_writes().await;
+    let status = node.api.device_status("small");
+    let data = &status[0].data.as_ref().unwrap().0;
+    assert_eq!(data["migProfile"], "3g.40gb");
+    assert_eq!(data["migUUID"], mig_uuid.as_str());
+    assert_eq!(data["multiprocessors"], 60);
+    let ready = &status[0].conditions.as_ref().unwrap()[0];
+    assert!(
+        ready.message.starts_with("prepared: MIG 3g.40gb"),
+        "{}",
+        ready.message
+    );
+
+    unprepare_one(&preparer, "small", UID_A).await.unwrap();
+    assert_eq!(mig_instances(&node), []);
+    assert!(node.cdi_files().is_empty());
+}
+
+#[tokio::test]
+async fn the_node_guard_keeps_mig_and_fractions_of_one_card_apart() {
+    let node = Node::new();
+    node.api.add("half", h100_fraction(UID_A));
+    node.api
+        .add("small", mig_claim(UID_B, "gpu-2-mig-1g-10gb-0"));
+    node.api
+        .add("other", mig_claim(UID_C, "gpu-2-mig-2g-20gb-0"));
+    let preparer = node.start().await;
+    prepare_one(&preparer, "half", UID_A).await.unwrap();
+
+    let e = prepare_one(&preparer, "small", UID_B).await.unwrap_err();
+    assert!(
+        e.starts_with("claim team-a/small: gpu-2-mig-1g-10gb-0 is a MIG partition")
+            && e.contains("gpu-2 of claim team-a/half")
+            && e.contains("kube-scheduler >= 1.36.2"),
+        "{e}"
+    );
+    assert_eq!(mig_instances(&node), [], "nothing was created");
+    assert!(preparer.prepared(UID_B).await.is_none());
+
+    // Once the fraction is gone the MIG device prepares; then the card is refused in turn,
+    // and a MIG device on the same slices too.
+    unprepare_one(&preparer, "half", UID_A).await.unwrap();
+    prepare_one(&preparer, "small", UID_B).await.unwrap();
+    let e = prepare_one(&preparer, "half", UID_A).await.unwrap_err();
+    assert!(
+        e.contains("gpu-2 is the whole card")
+            && e.contains("gpu-2-mig-1g-10gb-0 of claim team-a/small"),
+        "{e}"
+    );
+    let e = prepare_one(&preparer, "other", UID_C).await.unwrap_err();
+    assert!(e.contains("takes memory slices"), "{e}");
+
+    // Both in one call: the in-flight one counts too.
+    unprepare_one(&preparer, "small", UID_B).await.unwrap();
+    let answers = preparer
+        .prepare(vec![r("half", UID_A), r("small", UID_B)])
+        .await;
+    let failed = answers.iter().filter(|(_, a)| a.is_err()).count();
+    assert_eq!(failed, 1, "{answers:?}");
+    // The card left MIG mode for the fraction, or holds exactly one instance for the MIG claim.
+    let h100 = inventory().gpus[2].uuid.clone();
+    let card = crate::mig::fake::load(&node.opts.layout.run_dir).cards[&h100].clone();
+    match answers[0].1.is_ok() {
+        true => assert!(!card.enabled && card.gpu_instances.is_empty()),
+        false => assert_eq!(card.gpu_instances.len(), 1),
+    }
+}
+
+#[tokio::test]
+async fn start_up_destroys_mig_instances_no_claim_accounts_for_and_keeps_the_others() {
+    let node = Node::new();
+    node.api
+        .add("small", mig_claim(UID_A, "gpu-2-mig-1g-10gb-0"));
+    let preparer = node.start().await;
+    prepare_one(&preparer, "small", UID_A).await.unwrap();
+    drop(preparer);
+
+    // An instance made behind the driver's back (or by a driver killed before recording it).
+    let h100 = inventory().gpus[2].uuid.clone();
+    let other = crate::mig::fake::FakeMig::new(&node.opts.layout.run_dir, &inventory()).unwrap();
+    use crate::mig::MigManager;
+    let orphan = other
+        .create_gpu_instance(&crate::mig::Placement {
+            parent_uuid: h100.clone(),
+            profile_id: 14,
+            start: 4,
+            size: 2,
+        })
+        .unwrap();
+    other.create_compute_instance(&h100, orphan, 2).unwrap();
+    assert_eq!(mig_instances(&node).len(), 2);
+
+    let preparer = node.start_with_boot("boot-1").await;
+    let left = mig_instances(&node);
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert_ne!(
+        left[0].1, orphan,
+        "the orphan went, the claim's instance stayed"
+    );
+    assert!(preparer.prepared(UID_A).await.is_some());
+
+    // The instance vanished (a driver reload, a reboot): the claim is dropped at start and the
+    // kubelet's next prepare makes a new one.
+    let gone = left[0].1;
+    other.destroy_compute_instance(&h100, gone, 0).unwrap();
+    other.destroy_gpu_instance(&h100, gone).unwrap();
+    let preparer = node.start_with_boot("boot-2").await;
+    assert!(preparer.prepared(UID_A).await.is_none());
+    assert!(node.cdi_files().is_empty());
+    prepare_one(&preparer, "small", UID_A).await.unwrap();
+    assert_eq!(mig_instances(&node).len(), 1);
+}
+
+#[tokio::test]
+async fn a_placement_taken_by_an_instance_fails_the_claim_and_leaves_nothing_of_it() {
+    let node = Node::new();
+    node.api
+        .add("small", mig_claim(UID_A, "gpu-2-mig-2g-20gb-2"));
+    let preparer = node.start().await;
+    let h100 = inventory().gpus[2].uuid.clone();
+    let other = crate::mig::fake::FakeMig::new(&node.opts.layout.run_dir, &inventory()).unwrap();
+    use crate::mig::MigManager;
+    other.set_mig_enabled(&h100, true).unwrap();
+    let squatter = other
+        .create_gpu_instance(&crate::mig::Placement {
+            parent_uuid: h100.clone(),
+            profile_id: 15,
+            start: 2,
+            size: 2,
+        })
+        .unwrap();
+    let e = prepare_one(&preparer, "small", UID_A).await.unwrap_err();
+    assert!(e.contains("overlaps a MIG instance that exists"), "{e}");
+    assert_eq!(mig_instances(&node), [(h100, squatter)]);
+    let saved = checkpoint::load(&node.opts.layout.state_dir)
+        .unwrap()
+        .unwrap();
+    assert!(saved.claims.is_empty(), "{:?}", saved.claims);
+    assert!(node.cdi_files().is_empty());
 }
