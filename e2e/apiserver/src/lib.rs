@@ -80,6 +80,9 @@ pub struct ApiServerOptions {
     /// How far `resourceVersion=0` GETs of one object lag behind writes; `None` for the profile's
     /// own ([`ApiProfile::default_cache_lag`]).
     pub cache_lag: Option<std::time::Duration>,
+    /// Play a cluster without DRAPartitionableDevices (before 1.35, or the gate off): counter
+    /// sets and counter consumptions of ResourceSlices are dropped on write.
+    pub without_partitionable_devices: bool,
 }
 
 impl ApiServerOptions {
@@ -100,6 +103,12 @@ impl ApiServerOptions {
 
     pub fn cache_lag(mut self, lag: std::time::Duration) -> Self {
         self.cache_lag = Some(lag);
+        self
+    }
+
+    /// A cluster without partitionable devices (see the field).
+    pub fn without_partitionable_devices(mut self) -> Self {
+        self.without_partitionable_devices = true;
         self
     }
 
@@ -175,6 +184,11 @@ impl ApiServer {
             latency::Latency::new(options.profile, options.seed),
             options.effective_cache_lag(),
         ));
+        shared
+            .store
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .set_partitionable_devices(!options.without_partitionable_devices);
         let serving = Serving::default();
         let accept = spawn_accept_loop(
             listener,

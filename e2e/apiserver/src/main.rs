@@ -25,6 +25,10 @@ struct Args {
     /// (fractions allowed); the profile's own by default (0 for none, 1 for real).
     #[arg(long)]
     cache_lag_ms: Option<f64>,
+    /// Behave like a cluster without DRAPartitionableDevices: drop ResourceSlices' counter sets
+    /// and counter consumptions on write.
+    #[arg(long)]
+    without_partitionable_devices: bool,
 }
 
 #[tokio::main]
@@ -42,6 +46,9 @@ async fn main() -> anyhow::Result<()> {
         .port(args.port)
         .profile(args.api_profile)
         .seed(args.latency_seed);
+    if args.without_partitionable_devices {
+        options = options.without_partitionable_devices();
+    }
     if let Some(lag) = args.cache_lag_ms {
         anyhow::ensure!(
             lag.is_finite() && lag >= 0.0,

@@ -121,6 +121,10 @@ pub struct Store {
     history: VecDeque<StoredEvent>,
     builtins: Vec<ResourceDef>,
     crds: BTreeMap<String, Vec<ResourceDef>>,
+    /// The DRAPartitionableDevices feature (on by default in 1.36). Off, a ResourceSlice's
+    /// `sharedCounters` and its devices' `consumesCounters` are dropped without a word, as the
+    /// real server drops the fields of a disabled feature.
+    partitionable_devices: bool,
 }
 
 impl Default for Store {
@@ -188,6 +192,35 @@ fn random_suffix() -> String {
 }
 
 impl Store {
+    /// Turn the DRAPartitionableDevices feature off or on (see the field).
+    pub fn set_partitionable_devices(&mut self, enabled: bool) {
+        self.partitionable_devices = enabled;
+    }
+
+    /// What a disabled feature's fields become on a write: nothing.
+    fn drop_disabled_fields(&self, def: &ResourceDef, body: &mut Value) {
+        if self.partitionable_devices
+            || def.group != "resource.k8s.io"
+            || def.kind != "ResourceSlice"
+        {
+            return;
+        }
+        let Some(spec) = body.get_mut("spec").and_then(Value::as_object_mut) else {
+            return;
+        };
+        spec.remove("sharedCounters");
+        for device in spec
+            .get_mut("devices")
+            .and_then(Value::as_array_mut)
+            .into_iter()
+            .flatten()
+        {
+            if let Some(device) = device.as_object_mut() {
+                device.remove("consumesCounters");
+            }
+        }
+    }
+
     pub fn new() -> Self {
         let mut store = Store {
             rv: 0,
@@ -195,6 +228,7 @@ impl Store {
             history: VecDeque::new(),
             builtins: builtin_resources(),
             crds: BTreeMap::new(),
+            partitionable_devices: true,
         };
         let namespaces = store.find("", "v1", "namespaces").expect("built in");
         for ns in ["default", "kube-system", "kube-public", "kube-node-lease"] {
@@ -532,6 +566,7 @@ impl Store {
             return Ok(outcome);
         }
         let warnings = self.decode(def, &mut body, options)?;
+        self.drop_disabled_fields(def, &mut body);
         drop_empty_metadata(&mut body);
         let namespace = if def.namespaced {
             let url_ns = namespace.unwrap_or_default();
@@ -653,6 +688,7 @@ impl Store {
         }
         let (key, existing) = self.stored(def, namespace, name)?;
         let warnings = self.decode(def, &mut body, options)?;
+        self.drop_disabled_fields(def, &mut body);
         drop_empty_metadata(&mut body);
         let body_name = meta_str(&body, "name").unwrap_or_default();
         if !body_name.is_empty() && body_name != name {
@@ -1304,5 +1340,98 @@ mod tests {
             .bind_pod("default", &name, &json!({"target": {"name": "n2"}}))
             .unwrap_err();
         assert_eq!(again.code, 409);
+    }
+
+    /// A counter slice and a device slice of one pool, as a driver with MIG devices publishes them.
+    fn partitioned_slices() -> (Value, Value) {
+        let pool = json!({"name": "node-a", "generation": 1, "resourceSliceCount": 2});
+        let counters = json!({
+            "metadata": {"name": "node-a-gpupool.dev-0"},
+            "spec": {"driver": "gpupool.dev", "nodeName": "node-a", "pool": pool,
+                     "sharedCounters": [{"name": "gpu-0-counters",
+                                         "counters": {"memory-slice-0": {"value": "1"}}}]}
+        });
+        let devices = json!({
+            "metadata": {"name": "node-a-gpupool.dev-1"},
+            "spec": {"driver": "gpupool.dev", "nodeName": "node-a", "pool": pool,
+                     "devices": [{"name": "gpu-0-mig-1g-10gb-0",
+                                  "consumesCounters": [{"counterSet": "gpu-0-counters",
+                                                        "counters": {"memory-slice-0": {"value": "1"}}}]}]}
+        });
+        (counters, devices)
+    }
+
+    #[test]
+    fn counter_slices_are_kept_and_validated_as_1_36_does() {
+        let mut store = Store::new();
+        let def = store
+            .find("resource.k8s.io", "v1", "resourceslices")
+            .unwrap();
+        let (counters, devices) = partitioned_slices();
+        let stored = store
+            .create(&def, None, counters.clone(), WriteOptions::default())
+            .unwrap()
+            .object;
+        assert_eq!(
+            stored["spec"]["sharedCounters"],
+            counters["spec"]["sharedCounters"]
+        );
+        let stored = store
+            .create(&def, None, devices, WriteOptions::default())
+            .unwrap()
+            .object;
+        assert!(stored["spec"]["devices"][0]["consumesCounters"].is_array());
+
+        let mut both = counters;
+        both["metadata"]["name"] = json!("both");
+        both["spec"]["devices"] = json!([{"name": "gpu-1"}]);
+        let err = store
+            .create(&def, None, both, WriteOptions::default())
+            .unwrap_err();
+        assert_eq!(err.code, 422);
+        assert!(
+            err.message
+                .contains("only one of `sharedCounters` or `devices` is allowed"),
+            "{}",
+            err.message
+        );
+    }
+
+    #[test]
+    fn without_partitionable_devices_the_counter_fields_are_dropped_silently() {
+        let mut store = Store::new();
+        store.set_partitionable_devices(false);
+        let def = store
+            .find("resource.k8s.io", "v1", "resourceslices")
+            .unwrap();
+        let (counters, devices) = partitioned_slices();
+        let stored = store
+            .create(&def, None, counters, WriteOptions::default())
+            .unwrap();
+        assert!(stored.object["spec"].get("sharedCounters").is_none());
+        assert!(stored.warnings.is_empty(), "no word about it");
+        let stored = store
+            .create(&def, None, devices.clone(), WriteOptions::default())
+            .unwrap()
+            .object;
+        assert!(stored["spec"]["devices"][0]
+            .get("consumesCounters")
+            .is_none());
+        let mut again = stored;
+        again["spec"]["devices"] = devices["spec"]["devices"].clone();
+        let updated = store
+            .update(
+                &def,
+                None,
+                "node-a-gpupool.dev-1",
+                again,
+                None,
+                WriteOptions::default(),
+            )
+            .unwrap()
+            .object;
+        assert!(updated["spec"]["devices"][0]
+            .get("consumesCounters")
+            .is_none());
     }
 }
