@@ -5,11 +5,12 @@ use std::collections::BTreeMap;
 
 use gpupool_api::names::DRIVER_NAME;
 use k8s_openapi::api::resource::v1::{
-    AllocationResult, CELDeviceSelector, CapacityRequestPolicy, CapacityRequirements, Device,
-    DeviceAttribute, DeviceCapacity, DeviceClaim, DeviceClaimConfiguration, DeviceClass,
-    DeviceClassConfiguration, DeviceClassSpec, DeviceRequest, DeviceRequestAllocationResult,
-    DeviceSelector, DeviceSubRequest, ExactDeviceRequest, OpaqueDeviceConfiguration, ResourceClaim,
-    ResourceClaimStatus, ResourcePool, ResourceSlice, ResourceSliceSpec,
+    AllocationResult, CELDeviceSelector, CapacityRequestPolicy, CapacityRequirements, Counter,
+    CounterSet, Device, DeviceAttribute, DeviceCapacity, DeviceClaim, DeviceClaimConfiguration,
+    DeviceClass, DeviceClassConfiguration, DeviceClassSpec, DeviceCounterConsumption,
+    DeviceRequest, DeviceRequestAllocationResult, DeviceSelector, DeviceSubRequest,
+    ExactDeviceRequest, OpaqueDeviceConfiguration, ResourceClaim, ResourceClaimStatus,
+    ResourcePool, ResourceSlice, ResourceSliceSpec,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -78,6 +79,79 @@ pub fn with_valid_values(value: &str, default: &str, values: &[&str]) -> DeviceC
         }),
     }
 }
+
+/// A card with MIG, as gpupool publishes one on a node with partitionable devices: its counter
+/// set (8 memory slices, 132 SMs), `gpu-<index>` shareable and consuming all of it, and seven
+/// 1g MIG devices `gpu-<index>-mig-1g-10gb-<k>`, each consuming memory slice k and 16 SMs.
+pub fn mig_card(index: u32) -> (CounterSet, Vec<Device>) {
+    let set_name = format!("gpu-{index}-counters");
+    let counter = |v: &str| Counter { value: q(v) };
+    let mut all: BTreeMap<String, Counter> = (0..8)
+        .map(|k| (format!("memory-slice-{k}"), counter("1")))
+        .collect();
+    all.insert("multiprocessors".into(), counter("132"));
+    let consume = |counters: BTreeMap<String, Counter>| {
+        Some(vec![DeviceCounterConsumption {
+            counter_set: set_name.clone(),
+            counters,
+        }])
+    };
+    let mut card = gpu(index, "H100-80GB-HBM3", "80Gi");
+    card.attributes
+        .get_or_insert_with(Default::default)
+        .insert("type".into(), string_attr("gpu"));
+    card.consumes_counters = consume(all.clone());
+    let mut devices = vec![card];
+    for k in 0..7u32 {
+        let mut attributes = BTreeMap::new();
+        attributes.insert("type".to_string(), string_attr("mig"));
+        attributes.insert("model".to_string(), string_attr("H100-80GB-HBM3"));
+        attributes.insert("migProfile".to_string(), string_attr("1g.10gb"));
+        attributes.insert("index".to_string(), int_attr(index.into()));
+        devices.push(Device {
+            name: format!("gpu-{index}-mig-1g-10gb-{k}"),
+            attributes: Some(attributes),
+            consumes_counters: consume(BTreeMap::from([
+                (format!("memory-slice-{k}"), counter("1")),
+                ("multiprocessors".to_string(), counter("16")),
+            ])),
+            ..Default::default()
+        });
+    }
+    (
+        CounterSet {
+            name: set_name.clone(),
+            counters: all,
+        },
+        devices,
+    )
+}
+
+/// Node `node`'s pool of MIG cards: one counter slice, one device slice (pool generation 1).
+pub fn mig_node_slices(node: &str, cards: u32) -> Vec<ResourceSlice> {
+    let (sets, devices): (Vec<CounterSet>, Vec<Vec<Device>>) = (0..cards).map(mig_card).unzip();
+    let mut counters = slice_of(DRIVER_NAME, node, node, 1, 2, Vec::new());
+    counters.metadata.name = Some(format!("{node}-counters"));
+    counters.spec.devices = None;
+    counters.spec.shared_counters = Some(sets);
+    let mut devices = slice_of(DRIVER_NAME, node, node, 1, 2, devices.concat());
+    devices.metadata.name = Some(format!("{node}-devices"));
+    vec![counters, devices]
+}
+
+/// Classes for [`mig_card`] pools: its cards (`h100.gpupool.dev`) and their 1g MIG devices
+/// (`h100-mig-1g.gpupool.dev`).
+pub fn mig_classes() -> Vec<DeviceClass> {
+    let guard = r#"device.driver == "gpupool.dev""#;
+    let of_type = |t: &str| format!(r#"{guard} && device.attributes["gpupool.dev"].type == "{t}""#);
+    vec![
+        class(H100, &[&of_type("gpu")]),
+        class(H100_MIG_1G, &[&of_type("mig")]),
+    ]
+}
+
+pub const H100: &str = "h100.gpupool.dev";
+pub const H100_MIG_1G: &str = "h100-mig-1g.gpupool.dev";
 
 /// A device that can only be allocated whole.
 pub fn exclusive(mut device: Device) -> Device {

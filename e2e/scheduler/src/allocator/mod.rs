@@ -7,6 +7,7 @@
 //! name), depth-first with backtracking, so a claim gets all its requests or nothing.
 
 pub mod capacity;
+pub mod counters;
 pub mod pools;
 pub mod selectors;
 #[cfg(test)]
@@ -69,18 +70,22 @@ pub fn allocate(
     let requests = resolve_requests(claim, &claim_ref, classes)?;
     let pools = gather_pools(slices, node);
     let mut candidates = Vec::new();
-    for pool in pools.iter() {
+    let mut offered = counters::Ledger::new();
+    for (index, pool) in pools.iter().enumerate() {
+        counters::offered(index, pool.counter_sets.values().copied(), &mut offered);
         for device in &pool.devices {
             candidates.push(Candidate {
                 driver: pool.driver,
                 pool: pool.name,
+                pool_index: index,
                 pool_incomplete: pool.incomplete,
-                pool_invalid: pool.invalid,
+                pool_invalid: pool.invalid.clone(),
                 slice: device.slice,
                 device: device.device,
             });
         }
     }
+    let in_use = InUse::from_claims(claim, allocated, &candidates);
     let mut search = Search {
         claim_ref,
         node: &node.name,
@@ -92,7 +97,8 @@ pub fn allocate(
             .unwrap_or_default(),
         chosen: vec![0; requests.len()],
         requests,
-        in_use: InUse::from_claims(claim, allocated),
+        in_use,
+        offered,
         candidates,
         cel: CelEvaluator::new(),
         values: HashMap::new(),
@@ -208,8 +214,11 @@ type DeviceKey = (String, String, String);
 struct Candidate<'a> {
     driver: &'a str,
     pool: &'a str,
+    /// Index of the pool among the node's pools (the key of its counters).
+    pool_index: usize,
     pool_incomplete: bool,
-    pool_invalid: bool,
+    /// Why the pool cannot be used, when it cannot.
+    pool_invalid: Option<String>,
     slice: &'a ResourceSlice,
     device: &'a k8s_openapi::api::resource::v1::Device,
 }
@@ -226,17 +235,30 @@ impl Candidate<'_> {
     fn shared(&self) -> bool {
         self.device.allow_multiple_allocations == Some(true)
     }
+
+    fn consumes_counters(&self) -> bool {
+        self.device
+            .consumes_counters
+            .as_ref()
+            .is_some_and(|c| !c.is_empty())
+    }
 }
 
-/// Devices other claims hold: whole (exclusive) or as shares with their consumed capacity.
+/// Devices other claims hold: whole (exclusive) or as shares with their consumed capacity, and
+/// the counters their devices take.
 #[derive(Default)]
 struct InUse {
     exclusive: HashSet<DeviceKey>,
     shares: HashMap<DeviceKey, (Consumed, HashSet<String>)>,
+    counters: counters::Ledger,
 }
 
 impl InUse {
-    fn from_claims(claim: &ResourceClaim, allocated: &[ResourceClaim]) -> Self {
+    fn from_claims(
+        claim: &ResourceClaim,
+        allocated: &[ResourceClaim],
+        candidates: &[Candidate<'_>],
+    ) -> Self {
         let mut in_use = InUse::default();
         let same = |other: &ResourceClaim| match (&claim.metadata.uid, &other.metadata.uid) {
             (Some(a), Some(b)) => a == b,
@@ -271,6 +293,18 @@ impl InUse {
                 }
             }
         }
+        // Each device in use is charged once, however many shares it has (a device no longer
+        // published charges nothing).
+        let in_use_keys: HashSet<&DeviceKey> = in_use
+            .exclusive
+            .iter()
+            .chain(in_use.shares.keys())
+            .collect();
+        for c in candidates {
+            if in_use_keys.contains(&c.key()) {
+                counters::charge(&mut in_use.counters, c.pool_index, c.device);
+            }
+        }
         in_use
     }
 }
@@ -291,6 +325,7 @@ enum Rejection {
     Capacity(CapacityError),
     Constraint(String),
     InvalidPool(String),
+    Counters(String),
 }
 
 struct Search<'a> {
@@ -300,6 +335,8 @@ struct Search<'a> {
     constraints: &'a [DeviceConstraint],
     candidates: Vec<Candidate<'a>>,
     in_use: InUse,
+    /// What each pool's counter sets offer.
+    offered: counters::Ledger,
     cel: CelEvaluator,
     values: HashMap<usize, Value>,
     /// (request, variant, candidate) -> class and request selectors match.
@@ -385,9 +422,9 @@ impl<'a> Search<'a> {
                     self.claim_ref
                 )));
             }
-            if c.pool_invalid {
+            if let Some(why) = &c.pool_invalid {
                 return Err(Unallocatable::new(format!(
-                    "claim {}, request {name}: asks for all devices, but resource pool {pool_id} is currently invalid",
+                    "claim {}, request {name}: asks for all devices, but resource pool {pool_id} is currently invalid: {why}",
                     self.claim_ref
                 )));
             }
@@ -475,11 +512,10 @@ impl<'a> Search<'a> {
         let key = c.key();
         let v = &self.requests[request].variants[variant];
         // Upstream allocates nothing from a pool it cannot see completely.
-        if c.pool_invalid || c.pool_incomplete {
-            let state = if c.pool_invalid {
-                "invalid"
-            } else {
-                "being updated"
+        if c.pool_invalid.is_some() || c.pool_incomplete {
+            let state = match &c.pool_invalid {
+                Some(why) => format!("invalid: {why}"),
+                None => "being updated".to_string(),
             };
             return Ok(Err(Rejection::InvalidPool(format!(
                 "resource pool {}/{} is currently {state}",
@@ -539,10 +575,37 @@ impl<'a> Search<'a> {
             }
             None
         };
+        if let Err(message) = self.check_counters(candidate) {
+            return Ok(Err(Rejection::Counters(message)));
+        }
         if let Err(message) = self.check_constraints(request, variant, candidate) {
             return Ok(Err(Rejection::Constraint(message)));
         }
         Ok(Ok(consumption))
+    }
+
+    /// The counters `candidate` takes still fit next to every other claim's devices and this
+    /// claim's earlier picks. A shareable device already shared (by another claim or an earlier
+    /// pick) was charged with its first share: later shares skip the check, as upstream does.
+    fn check_counters(&self, candidate: usize) -> Result<(), String> {
+        let c = &self.candidates[candidate];
+        if !c.consumes_counters() {
+            return Ok(());
+        }
+        let picked_before = self.picks.iter().any(|p| p.candidate == candidate);
+        if c.shared() && (self.in_use.shares.contains_key(&c.key()) || picked_before) {
+            return Ok(());
+        }
+        let mut used = self.in_use.counters.clone();
+        let mut charged = HashSet::new();
+        for pick in &self.picks {
+            let p = &self.candidates[pick.candidate];
+            let already = p.shared() && self.in_use.shares.contains_key(&p.key());
+            if !already && charged.insert(pick.candidate) {
+                counters::charge(&mut used, p.pool_index, p.device);
+            }
+        }
+        counters::check(c.device, c.pool_index, &self.offered, &used)
     }
 
     fn check_constraints(
@@ -814,6 +877,7 @@ fn explain(v: &Variant<'_>, usable: usize, needed: usize, rejections: &[Rejectio
             Rejection::Taint(m)
             | Rejection::InUse(m)
             | Rejection::Constraint(m)
+            | Rejection::Counters(m)
             | Rejection::InvalidPool(m) => Some(m.clone()),
             Rejection::Capacity(e) => Some(e.to_string()),
         })

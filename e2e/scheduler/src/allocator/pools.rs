@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::core::v1::{Node, NodeSelector, NodeSelectorRequirement};
-use k8s_openapi::api::resource::v1::{Device, ResourceSlice};
+use k8s_openapi::api::resource::v1::{CounterSet, Device, ResourceSlice};
 
 /// The node an allocation is computed for: its name and labels (for slice node selectors).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -89,10 +89,15 @@ pub(crate) struct Pool<'a> {
     /// Fewer slices of the latest generation exist than `resourceSliceCount` says: the driver
     /// is in the middle of an update.
     pub incomplete: bool,
-    /// The same device name appears twice in the latest generation.
-    pub invalid: bool,
+    /// Why the latest generation cannot be used: the same device or counter-set name twice, or
+    /// a device that consumes a counter set or counter the pool does not have (upstream marks the
+    /// whole pool invalid then, "counter set %s not found", rather than reject the slice).
+    pub invalid: Option<String>,
     /// Devices of this pool usable on the node, in slice order (slices sorted by name).
     pub devices: Vec<PoolDevice<'a>>,
+    /// The pool's counter sets by name, from every slice of the generation (counter sets sit in
+    /// slices of their own).
+    pub counter_sets: BTreeMap<&'a str, &'a CounterSet>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -159,10 +164,26 @@ pub(crate) fn gather_pools<'a>(slices: &'a [ResourceSlice], node: &TargetNode) -
         pool_slices.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
         let expected = pool_slices[0].spec.pool.resource_slice_count;
         let mut seen = BTreeSet::new();
-        let invalid = pool_slices
+        let mut invalid = pool_slices
             .iter()
             .flat_map(|s| s.spec.devices.iter().flatten())
-            .any(|d| !seen.insert(d.name.as_str()));
+            .find(|d| !seen.insert(d.name.as_str()))
+            .map(|d| format!("device {} is listed twice", d.name));
+        let mut counter_sets: BTreeMap<&str, &CounterSet> = BTreeMap::new();
+        for set in pool_slices
+            .iter()
+            .flat_map(|s| s.spec.shared_counters.iter().flatten())
+        {
+            if counter_sets.insert(set.name.as_str(), set).is_some() && invalid.is_none() {
+                invalid = Some(format!("counter set {} is listed twice", set.name));
+            }
+        }
+        if invalid.is_none() {
+            invalid = pool_slices
+                .iter()
+                .flat_map(|s| s.spec.devices.iter().flatten())
+                .find_map(|d| missing_counter(d, &counter_sets));
+        }
         let devices: Vec<PoolDevice> = pool_slices
             .iter()
             .flat_map(|slice| {
@@ -184,9 +205,33 @@ pub(crate) fn gather_pools<'a>(slices: &'a [ResourceSlice], node: &TargetNode) -
             incomplete: pool_slices.len() as i64 != expected,
             invalid,
             devices,
+            counter_sets,
         });
     }
     pools
+}
+
+/// The first counter set or counter a device consumes that the pool does not have.
+fn missing_counter(device: &Device, sets: &BTreeMap<&str, &CounterSet>) -> Option<String> {
+    for consumption in device.consumes_counters.iter().flatten() {
+        let Some(set) = sets.get(consumption.counter_set.as_str()) else {
+            return Some(format!(
+                "device {}: counter set {} not found",
+                device.name, consumption.counter_set
+            ));
+        };
+        if let Some(counter) = consumption
+            .counters
+            .keys()
+            .find(|c| !set.counters.contains_key(*c))
+        {
+            return Some(format!(
+                "device {}: counter {counter} not found in counter set {}",
+                device.name, consumption.counter_set
+            ));
+        }
+    }
+    None
 }
 
 #[cfg(test)]
@@ -279,7 +324,67 @@ mod tests {
             slice("a-2", Some("node-a"), "node-a", 1, 2, &["gpu-0"]),
         ];
         let pools = gather_pools(&slices, &"node-a".into());
-        assert!(pools[0].invalid);
+        assert!(pools[0].invalid.is_some());
+    }
+
+    #[test]
+    fn counter_sets_come_from_their_own_slices_and_a_missing_one_invalidates_the_pool() {
+        use k8s_openapi::api::resource::v1::{Counter, DeviceCounterConsumption};
+        use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+        let counters = |names: &[&str]| -> BTreeMap<String, Counter> {
+            names
+                .iter()
+                .map(|n| {
+                    (
+                        n.to_string(),
+                        Counter {
+                            value: Quantity("1".into()),
+                        },
+                    )
+                })
+                .collect()
+        };
+        let mut sets = slice("a-0", Some("node-a"), "node-a", 1, 2, &[]);
+        sets.spec.devices = None;
+        sets.spec.shared_counters = Some(vec![CounterSet {
+            name: "gpu-0-counters".into(),
+            counters: counters(&["memory-slice-0"]),
+        }]);
+        let mut devices = slice("a-1", Some("node-a"), "node-a", 1, 2, &["gpu-0"]);
+        let consume = |set: &str, counter: &str| {
+            Some(vec![DeviceCounterConsumption {
+                counter_set: set.into(),
+                counters: counters(&[counter]),
+            }])
+        };
+        devices.spec.devices.as_mut().unwrap()[0].consumes_counters =
+            consume("gpu-0-counters", "memory-slice-0");
+        let slices = vec![sets.clone(), devices.clone()];
+        let pools = gather_pools(&slices, &"node-a".into());
+        assert_eq!(pools[0].invalid, None);
+        assert!(
+            !pools[0].incomplete,
+            "the counter slice counts in resourceSliceCount"
+        );
+        assert!(pools[0].counter_sets.contains_key("gpu-0-counters"));
+
+        devices.spec.devices.as_mut().unwrap()[0].consumes_counters =
+            consume("gpu-9-counters", "memory-slice-0");
+        let slices = vec![sets.clone(), devices.clone()];
+        let pools = gather_pools(&slices, &"node-a".into());
+        assert_eq!(
+            pools[0].invalid.as_deref(),
+            Some("device gpu-0: counter set gpu-9-counters not found")
+        );
+        devices.spec.devices.as_mut().unwrap()[0].consumes_counters =
+            consume("gpu-0-counters", "memory-slice-7");
+        let slices = vec![sets, devices];
+        let pools = gather_pools(&slices, &"node-a".into());
+        assert!(pools[0]
+            .invalid
+            .as_deref()
+            .unwrap()
+            .contains("memory-slice-7"));
     }
 
     #[test]

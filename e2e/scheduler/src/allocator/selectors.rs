@@ -228,4 +228,22 @@ mod tests {
             Err(SelectorError::Compile(_))
         ));
     }
+
+    #[test]
+    fn has_tells_a_missing_attribute_from_a_present_one() {
+        // The controller's card classes: devices of drivers from before MIG have no `type`.
+        let cards = r#"!has(device.attributes["gpupool.dev"].type) || device.attributes["gpupool.dev"].type == "gpu""#;
+        assert_eq!(eval(cards), Ok(true));
+        let mut cel = CelEvaluator::new();
+        let mut mig = device();
+        mig.attributes.get_or_insert_with(Default::default).insert(
+            "type".to_string(),
+            DeviceAttribute {
+                string: Some("mig".into()),
+                ..Default::default()
+            },
+        );
+        let value = cel.device_value("gpupool.dev", &mig);
+        assert_eq!(cel.matches(cards, &value), Ok(false));
+    }
 }

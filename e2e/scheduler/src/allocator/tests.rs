@@ -691,3 +691,155 @@ fn a_no_schedule_taint_keeps_claims_off_the_device_unless_tolerated() {
     )];
     assert!(on("node-a", &c, &only_tainted, &[]).is_err());
 }
+
+/// Allocates claims one after the other on node-h, a pool of two MIG cards ([`mig_card`]) seen
+/// through [`mig_classes`]; `keep` lists which earlier claims stay allocated for each next one.
+fn on_mig_node(
+    claim: &ResourceClaim,
+    allocated: &[ResourceClaim],
+    slices: &[ResourceSlice],
+) -> Result<AllocationResult, String> {
+    allocate(
+        claim,
+        &TargetNode::named("node-h"),
+        &mig_classes(),
+        slices,
+        allocated,
+    )
+    .map_err(|e| e.message)
+}
+
+/// A claim of one 1g MIG device, on card `index` when given.
+fn small(name: &str, on_card: Option<u32>) -> ResourceClaim {
+    let mut c = claim(name, vec![exact("gpu", H100_MIG_1G, &[])]);
+    if let Some(index) = on_card {
+        first_exact_mut(&mut c).selectors = Some(vec![selector(&format!(
+            r#"device.attributes["gpupool.dev"].index == {index}"#
+        ))]);
+    }
+    c
+}
+
+/// A fraction (8Gi, 25%) of a card, card `index` when given.
+fn fraction_on(name: &str, on_card: Option<u32>) -> ResourceClaim {
+    let mut c = claim(
+        name,
+        vec![exact("gpu", H100, &[("memory", "8Gi"), ("cores", "25")])],
+    );
+    if let Some(index) = on_card {
+        first_exact_mut(&mut c).selectors = Some(vec![selector(&format!(
+            r#"device.attributes["gpupool.dev"].index == {index}"#
+        ))]);
+    }
+    c
+}
+
+fn device_of(allocation: &AllocationResult) -> String {
+    results(allocation)[0].device.clone()
+}
+
+#[test]
+fn a_fraction_of_a_card_blocks_every_mig_device_of_that_card_and_none_of_the_other() {
+    let slices = mig_node_slices("node-h", 2);
+    let half = fraction_on("half", Some(0));
+    let half = allocated(half.clone(), on_mig_node(&half, &[], &slices).unwrap());
+    assert_eq!(
+        device_of(half.status.as_ref().unwrap().allocation.as_ref().unwrap()),
+        "gpu-0"
+    );
+
+    let err = on_mig_node(&small("s", Some(0)), &[half.clone()], &slices).unwrap_err();
+    for k in 0..7 {
+        assert!(
+            err.contains(&format!(
+                "insufficient counters for gpu-0-mig-1g-10gb-{k}: gpu-0-counters/"
+            )),
+            "{err}"
+        );
+    }
+    let got = on_mig_node(&small("s", None), &[half], &slices).unwrap();
+    assert_eq!(
+        device_of(&got),
+        "gpu-1-mig-1g-10gb-0",
+        "the other card's first placement"
+    );
+}
+
+#[test]
+fn a_mig_device_blocks_its_card_whole_and_in_fractions() {
+    let slices = mig_node_slices("node-h", 2);
+    let s = small("s", Some(0));
+    let s = allocated(s.clone(), on_mig_node(&s, &[], &slices).unwrap());
+    let err = on_mig_node(&fraction_on("half", Some(0)), &[s.clone()], &slices).unwrap_err();
+    assert!(
+        err.contains(
+            "insufficient counters for gpu-0: gpu-0-counters/memory-slice-0 needs 1, 0 of 1 left"
+        ),
+        "{err}"
+    );
+    let whole = claim("whole", vec![exact("gpu", H100, &[])]);
+    let got = on_mig_node(&whole, &[s.clone()], &slices).unwrap();
+    assert_eq!(device_of(&got), "gpu-1");
+    // The card's other placements stay free for MIG.
+    let second = on_mig_node(&small("t", Some(0)), &[s], &slices).unwrap();
+    assert_eq!(device_of(&second), "gpu-0-mig-1g-10gb-1");
+}
+
+#[test]
+fn a_shared_card_is_charged_with_its_first_share_and_released_with_its_last() {
+    let slices = mig_node_slices("node-h", 1);
+    let a = fraction_on("a", Some(0));
+    let a = allocated(a.clone(), on_mig_node(&a, &[], &slices).unwrap());
+    // The second share skips the counter check: all of them are taken, yet it fits.
+    let b = fraction_on("b", Some(0));
+    let b = allocated(b.clone(), on_mig_node(&b, &[a.clone()], &slices).unwrap());
+    assert_eq!(
+        device_of(b.status.as_ref().unwrap().allocation.as_ref().unwrap()),
+        "gpu-0"
+    );
+    // Two shares in one claim are charged once too.
+    let two = claim(
+        "two",
+        vec![
+            exact("x", H100, &[("memory", "1Gi")]),
+            exact("y", H100, &[("memory", "1Gi")]),
+        ],
+    );
+    assert!(on_mig_node(&two, &[], &slices).is_ok());
+
+    assert!(on_mig_node(&small("s", None), &[a.clone(), b.clone()], &slices).is_err());
+    assert!(
+        on_mig_node(&small("s", None), &[b], &slices).is_err(),
+        "one share left holds the counters"
+    );
+    let got = on_mig_node(&small("s", None), &[], &slices).unwrap();
+    assert_eq!(device_of(&got), "gpu-0-mig-1g-10gb-0");
+}
+
+#[test]
+fn mig_devices_fill_the_card_one_memory_slice_each() {
+    let slices = mig_node_slices("node-h", 1);
+    let mut done: Vec<ResourceClaim> = Vec::new();
+    for k in 0..7 {
+        let c = small(&format!("s{k}"), None);
+        let got = on_mig_node(&c, &done, &slices).unwrap();
+        assert_eq!(device_of(&got), format!("gpu-0-mig-1g-10gb-{k}"));
+        done.push(allocated(c, got));
+    }
+    let err = on_mig_node(&small("s7", None), &done, &slices).unwrap_err();
+    assert!(err.contains("is already allocated"), "{err}");
+}
+
+#[test]
+fn a_device_consuming_a_missing_counter_set_makes_the_whole_pool_invalid() {
+    let mut slices = mig_node_slices("node-h", 1);
+    let devices = slices[1].spec.devices.as_mut().unwrap();
+    devices[3].consumes_counters.as_mut().unwrap()[0].counter_set = "gpu-9-counters".into();
+    let err = on_mig_node(&fraction_on("half", None), &[], &slices).unwrap_err();
+    assert!(
+        err.contains(
+            "resource pool gpupool.dev/node-h is currently invalid: device gpu-0-mig-1g-10gb-2: counter set gpu-9-counters not found"
+        ),
+        "{err}"
+    );
+}
