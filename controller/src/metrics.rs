@@ -28,7 +28,8 @@ pub struct ModelPool {
 /// The pool per model, from the devices of the current generation of every gpupool pool.
 pub fn pool_by_model(devices: &[PublishedDevice]) -> BTreeMap<String, ModelPool> {
     let mut pools: BTreeMap<String, ModelPool> = BTreeMap::new();
-    for device in devices {
+    // Cards only: a MIG device is a part of a card counted already.
+    for device in devices.iter().filter(|d| !d.is_mig()) {
         let Some(model) = &device.model else { continue };
         let pool = pools.entry(model.clone()).or_default();
         pool.devices += 1;
@@ -165,6 +166,7 @@ mod tests {
             model: model.map(str::to_string),
             product_name: None,
             memory_bytes: memory,
+            ..Default::default()
         }
     }
 

@@ -6,9 +6,11 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use gpupool_api::crd::{GpuModel, GpuModelStatus};
-use gpupool_api::inventory::model_from_product_name;
-use gpupool_api::names::{attr, capacity, API_GROUP_VERSION, DRIVER_NAME};
+use gpupool_api::crd::{GpuModel, GpuModelStatus, MigProfileStatus};
+use gpupool_api::inventory::{mig_profile_label, model_from_product_name};
+use gpupool_api::names::{
+    attr, capacity, API_GROUP_VERSION, DEVICE_TYPE_GPU, DEVICE_TYPE_MIG, DRIVER_NAME,
+};
 use gpupool_api::quantity;
 use gpupool_api::validation::is_dns_subdomain;
 use k8s_openapi::api::resource::v1::{
@@ -30,7 +32,7 @@ pub const ALL_GPUS_CLASS: &str = DRIVER_NAME;
 const CLASS_SUFFIX: &str = ".gpupool.dev";
 
 /// One device of a gpupool ResourceSlice, reduced to what GpuModels match and count.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct PublishedDevice {
     pub node: String,
     pub pool: String,
@@ -38,6 +40,18 @@ pub struct PublishedDevice {
     pub model: Option<String>,
     pub product_name: Option<String>,
     pub memory_bytes: u64,
+    /// Set for a MIG device: its profile ("1g.10gb").
+    pub mig_profile: Option<String>,
+    /// SMs of the device (of the partition, for a MIG device).
+    pub multiprocessors: Option<i64>,
+    /// The `computeWeight` the node published (a MIG device's is scaled by its SM share).
+    pub compute_weight: Option<i64>,
+}
+
+impl PublishedDevice {
+    pub fn is_mig(&self) -> bool {
+        self.mig_profile.is_some()
+    }
 }
 
 /// The devices of the current generation of every gpupool pool. Slices of older generations are
@@ -66,13 +80,15 @@ pub fn published_devices(slices: &[ResourceSlice]) -> Vec<PublishedDevice> {
             .clone()
             .unwrap_or_else(|| pool.name.clone());
         for device in slice.spec.devices.iter().flatten() {
-            let attribute = |name: &str| {
+            let value = |name: &str| {
                 let attributes = device.attributes.as_ref()?;
                 attributes
                     .get(name)
                     .or_else(|| attributes.get(&format!("{DRIVER_NAME}/{name}")))
-                    .and_then(|a| a.string.clone())
             };
+            let attribute = |name: &str| value(name).and_then(|a| a.string.clone());
+            let int = |name: &str| value(name).and_then(|a| a.int);
+            let is_mig = attribute(attr::TYPE).as_deref() == Some(DEVICE_TYPE_MIG);
             let memory_bytes = device
                 .capacity
                 .as_ref()
@@ -90,6 +106,9 @@ pub fn published_devices(slices: &[ResourceSlice]) -> Vec<PublishedDevice> {
                 model: attribute(attr::MODEL),
                 product_name: attribute(attr::PRODUCT_NAME),
                 memory_bytes,
+                mig_profile: is_mig.then(|| attribute(attr::MIG_PROFILE)).flatten(),
+                multiprocessors: int(attr::MULTIPROCESSORS),
+                compute_weight: int(attr::COMPUTE_WEIGHT),
             });
         }
     }
@@ -130,6 +149,37 @@ impl Matcher {
             cel_string(value)
         )
     }
+}
+
+/// Whole cards only: a device with `type: gpu`, or without `type` (drivers from before MIG
+/// published none, and a class must not fail on their devices during an upgrade). Without it a
+/// claim that asks for a card with no capacity request could get a MIG partition.
+fn cards_only() -> String {
+    format!(
+        "(!has(device.attributes[\"{DRIVER_NAME}\"].{ty}) || device.attributes[\"{DRIVER_NAME}\"].{ty} == {gpu})",
+        ty = attr::TYPE,
+        gpu = cel_string(DEVICE_TYPE_GPU)
+    )
+}
+
+/// MIG devices of one profile.
+fn mig_profile_cel(profile: &str) -> String {
+    format!(
+        "device.attributes[\"{DRIVER_NAME}\"].{ty} == {mig} && device.attributes[\"{DRIVER_NAME}\"].{p} == {}",
+        cel_string(profile),
+        ty = attr::TYPE,
+        mig = cel_string(DEVICE_TYPE_MIG),
+        p = attr::MIG_PROFILE,
+    )
+}
+
+/// The DeviceClass of one MIG profile of a model: `<model>-mig-<profile>.gpupool.dev`.
+pub fn mig_class_name(model: &str, profile: &str) -> String {
+    format!(
+        "{}-mig-{}{CLASS_SUFFIX}",
+        dns_label(model),
+        mig_profile_label(profile)
+    )
 }
 
 /// A CEL string literal.
@@ -229,6 +279,23 @@ fn invalid_reason(model: &GpuModel) -> Option<(&'static str, String)> {
             ));
         }
     }
+    let mut seen = BTreeSet::new();
+    for (i, profile) in spec.mig_profiles.iter().enumerate() {
+        let label = mig_profile_label(profile);
+        let class = mig_class_name(&matcher.model(), profile);
+        if label.is_empty() || !is_dns_subdomain(&class) {
+            return Some((
+                "InvalidMigProfile",
+                format!("spec.migProfiles[{i}] {profile:?} does not name a MIG profile (e.g. \"1g.10gb\")"),
+            ));
+        }
+        if !seen.insert(label) {
+            return Some((
+                "InvalidMigProfile",
+                format!("spec.migProfiles[{i}] {profile:?} is listed twice"),
+            ));
+        }
+    }
     if let Some(tier) = &spec.tier {
         if dns_label(tier).is_empty() {
             return Some((
@@ -268,7 +335,22 @@ pub struct ModelOutcome {
     pub devices: i64,
     pub nodes: i64,
     pub memory_bytes: u64,
+    /// The MIG profiles the model offers, each with its class (set only when usable).
+    pub mig: Vec<MigOutcome>,
     pub verdicts: Vec<Verdict>,
+}
+
+/// One MIG profile of a GpuModel: its class and what the nodes publish of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MigOutcome {
+    pub profile: String,
+    pub class_name: String,
+    pub devices: i64,
+    pub multiprocessors: Option<i64>,
+    /// The smallest `computeWeight` the nodes publish for it (they agree unless a republish is
+    /// under way; the smaller never promises more compute than a device has).
+    pub weight: Option<i64>,
+    pub memory_bytes: Option<u64>,
 }
 
 impl ModelOutcome {
@@ -288,6 +370,17 @@ impl ModelOutcome {
             nodes: self.nodes,
             memory: Some(quantity::format_bytes(self.memory_bytes)),
             device_class_name: self.class_name.clone(),
+            mig_profiles: self
+                .mig
+                .iter()
+                .map(|m| MigProfileStatus {
+                    name: m.profile.clone(),
+                    device_class_name: m.class_name.clone(),
+                    devices: m.devices,
+                    multiprocessors: m.multiprocessors,
+                    compute_weight: m.weight,
+                })
+                .collect(),
             observed_generation: self.generation,
             conditions: crate::status::merge(
                 existing_conditions,
@@ -334,8 +427,11 @@ pub fn plan_with_taken(
     for model in ordered {
         let name = model.metadata.name.clone().unwrap_or_default();
         let matcher = matcher(model);
-        let matched: Vec<&PublishedDevice> =
-            devices.iter().filter(|d| matcher.matches(d)).collect();
+        // Cards count as the model's devices; its MIG partitions are reported per profile.
+        let matched: Vec<&PublishedDevice> = devices
+            .iter()
+            .filter(|d| !d.is_mig() && matcher.matches(d))
+            .collect();
         let nodes: BTreeSet<&str> = matched.iter().map(|d| d.node.as_str()).collect();
         let mut outcome = ModelOutcome {
             name: name.clone(),
@@ -347,6 +443,7 @@ pub fn plan_with_taken(
             devices: matched.len() as i64,
             nodes: nodes.len() as i64,
             memory_bytes: matched.iter().map(|d| d.memory_bytes).sum(),
+            mig: Vec::new(),
             verdicts: Vec::new(),
         };
 
@@ -366,7 +463,26 @@ pub fn plan_with_taken(
             .device_class_name
             .clone()
             .unwrap_or_else(|| default_class_name(&matcher.model()));
-        let conflict = if taken.contains(&class_name) {
+        let mig_classes: Vec<String> = model
+            .spec
+            .mig_profiles
+            .iter()
+            .map(|p| mig_class_name(&matcher.model(), p))
+            .collect();
+        let conflict = if let Some(class) = mig_classes
+            .iter()
+            .find(|c| taken.contains(*c) || class_holders.contains_key(*c))
+        {
+            Some((
+                "DeviceClassNameConflict",
+                match class_holders.get(class) {
+                    Some(holder) => {
+                        format!("DeviceClass {class} is already managed for GpuModel {holder}")
+                    }
+                    None => format!("DeviceClass {class} exists and is not managed by {MANAGER}"),
+                },
+            ))
+        } else if taken.contains(&class_name) {
             Some((
                 "DeviceClassNotManaged",
                 format!("DeviceClass {class_name} exists and is not managed by {MANAGER}"),
@@ -412,6 +528,30 @@ pub fn plan_with_taken(
         }
 
         class_holders.insert(class_name.clone(), name.clone());
+        for class in &mig_classes {
+            class_holders.insert(class.clone(), name.clone());
+        }
+        outcome.mig = model
+            .spec
+            .mig_profiles
+            .iter()
+            .zip(&mig_classes)
+            .map(|(profile, class_name)| {
+                let published: Vec<&PublishedDevice> = devices
+                    .iter()
+                    .filter(|d| d.mig_profile.as_deref() == Some(profile.as_str()))
+                    .filter(|d| matcher.matches(d))
+                    .collect();
+                MigOutcome {
+                    profile: profile.clone(),
+                    class_name: class_name.clone(),
+                    devices: published.len() as i64,
+                    multiprocessors: published.iter().filter_map(|d| d.multiprocessors).min(),
+                    weight: published.iter().filter_map(|d| d.compute_weight).min(),
+                    memory_bytes: published.iter().map(|d| d.memory_bytes).min(),
+                }
+            })
+            .collect();
         matcher_holders.insert(matcher.clone(), name.clone());
         for d in &matched {
             device_holders.insert((d.pool.clone(), d.name.clone()), name.clone());
@@ -455,6 +595,20 @@ pub fn plan_with_taken(
         o.usable().then_some((o, model))
     }) {
         classes.push(model_class(outcome, model, options));
+        for mig in &outcome.mig {
+            classes.push(class(
+                mig.class_name.clone(),
+                managed_labels(Some((GPUMODEL_LABEL, &outcome.name))),
+                owner(model, true).into_iter().collect(),
+                format!(
+                    "{} && {} && {}",
+                    driver_guard(),
+                    outcome.matcher.cel(),
+                    mig_profile_cel(&mig.profile)
+                ),
+                None,
+            ));
+        }
     }
     let mut tiers: BTreeMap<&str, Vec<(&ModelOutcome, &GpuModel)>> = BTreeMap::new();
     for outcome in outcomes.iter().filter(|o| o.usable()) {
@@ -558,7 +712,12 @@ fn model_class(outcome: &ModelOutcome, model: &GpuModel, options: ClassOptions) 
         outcome.class_name.clone().unwrap_or_default(),
         managed_labels(Some((GPUMODEL_LABEL, &outcome.name))),
         owner(model, true).into_iter().collect(),
-        format!("{} && {}", driver_guard(), outcome.matcher.cel()),
+        format!(
+            "{} && {} && {}",
+            driver_guard(),
+            outcome.matcher.cel(),
+            cards_only()
+        ),
         options
             .extended_resources
             .then(|| format!("{DRIVER_NAME}/{label}")),
@@ -576,17 +735,23 @@ fn tier_class(tier: &str, members: &[(&ModelOutcome, &GpuModel)]) -> DeviceClass
             .iter()
             .filter_map(|(_, m)| owner(m, false))
             .collect(),
-        format!("{} && ({})", driver_guard(), terms.join(" || ")),
+        format!(
+            "{} && ({}) && {}",
+            driver_guard(),
+            terms.join(" || "),
+            cards_only()
+        ),
         None,
     )
 }
 
+/// Every gpupool card, whole or in fractions; MIG devices have their classes per profile.
 fn all_gpus_class() -> DeviceClass {
     class(
         ALL_GPUS_CLASS.to_string(),
         managed_labels(None),
         Vec::new(),
-        driver_guard(),
+        format!("{} && {}", driver_guard(), cards_only()),
         None,
     )
 }
@@ -616,6 +781,7 @@ mod tests {
                 compute_weight: weight,
                 device_class_name: None,
                 tier: None,
+                mig_profiles: Vec::new(),
             },
         );
         m.metadata.uid = Some(format!("uid-{name}"));
@@ -752,7 +918,7 @@ mod tests {
         let class = class_named(&plan, "a100-sxm4-40gb.gpupool.dev").expect("class");
         assert_eq!(
             expression(class),
-            r#"device.driver == "gpupool.dev" && device.attributes["gpupool.dev"].model == "A100-SXM4-40GB""#
+            r#"device.driver == "gpupool.dev" && device.attributes["gpupool.dev"].model == "A100-SXM4-40GB" && (!has(device.attributes["gpupool.dev"].type) || device.attributes["gpupool.dev"].type == "gpu")"#
         );
         assert_eq!(
             class.spec.extended_resource_name.as_deref(),
@@ -786,8 +952,8 @@ mod tests {
             .class_name("v100.example.com");
         let plan = plan(&[model], &pool(), ON);
         let class = class_named(&plan, "v100.example.com").expect("explicit class name");
-        assert!(expression(class).ends_with(
-            r#"device.attributes["gpupool.dev"].productName == "Tesla V100-SXM2-32GB""#
+        assert!(expression(class).contains(
+            r#" && device.attributes["gpupool.dev"].productName == "Tesla V100-SXM2-32GB" && "#
         ));
         assert_eq!(status_of(&plan, "v100").devices, 1);
     }
@@ -966,7 +1132,7 @@ mod tests {
         let tier = class_named(&plan, "tier-datacenter.gpupool.dev").expect("tier class");
         assert_eq!(
             expression(tier),
-            r#"device.driver == "gpupool.dev" && (device.attributes["gpupool.dev"].model == "A100-SXM4-40GB" || device.attributes["gpupool.dev"].model == "V100-SXM2-32GB")"#
+            r#"device.driver == "gpupool.dev" && (device.attributes["gpupool.dev"].model == "A100-SXM4-40GB" || device.attributes["gpupool.dev"].model == "V100-SXM2-32GB") && (!has(device.attributes["gpupool.dev"].type) || device.attributes["gpupool.dev"].type == "gpu")"#
         );
         assert_eq!(tier.metadata.owner_references.as_ref().unwrap().len(), 2);
     }
@@ -981,7 +1147,7 @@ mod tests {
         );
         assert_eq!(
             expression(&plan.classes[0]),
-            r#"device.driver == "gpupool.dev""#
+            r#"device.driver == "gpupool.dev" && (!has(device.attributes["gpupool.dev"].type) || device.attributes["gpupool.dev"].type == "gpu")"#
         );
     }
 
@@ -1009,5 +1175,136 @@ mod tests {
     #[test]
     fn cel_literals_are_escaped() {
         assert_eq!(cel_string(r#"a"b\c"#), r#""a\"b\\c""#);
+    }
+
+    /// node-h: an H100 card and MIG devices of two profiles, as a driver with MIG publishes them.
+    fn mig_pool() -> Vec<PublishedDevice> {
+        let mut card = device(0, "H100-80GB-HBM3", "NVIDIA H100 80GB HBM3", "81559Mi");
+        let mig = |name: &str, profile: &str, sms: i64, weight: i64, memory: &str| {
+            let mut d = device(0, "H100-80GB-HBM3", "NVIDIA H100 80GB HBM3", memory);
+            d.name = name.to_string();
+            let a = d.attributes.get_or_insert_with(Default::default);
+            let string = |v: &str| DeviceAttribute {
+                string: Some(v.to_string()),
+                ..Default::default()
+            };
+            let int = |v: i64| DeviceAttribute {
+                int: Some(v),
+                ..Default::default()
+            };
+            a.insert(attr::TYPE.into(), string("mig"));
+            a.insert(attr::MIG_PROFILE.into(), string(profile));
+            a.insert(attr::MULTIPROCESSORS.into(), int(sms));
+            a.insert(attr::COMPUTE_WEIGHT.into(), int(weight));
+            d
+        };
+        let devices = vec![
+            mig("gpu-0-mig-1g-10gb-0", "1g.10gb", 16, 119, "10194Mi"),
+            mig("gpu-0-mig-1g-10gb-1", "1g.10gb", 16, 119, "10194Mi"),
+            mig("gpu-0-mig-3g-40gb-4", "3g.40gb", 60, 449, "40776Mi"),
+        ];
+        card.attributes.get_or_insert_with(Default::default).insert(
+            attr::TYPE.into(),
+            DeviceAttribute {
+                string: Some("gpu".into()),
+                ..Default::default()
+            },
+        );
+        published_devices(&[slice(
+            "node-h",
+            1,
+            DRIVER_NAME,
+            [vec![card], devices].concat(),
+        )])
+    }
+
+    #[test]
+    fn mig_profiles_get_a_class_each_and_their_compute_in_the_status() {
+        let mut h100 = gpumodel("h100", "H100-80GB-HBM3", 989, 1);
+        h100.spec.mig_profiles = vec!["1g.10gb".into(), "3g.40gb".into(), "7g.80gb".into()];
+        let plan = plan(&[h100], &mig_pool(), ON);
+        let class = class_named(&plan, "h100-80gb-hbm3-mig-1g-10gb.gpupool.dev").expect("class");
+        assert_eq!(
+            expression(class),
+            r#"device.driver == "gpupool.dev" && device.attributes["gpupool.dev"].model == "H100-80GB-HBM3" && device.attributes["gpupool.dev"].type == "mig" && device.attributes["gpupool.dev"].migProfile == "1g.10gb""#
+        );
+        assert_eq!(class.spec.extended_resource_name, None);
+        assert!(class_named(&plan, "h100-80gb-hbm3-mig-7g-80gb.gpupool.dev").is_some());
+        let status = status_of(&plan, "h100");
+        assert_eq!(
+            status.devices, 1,
+            "the card; its MIG devices are counted per profile"
+        );
+        assert_eq!(status.memory.as_deref(), Some("81559Mi"));
+        let profiles: Vec<(&str, i64, Option<i64>, Option<i64>)> = status
+            .mig_profiles
+            .iter()
+            .map(|p| {
+                (
+                    p.name.as_str(),
+                    p.devices,
+                    p.multiprocessors,
+                    p.compute_weight,
+                )
+            })
+            .collect();
+        assert_eq!(
+            profiles,
+            [
+                ("1g.10gb", 2, Some(16), Some(119)),
+                ("3g.40gb", 1, Some(60), Some(449)),
+                ("7g.80gb", 0, None, None)
+            ]
+        );
+        assert_eq!(
+            status.mig_profiles[0].device_class_name,
+            "h100-80gb-hbm3-mig-1g-10gb.gpupool.dev"
+        );
+    }
+
+    #[test]
+    fn bad_mig_profile_names_make_the_model_invalid_naming_the_entry() {
+        let mut h100 = gpumodel("h100", "H100-80GB-HBM3", 989, 1);
+        h100.spec.mig_profiles = vec!["1g.10gb".into(), "...".into()];
+        let plan = plan(&[h100.clone()], &mig_pool(), ON);
+        let status = status_of(&plan, "h100");
+        assert!(is_true(&status.conditions, INVALID));
+        let invalid = condition(&status.conditions, INVALID);
+        assert!(
+            invalid.message.contains("spec.migProfiles[1]"),
+            "{}",
+            invalid.message
+        );
+        h100.spec.mig_profiles = vec!["1g.10gb".into(), "1G.10GB".into()];
+        let status = status_of(&plan_of(&h100), "h100");
+        let invalid = condition(&status.conditions, INVALID);
+        assert!(
+            invalid.message.contains("listed twice"),
+            "{}",
+            invalid.message
+        );
+    }
+
+    fn plan_of(model: &GpuModel) -> ModelsPlan {
+        plan(std::slice::from_ref(model), &mig_pool(), ON)
+    }
+
+    #[test]
+    fn classes_of_cards_do_not_select_mig_devices() {
+        let plan = plan(
+            &[gpumodel("h100", "H100-80GB-HBM3", 989, 1)],
+            &mig_pool(),
+            ON,
+        );
+        for name in ["h100-80gb-hbm3.gpupool.dev", ALL_GPUS_CLASS] {
+            let class = class_named(&plan, name).unwrap();
+            assert!(
+                expression(class).ends_with(
+                    r#"(!has(device.attributes["gpupool.dev"].type) || device.attributes["gpupool.dev"].type == "gpu")"#
+                ),
+                "{name}: {}",
+                expression(class)
+            );
+        }
     }
 }

@@ -249,6 +249,7 @@ mod tests {
                 compute_weight: 312,
                 device_class_name: None,
                 tier: None,
+                mig_profiles: Vec::new(),
             },
         );
         plan_models(
@@ -350,6 +351,7 @@ mod tests {
             model: "A100".into(),
             class_name: "a100.gpupool.dev".into(),
             weight: 312,
+            mig: Vec::new(),
         }];
         let namespaces = vec![NamespaceInfo {
             name: "team-a".into(),
@@ -365,6 +367,9 @@ mod tests {
                     preference: Default::default(),
                     namespaces: vec!["team-a".into()],
                     namespace_selector: None,
+                    mig: Default::default(),
+                    cards: None,
+                    same_nvlink_domain: false,
                 },
             )
         };

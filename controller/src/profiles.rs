@@ -2,15 +2,20 @@
 //!
 //! One request `gpu` whose `firstAvailable` subrequests ask each allowed model, in preference order,
 //! for `cores = ceil(compute * 100 / weight)` percent of one card: the same compute on whichever is free.
+//! With `mig: First` or `Last`, each model's smallest MIG profile whose weight (the card's scaled by
+//! the partition's share of its SMs, as the nodes publish it) reaches `compute` is offered too,
+//! before or after the fractions. With `cards: N` each subrequest asks for N distinct cards, on one
+//! NVLink domain with `sameNvlinkDomain`.
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use gpupool_api::crd::{ComputeProfile, ComputeProfileStatus, Preference};
-use gpupool_api::names::{capacity, API_GROUP_VERSION};
+use gpupool_api::crd::{ComputeProfile, ComputeProfileStatus, MigUse, Preference};
+use gpupool_api::inventory::mig_profile_label;
+use gpupool_api::names::{attr, capacity, API_GROUP_VERSION, DRIVER_NAME};
 use gpupool_api::quantity;
 use k8s_openapi::api::resource::v1::{
-    CapacityRequirements, DeviceClaim, DeviceRequest, DeviceSubRequest, ResourceClaimSpec,
-    ResourceClaimTemplate, ResourceClaimTemplateSpec,
+    CapacityRequirements, DeviceClaim, DeviceConstraint, DeviceRequest, DeviceSubRequest,
+    ResourceClaimSpec, ResourceClaimTemplate, ResourceClaimTemplateSpec,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{
@@ -28,6 +33,8 @@ pub const REQUEST_NAME: &str = "gpu";
 pub const MAX_SUBREQUESTS: usize = 8;
 /// `cores` is a percentage of one card.
 const MAX_CORES: i64 = 100;
+/// HAMi-core tracks at most 16 devices per container.
+pub const MAX_CARDS: i64 = 16;
 
 /// A GpuModel that may serve profiles: valid, not in conflict, with a managed DeviceClass.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -38,6 +45,18 @@ pub struct ServableModel {
     pub model: String,
     pub class_name: String,
     pub weight: i64,
+    /// MIG profiles of the model whose compute the nodes publish.
+    pub mig: Vec<ServableMig>,
+}
+
+/// A MIG profile that may serve profiles.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServableMig {
+    pub profile: String,
+    pub class_name: String,
+    /// The card's weight scaled by the partition's share of the card's SMs.
+    pub weight: i64,
+    pub memory_bytes: Option<u64>,
 }
 
 impl ServableModel {
@@ -50,9 +69,56 @@ impl ServableModel {
                     model: o.matcher.model(),
                     class_name: o.class_name.clone()?,
                     weight: o.weight,
+                    mig: o
+                        .mig
+                        .iter()
+                        .filter_map(|m| {
+                            Some(ServableMig {
+                                profile: m.profile.clone(),
+                                class_name: m.class_name.clone(),
+                                weight: m.weight?,
+                                memory_bytes: m.memory_bytes,
+                            })
+                        })
+                        .collect(),
                 })
             })
             .collect()
+    }
+}
+
+/// The smallest MIG profile of `model` that gives `compute` weight units and `memory` bytes.
+fn smallest_mig(model: &ServableModel, compute: i64, memory: Option<u64>) -> Option<&ServableMig> {
+    model
+        .mig
+        .iter()
+        .filter(|m| m.weight >= compute)
+        .filter(|m| memory.is_none_or(|want| m.memory_bytes.is_some_and(|have| have >= want)))
+        .min_by(|a, b| {
+            (a.weight, a.memory_bytes, &a.profile).cmp(&(b.weight, b.memory_bytes, &b.profile))
+        })
+}
+
+/// One way to serve a profile: a fraction of a model's card (cores percent), or a MIG device.
+#[derive(Clone, Copy)]
+enum Candidate<'a> {
+    Fraction(&'a ServableModel, i64),
+    Mig(&'a ServableModel, &'a ServableMig),
+}
+
+impl Candidate<'_> {
+    /// The weight preference orders by: the card's, or the partition's.
+    fn weight(&self) -> i64 {
+        match self {
+            Candidate::Fraction(model, _) => model.weight,
+            Candidate::Mig(_, mig) => mig.weight,
+        }
+    }
+
+    fn name(&self) -> &str {
+        match self {
+            Candidate::Fraction(model, _) | Candidate::Mig(model, _) => &model.name,
+        }
     }
 }
 
@@ -178,9 +244,28 @@ pub fn plan(
             ),
         );
     }
+    let cards = spec.cards.unwrap_or(1);
+    if !(1..=MAX_CARDS).contains(&cards) {
+        return invalid(
+            profile,
+            "InvalidCards",
+            format!("spec.cards must be from 1 to {MAX_CARDS}, got {cards}"),
+        );
+    }
+    if cards > 1 && spec.mig != MigUse::Never {
+        return invalid(
+            profile,
+            "InvalidMig",
+            format!(
+                "spec.mig {:?} needs spec.cards 1: a MIG device is a part of one card, and MIG devices have no NVLink between them (got spec.cards {cards})",
+                spec.mig
+            ),
+        );
+    }
+    let mut memory_bytes = None;
     if let Some(memory) = &spec.memory {
         match quantity::parse(memory) {
-            Ok(bytes) if bytes.0 > 0 => {}
+            Ok(bytes) if bytes.0 > 0 => memory_bytes = u64::try_from(bytes.ceil_units()).ok(),
             Ok(_) => {
                 return invalid(
                     profile,
@@ -221,26 +306,48 @@ pub fn plan(
         allowed
     };
 
-    let mut candidates: Vec<(&ServableModel, i64)> = Vec::new();
+    let by_preference = |a: i64, b: i64| match spec.preference {
+        Preference::Strongest => b.cmp(&a),
+        Preference::Weakest => a.cmp(&b),
+    };
+    let mut fractions: Vec<Candidate> = Vec::new();
+    let mut migs: Vec<Candidate> = Vec::new();
     for model in allowed {
         match cores(spec.compute, model.weight) {
-            Some(c) => candidates.push((model, c)),
+            Some(c) => fractions.push(Candidate::Fraction(model, c)),
             None => notes.push(format!(
                 "{} left out: compute {} is more than one card (weight {})",
                 model.model, spec.compute, model.weight
             )),
         }
+        if spec.mig != MigUse::Never {
+            match smallest_mig(model, spec.compute, memory_bytes) {
+                Some(mig) => migs.push(Candidate::Mig(model, mig)),
+                None => notes.push(format!(
+                    "{}: no MIG profile of GpuModel {} that the nodes publish reaches compute {}{}",
+                    model.model,
+                    model.name,
+                    spec.compute,
+                    spec.memory
+                        .as_deref()
+                        .map(|m| format!(" and memory {m}"))
+                        .unwrap_or_default()
+                )),
+            }
+        }
     }
-    candidates.sort_by(|(a, _), (b, _)| {
-        let by_weight = match spec.preference {
-            Preference::Strongest => b.weight.cmp(&a.weight),
-            Preference::Weakest => a.weight.cmp(&b.weight),
-        };
-        by_weight.then_with(|| a.name.cmp(&b.name))
-    });
+    for list in [&mut fractions, &mut migs] {
+        list.sort_by(|a, b| {
+            by_preference(a.weight(), b.weight()).then_with(|| a.name().cmp(b.name()))
+        });
+    }
+    let mut candidates = match spec.mig {
+        MigUse::First => [migs, fractions].concat(),
+        MigUse::Never | MigUse::Last => [fractions, migs].concat(),
+    };
     if candidates.len() > MAX_SUBREQUESTS {
         notes.push(format!(
-            "only the first {MAX_SUBREQUESTS} of {} models are offered",
+            "only the first {MAX_SUBREQUESTS} of {} ways to serve it are offered",
             candidates.len()
         ));
         candidates.truncate(MAX_SUBREQUESTS);
@@ -256,33 +363,79 @@ pub fn plan(
     let mut used_names = BTreeSet::new();
     let mut subrequests = Vec::new();
     let mut summaries = Vec::new();
-    for (model, cores) in &candidates {
-        let base = dns_label(&model.model);
+    for candidate in &candidates {
+        let base = match candidate {
+            Candidate::Fraction(model, _) => dns_label(&model.model),
+            Candidate::Mig(model, mig) => format!(
+                "{}-mig-{}",
+                dns_label(&model.model),
+                mig_profile_label(&mig.profile)
+            ),
+        };
         let mut sub_name = base.clone();
         let mut n = 2;
         while !used_names.insert(sub_name.clone()) {
             sub_name = format!("{base}-{n}");
             n += 1;
         }
-        let mut requests =
-            BTreeMap::from([(capacity::CORES.to_string(), Quantity(cores.to_string()))]);
-        let mut summary = format!("{} cores={cores}", model.model);
-        if let Some(memory) = &spec.memory {
-            requests.insert(capacity::MEMORY.to_string(), Quantity(memory.clone()));
-            summary.push_str(&format!(" memory={memory}"));
-        }
+        let (class, capacity, summary) = match candidate {
+            Candidate::Fraction(model, cores) => {
+                let mut requests =
+                    BTreeMap::from([(capacity::CORES.to_string(), Quantity(cores.to_string()))]);
+                let mut summary = format!("{} cores={cores}", model.model);
+                if let Some(memory) = &spec.memory {
+                    requests.insert(capacity::MEMORY.to_string(), Quantity(memory.clone()));
+                    summary.push_str(&format!(" memory={memory}"));
+                }
+                if cards > 1 {
+                    summary.push_str(&format!(" x{cards}"));
+                }
+                (
+                    model.class_name.clone(),
+                    Some(CapacityRequirements {
+                        requests: Some(requests),
+                    }),
+                    summary,
+                )
+            }
+            // A MIG device is taken whole: its memory and SMs are its profile's.
+            Candidate::Mig(model, mig) => (
+                mig.class_name.clone(),
+                None,
+                format!(
+                    "{} MIG {} (weight {})",
+                    model.model, mig.profile, mig.weight
+                ),
+            ),
+        };
         summaries.push(summary);
         subrequests.push(DeviceSubRequest {
             name: sub_name,
-            device_class_name: model.class_name.clone(),
+            device_class_name: class,
             allocation_mode: Some("ExactCount".to_string()),
-            count: Some(1),
-            capacity: Some(CapacityRequirements {
-                requests: Some(requests),
-            }),
+            count: Some(cards),
+            capacity,
             selectors: None,
             tolerations: None,
         });
+    }
+    let mut constraints = Vec::new();
+    if cards > 1 {
+        // Shares of one card could otherwise fill several slots of the request.
+        constraints.push(DeviceConstraint {
+            requests: Some(vec![REQUEST_NAME.to_string()]),
+            distinct_attribute: Some(format!("{DRIVER_NAME}/{}", attr::UUID)),
+            match_attribute: None,
+        });
+        if spec.same_nvlink_domain {
+            constraints.push(DeviceConstraint {
+                requests: Some(vec![REQUEST_NAME.to_string()]),
+                match_attribute: Some(format!("{DRIVER_NAME}/{}", attr::NVLINK_DOMAIN)),
+                distinct_attribute: None,
+            });
+        }
+    } else if spec.same_nvlink_domain {
+        notes.push("spec.sameNvlinkDomain has no effect with one card".to_string());
     }
 
     let mut served: BTreeSet<String> = BTreeSet::new();
@@ -319,7 +472,7 @@ pub fn plan(
                     exactly: None,
                     first_available: Some(subrequests),
                 }]),
-                constraints: None,
+                constraints: (!constraints.is_empty()).then_some(constraints),
                 config: None,
             }),
         },
@@ -429,6 +582,7 @@ mod tests {
             model: name.to_string(),
             class_name: format!("{}.gpupool.dev", name.to_lowercase()),
             weight,
+            mig: Vec::new(),
         }
     }
 
@@ -465,6 +619,9 @@ mod tests {
                 preference: Preference::Strongest,
                 namespaces: vec!["team-a".into()],
                 namespace_selector: None,
+                mig: Default::default(),
+                cards: None,
+                same_nvlink_domain: false,
             },
         );
         p.metadata.generation = Some(3);
@@ -703,5 +860,166 @@ mod tests {
             }]),
         });
         assert!(bad.unwrap_err().contains("operator"));
+    }
+
+    /// An H100 (weight 989) with MIG profiles as its nodes publish them, and an A100.
+    fn mig_pool() -> Vec<ServableModel> {
+        let mig = |profile: &str, weight: i64, mib: u64| ServableMig {
+            profile: profile.to_string(),
+            class_name: format!(
+                "h100-80gb-hbm3-mig-{}.gpupool.dev",
+                mig_profile_label(profile)
+            ),
+            weight,
+            memory_bytes: Some(mib << 20),
+        };
+        let mut h100 = model("H100-80GB-HBM3", 989);
+        h100.mig = vec![
+            mig("3g.40gb", 449, 40776),
+            mig("1g.10gb", 119, 10194),
+            mig("1g.20gb", 194, 20388),
+        ];
+        vec![h100, model("A100-SXM4-40GB", 312)]
+    }
+
+    fn names(outcome: &ProfileOutcome) -> Vec<(String, String, Option<String>)> {
+        subrequests(outcome)
+            .iter()
+            .map(|s| {
+                (
+                    s.name.clone(),
+                    s.device_class_name.clone(),
+                    requested(s, "cores"),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_profile_falls_back_from_the_smallest_mig_profile_that_serves_it_to_fractions() {
+        let mut p = profile(100, None);
+        p.spec.mig = MigUse::First;
+        let outcome = plan(&p, &mig_pool(), &team_a());
+        let subs = names(&outcome);
+        // compute 100: 1g.10gb gives 119, the smallest that reaches it.
+        assert_eq!(
+            subs,
+            [
+                (
+                    "h100-80gb-hbm3-mig-1g-10gb".to_string(),
+                    "h100-80gb-hbm3-mig-1g-10gb.gpupool.dev".to_string(),
+                    None
+                ),
+                (
+                    "h100-80gb-hbm3".to_string(),
+                    "h100-80gb-hbm3.gpupool.dev".to_string(),
+                    Some("11".to_string())
+                ),
+                (
+                    "a100-sxm4-40gb".to_string(),
+                    "a100-sxm4-40gb.gpupool.dev".to_string(),
+                    Some("33".to_string())
+                ),
+            ]
+        );
+        assert!(
+            subrequests(&outcome)[0].capacity.is_none(),
+            "a MIG device is taken whole"
+        );
+        assert_eq!(
+            outcome.subrequests[0],
+            "H100-80GB-HBM3 MIG 1g.10gb (weight 119)"
+        );
+
+        // Fractions first, MIG last; more compute picks a bigger profile; memory counts too.
+        p.spec.mig = MigUse::Last;
+        p.spec.compute = 150;
+        let subs = names(&plan(&p, &mig_pool(), &team_a()));
+        assert_eq!(subs.last().unwrap().0, "h100-80gb-hbm3-mig-1g-20gb");
+        p.spec.memory = Some("30Gi".into());
+        let subs = names(&plan(&p, &mig_pool(), &team_a()));
+        assert_eq!(subs.last().unwrap().0, "h100-80gb-hbm3-mig-3g-40gb");
+        // Never (the default): fractions only.
+        p.spec.mig = MigUse::Never;
+        let subs = names(&plan(&p, &mig_pool(), &team_a()));
+        assert!(
+            subs.iter().all(|(n, _, _)| !n.contains("-mig-")),
+            "{subs:?}"
+        );
+    }
+
+    #[test]
+    fn a_model_without_a_big_enough_mig_profile_is_noted() {
+        let mut p = profile(500, None);
+        p.spec.mig = MigUse::First;
+        let outcome = plan(&p, &mig_pool(), &team_a());
+        assert!(names(&outcome).iter().all(|(n, _, _)| !n.contains("-mig-")));
+        let ready = condition(&outcome.status(None, &at(0)).conditions, READY).clone();
+        assert!(
+            ready
+                .message
+                .contains("no MIG profile of GpuModel h100-80gb-hbm3"),
+            "{}",
+            ready.message
+        );
+    }
+
+    #[test]
+    fn n_cards_on_one_nvlink_domain_are_distinct_cards_matched_on_the_domain() {
+        let mut p = profile(312, None);
+        p.spec.cards = Some(2);
+        p.spec.same_nvlink_domain = true;
+        let outcome = plan(&p, &mig_pool(), &team_a());
+        let subs = subrequests(&outcome);
+        assert!(subs.iter().all(|s| s.count == Some(2)));
+        let template = outcome.template.as_ref().unwrap();
+        let constraints = template
+            .spec
+            .devices
+            .as_ref()
+            .unwrap()
+            .constraints
+            .clone()
+            .unwrap();
+        assert_eq!(constraints.len(), 2);
+        assert_eq!(
+            constraints[0].distinct_attribute.as_deref(),
+            Some("gpupool.dev/uuid")
+        );
+        assert_eq!(
+            constraints[1].match_attribute.as_deref(),
+            Some("gpupool.dev/nvlinkDomain")
+        );
+        assert!(constraints
+            .iter()
+            .all(|c| c.requests.as_deref() == Some(&["gpu".to_string()][..])));
+        assert!(
+            outcome.subrequests[0].ends_with(" x2"),
+            "{:?}",
+            outcome.subrequests
+        );
+    }
+
+    #[test]
+    fn bad_card_counts_and_mig_with_several_cards_are_invalid_naming_the_field() {
+        let mut p = profile(100, None);
+        p.spec.cards = Some(0);
+        let outcome = plan(&p, &mig_pool(), &team_a());
+        assert!(outcome.template.is_none());
+        let invalid = condition(&outcome.status(None, &at(0)).conditions, INVALID).clone();
+        assert!(
+            invalid.message.starts_with("spec.cards must be"),
+            "{}",
+            invalid.message
+        );
+        p.spec.cards = Some(2);
+        p.spec.mig = MigUse::Last;
+        let outcome = plan(&p, &mig_pool(), &team_a());
+        let invalid = condition(&outcome.status(None, &at(0)).conditions, INVALID).clone();
+        assert!(
+            invalid.message.starts_with("spec.mig"),
+            "{}",
+            invalid.message
+        );
     }
 }

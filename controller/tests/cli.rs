@@ -118,6 +118,7 @@ async fn run_manages_classes_and_releases_the_lease_on_sigterm() {
                     compute_weight: 989,
                     device_class_name: None,
                     tier: None,
+                    mig_profiles: Vec::new(),
                 },
             ),
         )

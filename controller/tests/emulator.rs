@@ -100,6 +100,7 @@ fn gpumodel(name: &str, model: &str, weight: i64) -> GpuModel {
             compute_weight: weight,
             device_class_name: None,
             tier: None,
+            mig_profiles: Vec::new(),
         },
     )
 }
@@ -262,6 +263,9 @@ async fn models_and_profiles_are_served_by_the_single_leader_and_survive_its_cra
                     preference: Default::default(),
                     namespaces: vec!["team-a".into()],
                     namespace_selector: None,
+                    mig: Default::default(),
+                    cards: None,
+                    same_nvlink_domain: false,
                 },
             ),
         )

@@ -96,7 +96,8 @@ fn gpumodels_make_the_seed_pool_classes() {
         [
             (Some("A100-SXM4-40GB".to_string()), 312),
             (Some("V100-SXM2-32GB".to_string()), 256),
-            (Some("RTX-3090".to_string()), 71)
+            (Some("RTX-3090".to_string()), 71),
+            (Some("H100-80GB-HBM3".to_string()), 989)
         ]
     );
     assert_eq!(
@@ -108,6 +109,10 @@ fn gpumodels_make_the_seed_pool_classes() {
         "a100-sxm4-40gb.gpupool.dev",
         "v100-sxm2-32gb.gpupool.dev",
         "rtx-3090.gpupool.dev",
+        "h100-80gb-hbm3.gpupool.dev",
+        "h100-80gb-hbm3-mig-1g-10gb.gpupool.dev",
+        "h100-80gb-hbm3-mig-1g-20gb.gpupool.dev",
+        "h100-80gb-hbm3-mig-3g-40gb.gpupool.dev",
         "gpupool.dev",
     ] {
         assert!(
@@ -172,4 +177,50 @@ fn claim_prefers_a100_then_v100() {
     );
     let known = class_names();
     assert!(classes.iter().all(|c| known.contains(c)));
+}
+
+/// The class of each `exactly` request of an example's claim.
+fn claim_classes(file: &str) -> Vec<String> {
+    let claim: ResourceClaim = typed(&documents(file)[0]);
+    claim
+        .spec
+        .devices
+        .unwrap()
+        .requests
+        .unwrap()
+        .iter()
+        .map(|r| r.exactly.as_ref().unwrap().device_class_name.clone())
+        .collect()
+}
+
+#[test]
+fn mig_fraction_and_nvlink_examples_name_classes_the_controller_makes() {
+    let known = class_names();
+    for (file, class) in [
+        ("mig-h100-1g.yaml", "h100-80gb-hbm3-mig-1g-10gb.gpupool.dev"),
+        ("fraction-h100-quarter.yaml", "h100-80gb-hbm3.gpupool.dev"),
+        ("nvlink-two-h100.yaml", "h100-80gb-hbm3.gpupool.dev"),
+    ] {
+        assert_eq!(claim_classes(file), [class], "{file}");
+        assert!(known.contains(&class.to_string()), "{class}");
+    }
+    let claim: ResourceClaim = typed(&documents("nvlink-two-h100.yaml")[0]);
+    let devices = claim.spec.devices.unwrap();
+    assert_eq!(
+        devices.requests.unwrap()[0].exactly.as_ref().unwrap().count,
+        Some(2)
+    );
+    let constraints: Vec<(Option<String>, Option<String>)> = devices
+        .constraints
+        .unwrap()
+        .into_iter()
+        .map(|c| (c.match_attribute, c.distinct_attribute))
+        .collect();
+    assert_eq!(
+        constraints,
+        [
+            (Some("gpupool.dev/nvlinkDomain".to_string()), None),
+            (None, Some("gpupool.dev/uuid".to_string()))
+        ]
+    );
 }
