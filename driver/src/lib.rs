@@ -9,6 +9,7 @@
 pub mod config;
 pub mod devices;
 pub mod health;
+pub mod install;
 pub mod inventory;
 pub mod metrics;
 pub mod mig;
