@@ -24,6 +24,8 @@ pub fn pool() -> Vec<NodeSpec> {
         NodeSpec::new("node-a100", "a100-40gb:2"),
         NodeSpec::new("node-v100", "v100-32gb:2"),
         NodeSpec::new("node-rtx", "rtx3090:1"),
+        // An HGX board: MIG partitions, fractions and NVLink claims side by side.
+        NodeSpec::new("node-h100", "h100-80gb:4+nvswitch"),
     ]
 }
 
@@ -67,6 +69,11 @@ pub struct DeviceLine {
     pub memory: String,
     pub compute_weight: Option<i64>,
     pub shareable: bool,
+    /// The card's index (`gpu-<i>` and its MIG devices).
+    pub card: Option<i64>,
+    /// Set for a MIG device: its profile.
+    pub mig_profile: Option<String>,
+    pub nvlink_domain: Option<String>,
 }
 
 /// One allocated device (or share) of a claim.
@@ -142,6 +149,8 @@ pub fn device_lines(slices: &[ResourceSlice]) -> Vec<DeviceLine> {
                 .and_then(|c| c.get(capacity::MEMORY))
                 .map(|c| memory_text(&c.value.0))
                 .unwrap_or_default();
+            let text = |name: &str| attribute(device, name).and_then(|a| a.string.clone());
+            let is_mig = text(attr::TYPE).as_deref() == Some(gpupool_api::names::DEVICE_TYPE_MIG);
             lines.push(DeviceLine {
                 node: node.clone(),
                 device: device.name.clone(),
@@ -149,6 +158,9 @@ pub fn device_lines(slices: &[ResourceSlice]) -> Vec<DeviceLine> {
                 memory,
                 compute_weight: attribute(device, attr::COMPUTE_WEIGHT).and_then(|a| a.int),
                 shareable: device.allow_multiple_allocations == Some(true),
+                card: attribute(device, attr::INDEX).and_then(|a| a.int),
+                mig_profile: is_mig.then(|| text(attr::MIG_PROFILE)).flatten(),
+                nvlink_domain: text(attr::NVLINK_DOMAIN),
             });
         }
     }
@@ -181,10 +193,13 @@ pub fn allocation_lines(claim: &ResourceClaim) -> Vec<AllocationLine> {
 
 /// The limit env of a CDI spec (what HAMi-core enforces), device by device, then spec-wide.
 pub fn cdi_limits(spec: &Value) -> Vec<String> {
+    // A MIG device's limit is its partition: shown by its profile and MIG device UUID.
     let is_limit = |e: &&str| {
         e.starts_with("CUDA_DEVICE_MEMORY_LIMIT_")
             || e.starts_with("CUDA_DEVICE_SM_LIMIT_")
             || e.starts_with("CUDA_TASK_PRIORITY")
+            || e.starts_with("GPUPOOL_DEVICE_MIG_PROFILE_")
+            || (e.starts_with("GPUPOOL_DEVICE_UUID_") && e.contains("=MIG-"))
     };
     let env_of = |edits: &Value| -> Vec<String> {
         edits
@@ -273,7 +288,7 @@ pub fn render(report: &Report) -> String {
     }
     for (node, devices) in by_node {
         let _ = writeln!(out, "  {node}");
-        for d in devices {
+        for d in devices.iter().filter(|d| d.mig_profile.is_none()) {
             let weight = d
                 .compute_weight
                 .map(|w| format!("  weight {w}"))
@@ -283,11 +298,36 @@ pub fn render(report: &Report) -> String {
             } else {
                 "  exclusive"
             };
+            let nvlink = d
+                .nvlink_domain
+                .as_deref()
+                .map(|n| format!("  {n}"))
+                .unwrap_or_default();
             let _ = writeln!(
                 out,
-                "    {:<7} {:<16} memory {}{weight}{shared}",
+                "    {:<7} {:<16} memory {}{weight}{shared}{nvlink}",
                 d.device, d.model, d.memory
             );
+            let migs: Vec<&&DeviceLine> = devices
+                .iter()
+                .filter(|m| m.mig_profile.is_some() && m.card == d.card)
+                .collect();
+            if !migs.is_empty() {
+                let _ = writeln!(out, "            {}", mig_summary(&migs));
+            }
+        }
+        // MIG devices of a card that is not offered whole (Ampere in MIG mode).
+        let orphans: Vec<&&DeviceLine> = devices
+            .iter()
+            .filter(|m| {
+                m.mig_profile.is_some()
+                    && !devices
+                        .iter()
+                        .any(|c| c.mig_profile.is_none() && c.card == m.card)
+            })
+            .collect();
+        if !orphans.is_empty() {
+            let _ = writeln!(out, "    MIG only: {}", mig_summary(&orphans));
         }
     }
     let _ = writeln!(out, "\n== Claims");
@@ -312,13 +352,24 @@ pub fn render(report: &Report) -> String {
                 .as_deref()
                 .map(|s| format!(" share {s}"))
                 .unwrap_or_default();
-            let card_memory = report
+            let published = report
                 .devices
                 .iter()
-                .find(|d| d.node == a.pool && d.device == a.device)
-                .map(|d| d.memory.as_str());
+                .find(|d| d.node == a.pool && d.device == a.device);
+            let card_memory = published.map(|d| d.memory.as_str());
             let unthrottled = matches!(a.cores.as_deref(), None | Some("0"));
+            let nvlink = published
+                .and_then(|d| d.nvlink_domain.as_deref())
+                .map(|n| format!(" [{n}]"))
+                .unwrap_or_default();
             let fraction = match (&a.memory, &a.cores) {
+                _ if published.is_some_and(|d| d.mig_profile.is_some()) => format!(
+                    "MIG {} (a hardware partition, memory {})",
+                    published
+                        .and_then(|d| d.mig_profile.as_deref())
+                        .unwrap_or_default(),
+                    published.map(|d| d.memory.as_str()).unwrap_or_default()
+                ),
                 (None, None) => "whole card".to_string(),
                 (Some(m), _) if unthrottled && Some(m.as_str()) == card_memory => {
                     format!("whole card (memory {m})")
@@ -331,7 +382,7 @@ pub fn render(report: &Report) -> String {
             };
             let _ = writeln!(
                 out,
-                "    {} -> {}/{}{share}: {fraction}",
+                "    {} -> {}/{}{share}{nvlink}: {fraction}",
                 a.request, a.pool, a.device
             );
         }
@@ -357,6 +408,20 @@ pub fn render(report: &Report) -> String {
         }
     }
     out
+}
+
+/// "MIG: 25 placements (1g.10gb x7, 3g.40gb x2, ...)", profiles in the order published.
+fn mig_summary(devices: &[&&DeviceLine]) -> String {
+    let mut profiles: Vec<(&str, usize)> = Vec::new();
+    for d in devices {
+        let profile = d.mig_profile.as_deref().unwrap_or_default();
+        match profiles.iter_mut().find(|(p, _)| *p == profile) {
+            Some((_, n)) => *n += 1,
+            None => profiles.push((profile, 1)),
+        }
+    }
+    let list: Vec<String> = profiles.iter().map(|(p, n)| format!("{p} x{n}")).collect();
+    format!("MIG: {} placements ({})", devices.len(), list.join(", "))
 }
 
 fn list_err(what: &str) -> impl FnOnce(kube::Error) -> HarnessError + '_ {
@@ -588,6 +653,9 @@ mod tests {
                 memory: "32Gi".into(),
                 compute_weight: None,
                 shareable: true,
+                card: Some(0),
+                mig_profile: None,
+                nvlink_domain: None,
             }],
             claims: vec![ClaimLine {
                 namespace: "default".into(),
@@ -656,6 +724,71 @@ mod tests {
         assert_eq!(
             latest_warning(&events, "default", "ResourceClaim", "d"),
             None
+        );
+    }
+
+    #[test]
+    fn mig_devices_are_summed_up_under_their_card_and_a_mig_claim_names_its_profile() {
+        let card = |i: i64| DeviceLine {
+            node: "node-h100".into(),
+            device: format!("gpu-{i}"),
+            model: "H100-80GB-HBM3".into(),
+            memory: "81559Mi".into(),
+            compute_weight: Some(989),
+            shareable: true,
+            card: Some(i),
+            mig_profile: None,
+            nvlink_domain: Some("nvlink-0000:20:00.0".into()),
+        };
+        let mig = |i: i64, profile: &str, start: u32| DeviceLine {
+            device: format!("gpu-{i}-mig-{}-{start}", profile.replace('.', "-")),
+            memory: "10194Mi".into(),
+            compute_weight: Some(119),
+            shareable: false,
+            mig_profile: Some(profile.into()),
+            nvlink_domain: None,
+            ..card(i)
+        };
+        let devices = vec![
+            card(0),
+            mig(0, "1g.10gb", 0),
+            mig(0, "1g.10gb", 1),
+            mig(0, "3g.40gb", 4),
+            card(1),
+        ];
+        let report = Report {
+            devices,
+            claims: vec![ClaimLine {
+                namespace: "default".into(),
+                name: "mig-1g".into(),
+                allocations: vec![AllocationLine {
+                    request: "gpu".into(),
+                    pool: "node-h100".into(),
+                    device: "gpu-0-mig-1g-10gb-1".into(),
+                    share_id: None,
+                    memory: None,
+                    cores: None,
+                }],
+                pods: vec![],
+                cdi_spec: None,
+                limits: vec![],
+                problem: None,
+                used: true,
+            }],
+            waiting_pods: vec![],
+        };
+        let text = render(&report);
+        assert!(
+            text.contains("gpu-0   H100-80GB-HBM3   memory 81559Mi  weight 989  shareable  nvlink-0000:20:00.0\n            MIG: 3 placements (1g.10gb x2, 3g.40gb x1)\n    gpu-1 "),
+            "{text}"
+        );
+        assert!(
+            !text.contains("gpu-0-mig-1g-10gb-0 "),
+            "one line per card: {text}"
+        );
+        assert!(
+            text.contains("gpu -> node-h100/gpu-0-mig-1g-10gb-1: MIG 1g.10gb (a hardware partition, memory 10194Mi)"),
+            "{text}"
         );
     }
 }

@@ -123,6 +123,8 @@ pub struct ClusterSpec {
     pub registration_timeout: Option<Duration>,
     /// Where the cluster comes from; by default from the environment (`Backend::from_env`).
     pub backend: Option<Backend>,
+    /// Play a cluster without DRAPartitionableDevices (emulator only): slices lose their counters.
+    pub without_partitionable_devices: bool,
 }
 
 impl ClusterSpec {
@@ -149,6 +151,13 @@ impl ClusterSpec {
     pub fn emulated(mut self) -> Self {
         self.backend = Some(Backend::Emulator);
         self
+    }
+
+    /// On an emulator that drops counter sets and consumptions, as a cluster without
+    /// partitionable devices does.
+    pub fn without_partitionable_devices(mut self) -> Self {
+        self.without_partitionable_devices = true;
+        self.emulated()
     }
 }
 
@@ -500,7 +509,9 @@ impl TestCluster {
         let (apiserver, kubeconfig) = match &backend {
             Backend::Emulator => {
                 let path = workdir.join("kubeconfig");
-                (Some(start_api_emulator(&path).await?), path)
+                let mut options = upstream::ApiServerOptions::default();
+                options.without_partitionable_devices = spec.without_partitionable_devices;
+                (Some(start_api_emulator_with(&path, options).await?), path)
             }
             Backend::Real { .. } => (
                 None,
@@ -966,7 +977,15 @@ pub fn workspace_root() -> PathBuf {
 
 /// Starts the API server emulator and writes a kubeconfig for it at `kubeconfig`.
 pub async fn start_api_emulator(kubeconfig: &Path) -> Result<upstream::ApiServer, HarnessError> {
-    let server = upstream::ApiServer::start()
+    start_api_emulator_with(kubeconfig, upstream::ApiServerOptions::default()).await
+}
+
+/// [`start_api_emulator`] with `options`.
+pub async fn start_api_emulator_with(
+    kubeconfig: &Path,
+    options: upstream::ApiServerOptions,
+) -> Result<upstream::ApiServer, HarnessError> {
+    let server = upstream::ApiServer::start_with(options)
         .await
         .map_err(|e| HarnessError::ApiServer(format!("{e:#}")))?;
     server
