@@ -23,13 +23,16 @@ use kube::Api;
 
 /// Every example this test covers. A new file in deploy/examples/ fails the test until it is
 /// covered here.
-const COVERED: [&str; 8] = [
+const COVERED: [&str; 11] = [
     "claim-prefer-a100.yaml",
     "compute-profile-half-a100.yaml",
     "deployment-template.yaml",
+    "fraction-h100-quarter.yaml",
     "fraction-half-a100.yaml",
     "fraction-v100-70.yaml",
     "gpumodels.yaml",
+    "mig-h100-1g.yaml",
+    "nvlink-two-h100.yaml",
     "pod-by-model.yaml",
     "whole-gpu-claim.yaml",
 ];
@@ -76,6 +79,8 @@ fn every_example_reaches_the_state_its_comments_and_the_readme_promise() {
         whole_gpu_claim_gets_the_whole_card_unthrottled(&cluster).await;
         deployment_replicas_each_get_their_own_share(&cluster).await;
         pod_by_model_lands_on_a_v100(&cluster).await;
+        mig_fraction_and_nvlink_claims_share_node_h100(&cluster).await;
+        describe_shows_the_mig_device(&cluster).await;
         prefer_a100_waits_for_a_pod_then_takes_an_a100_else_a_v100(&cluster).await;
         eprintln!("examples scenario took {:?}", started.elapsed());
     });
@@ -89,6 +94,10 @@ async fn gpumodels_make_classes_weights_and_the_kubectl_table(cluster: &TestClus
         "a100-sxm4-40gb.gpupool.dev",
         "v100-sxm2-32gb.gpupool.dev",
         "rtx-3090.gpupool.dev",
+        "h100-80gb-hbm3.gpupool.dev",
+        "h100-80gb-hbm3-mig-1g-10gb.gpupool.dev",
+        "h100-80gb-hbm3-mig-1g-20gb.gpupool.dev",
+        "h100-80gb-hbm3-mig-3g-40gb.gpupool.dev",
         "tier-datacenter.gpupool.dev",
         "tier-workstation.gpupool.dev",
         "gpupool.dev",
@@ -99,7 +108,12 @@ async fn gpumodels_make_classes_weights_and_the_kubectl_table(cluster: &TestClus
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     }
-    for (node, weight) in [("node-a100", 312), ("node-v100", 256), ("node-rtx", 71)] {
+    for (node, weight) in [
+        ("node-a100", 312),
+        ("node-v100", 256),
+        ("node-rtx", 71),
+        ("node-h100", 989),
+    ] {
         wait_for(
             &format!("every card of {node} to publish computeWeight {weight}"),
             TIMEOUT,
@@ -108,6 +122,7 @@ async fn gpumodels_make_classes_weights_and_the_kubectl_table(cluster: &TestClus
                 let weights: Vec<Option<i64>> = slices
                     .iter()
                     .flat_map(|s| s.spec.devices.iter().flatten())
+                    .filter(|d| !is_mig(d))
                     .map(|d| attribute(d, attr::COMPUTE_WEIGHT).and_then(|a| a.int))
                     .collect();
                 (!weights.is_empty() && weights.iter().all(|w| *w == Some(weight))).then_some(())
@@ -126,6 +141,10 @@ async fn gpumodels_make_classes_weights_and_the_kubectl_table(cluster: &TestClus
             ["V100-SXM2-32GB", "256", "2", "1", "64Gi", "True"],
         ),
         ("rtx-3090", ["RTX-3090", "71", "1", "1", "24Gi", "True"]),
+        (
+            "h100-80gb-hbm3",
+            ["H100-80GB-HBM3", "989", "4", "1", "326236Mi", "True"],
+        ),
     ]);
     let columns = ["MODEL", "WEIGHT", "DEVICES", "NODES", "MEMORY", "READY"];
     wait_for_kubectl(
@@ -147,6 +166,10 @@ async fn gpumodels_make_classes_weights_and_the_kubectl_table(cluster: &TestClus
         },
     )
     .await;
+}
+
+fn is_mig(d: &k8s_openapi::api::resource::v1::Device) -> bool {
+    attribute(d, attr::TYPE).and_then(|a| a.string.as_deref()) == Some("mig")
 }
 
 /// compute-profile-half-a100.yaml: template half-a100 in team-a, A100 cores 50 then V100 cores 61,
@@ -502,4 +525,118 @@ async fn prefer_a100_waits_for_a_pod_then_takes_an_a100_else_a_v100(cluster: &Te
         }
     }
     assert_eq!(a100_devices.len(), 2, "one A100 each: {a100_devices:?}");
+}
+
+/// mig-h100-1g.yaml, fraction-h100-quarter.yaml and nvlink-two-h100.yaml on the one node-h100:
+/// the MIG claim runs on a 1g.10gb partition of a card the fraction is not on, with its weight
+/// scaled to its SMs; the NVLink claim gets two more cards, distinct, on one NVLink domain.
+async fn mig_fraction_and_nvlink_claims_share_node_h100(cluster: &TestCluster) {
+    let (_, pool, mig_device, share) = allocation_of_running(cluster, "mig-1g", "mig-1g").await;
+    assert_eq!(pool, "node-h100");
+    assert!(share.is_none(), "a MIG device is not shared");
+    let devices = devices_of(cluster, &pool, 4 * 26).await;
+    let mig = &devices[&mig_device];
+    assert!(is_mig(mig), "{mig_device}");
+    let int = |d: &k8s_openapi::api::resource::v1::Device, name: &str| {
+        attribute(d, name).and_then(|a| a.int)
+    };
+    assert_eq!(
+        attribute(mig, attr::MIG_PROFILE).and_then(|a| a.string.clone()),
+        Some("1g.10gb".into())
+    );
+    assert_eq!(int(mig, attr::MULTIPROCESSORS), Some(16));
+    assert_eq!(int(mig, attr::COMPUTE_WEIGHT), Some(119), "989 x 16 / 132");
+    let mig_card = int(mig, attr::INDEX).expect("a MIG device names its card");
+    let limits = limits_of(cluster, &pool, "mig-1g").await;
+    assert!(
+        limits
+            .iter()
+            .any(|l| l == "GPUPOOL_DEVICE_MIG_PROFILE_0=1g.10gb")
+            && limits
+                .iter()
+                .any(|l| l.starts_with("GPUPOOL_DEVICE_UUID_0=MIG-")),
+        "{limits:?}"
+    );
+    assert!(
+        !limits
+            .iter()
+            .any(|l| l.starts_with("CUDA_DEVICE_MEMORY_LIMIT")),
+        "the partition is the limit: {limits:?}"
+    );
+
+    let (_, pool, quarter_device, share) =
+        allocation_of_running(cluster, "quarter-h100", "quarter-h100").await;
+    assert_eq!(pool, "node-h100");
+    assert!(share.is_some(), "a fraction is a share");
+    let quarter_card = int(&devices[&quarter_device], attr::INDEX).unwrap();
+    assert_ne!(
+        quarter_card, mig_card,
+        "MIG and a fraction never share a card: {quarter_device} / {mig_device}"
+    );
+    assert_share(
+        cluster,
+        &pool,
+        "quarter-h100",
+        ("20Gi", "25"),
+        &[
+            "CUDA_DEVICE_MEMORY_LIMIT_0=20480m",
+            "CUDA_DEVICE_SM_LIMIT_0=25",
+        ],
+    )
+    .await;
+
+    wait_pod_running(cluster, NS, "two-h100-nvlink").await;
+    let pair = results(&claim(cluster, NS, "two-h100-nvlink").await);
+    assert_eq!(pair.len(), 2, "{pair:?}");
+    let cards: BTreeSet<i64> = pair
+        .iter()
+        .map(|(_, pool, device, _)| {
+            assert_eq!(pool, "node-h100");
+            assert!(!is_mig(&devices[device]), "{device}");
+            int(&devices[device], attr::INDEX).unwrap()
+        })
+        .collect();
+    assert_eq!(cards.len(), 2, "two distinct cards: {pair:?}");
+    assert!(!cards.contains(&mig_card) && !cards.contains(&quarter_card));
+    let domains: BTreeSet<Option<String>> = pair
+        .iter()
+        .map(|(_, _, device, _)| {
+            attribute(&devices[device], attr::NVLINK_DOMAIN).and_then(|a| a.string.clone())
+        })
+        .collect();
+    assert_eq!(domains.len(), 1, "{domains:?}");
+    assert!(domains.iter().all(Option::is_some), "{domains:?}");
+}
+
+/// README: `kubectl describe resourceclaim mig-1g` shows which partition the driver made.
+async fn describe_shows_the_mig_device(cluster: &TestCluster) {
+    let limits = limits_of(cluster, "node-h100", "mig-1g").await;
+    let mig_uuid = limits
+        .iter()
+        .find_map(|l| l.strip_prefix("GPUPOOL_DEVICE_UUID_0="))
+        .expect("the MIG device's UUID in the spec")
+        .to_string();
+    let want = [
+        ("Mig Profile:", "1g.10gb"),
+        ("Isolation:", "MIG"),
+        ("Multiprocessors:", "16"),
+        ("Compute Units:", "119"),
+    ];
+    wait_for_kubectl(
+        cluster,
+        &["describe", "resourceclaim", "mig-1g", "-n", NS],
+        "`kubectl describe resourceclaim mig-1g` to show the MIG device",
+        |text| {
+            let shown = want.iter().all(|(label, value)| {
+                text.lines().any(|line| {
+                    line.trim_start()
+                        .strip_prefix(label)
+                        .is_some_and(|rest| rest.trim() == *value)
+                })
+            }) && text.contains(&mig_uuid)
+                && text.contains("prepared: MIG 1g.10gb (GPU instance");
+            shown.then_some(())
+        },
+    )
+    .await;
 }
