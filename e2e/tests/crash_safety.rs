@@ -1,5 +1,6 @@
 //! Never lose a claim (issue 6), over the real driver binary: SIGKILL at every fault point of prepare
-//! and unprepare with random claims, a reboot that empties the CDI folder, and corrupt checkpoints.
+//! and unprepare with random claims (MIG devices among them: no instance may be left behind or
+//! lost either), a reboot that empties the CDI folder, and corrupt checkpoints.
 //!
 //! `GPUPOOL_CRASH_ITERATIONS` (default 200) and `GPUPOOL_CRASH_SEED` (default random, printed) steer
 //! the random loop; a failure names the seed, so `GPUPOOL_CRASH_SEED=<seed>` replays it.
@@ -17,13 +18,24 @@ use rand::seq::IndexedRandom;
 use rand::{Rng, SeedableRng};
 use serde_json::Value;
 
+/// Passed only by claims with a MIG device, before the rest of a prepare.
+const MIG_PREPARE_POINTS: &[&str] = &[
+    "after-gpu-instance-created",
+    "after-gpu-instance-recorded",
+    "after-compute-instance-created",
+];
 const PREPARE_POINTS: &[&str] = &[
+    "after-gpu-instance-created",
+    "after-gpu-instance-recorded",
+    "after-compute-instance-created",
     "after-prepare-started",
     "after-temp-spec-written",
     "after-spec-renamed",
     "after-prepare-completed",
 ];
-const UNPREPARE_POINTS: &[&str] = &["mid-unprepare"];
+const UNPREPARE_POINTS: &[&str] = &["mid-unprepare", "after-compute-instance-destroyed"];
+/// The crash node: two A100s for whole cards and fractions, an H100 for MIG devices.
+const CRASH_GPUS: &str = "a100-40gb:2,h100-80gb:1";
 const NAMESPACE: &str = "crash";
 
 #[test]
@@ -40,7 +52,26 @@ fn env_number(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|v| v.trim().parse().ok())
 }
 
-/// A random allocation on one or both cards of an `a100-40gb:2` node: whole cards or fractions.
+/// Claim `i`'s allocation: claims 0..5 random cards or fractions of the A100s, claims 5..8 one
+/// 1g.10gb MIG device each of the H100 (gpu-2), on placements of their own so that they can all
+/// be prepared at once.
+fn claim_results(rng: &mut StdRng, pool: &str, i: usize) -> Vec<Value> {
+    if i >= 5 {
+        let device = format!("gpu-2-mig-1g-10gb-{}", i - 5);
+        return vec![exclusive_result("gpu0", pool, &device)];
+    }
+    random_results(rng, pool)
+}
+
+fn is_mig_claim(claim: &ClaimRef) -> bool {
+    claim
+        .name
+        .strip_prefix("claim-")
+        .and_then(|i| i.parse::<usize>().ok())
+        .is_some_and(|i| i >= 5)
+}
+
+/// A random allocation on one or both A100s of the crash node: whole cards or fractions.
 fn random_results(rng: &mut StdRng, pool: &str) -> Vec<Value> {
     let mut results = Vec::new();
     let devices: Vec<&str> = if rng.random_bool(0.2) {
@@ -134,10 +165,10 @@ async fn sigkill_at_random_fault_points_never_loses_a_claim() {
     );
     let mut rng = StdRng::seed_from_u64(seed);
 
-    let mut node = CrashNode::with_namespace("node-crash", "a100-40gb:2", NAMESPACE).await;
+    let mut node = CrashNode::with_namespace("node-crash", CRASH_GPUS, NAMESPACE).await;
     let mut claims = Vec::new();
     for i in 0..8 {
-        let results = random_results(&mut rng, &node.name);
+        let results = claim_results(&mut rng, &node.name, i);
         claims.push(
             node.create_allocated_claim(NAMESPACE, &format!("claim-{i}"), results, Vec::new())
                 .await,
@@ -169,6 +200,16 @@ async fn sigkill_at_random_fault_points_never_loses_a_claim() {
         let points = match op {
             Op::Prepare => PREPARE_POINTS,
             Op::Unprepare => UNPREPARE_POINTS,
+        };
+        // Only a prepare of a MIG claim not prepared yet passes the MIG points: aim at them
+        // most of the time then, so that each is hit in a default-length run.
+        let fresh_mig = picked
+            .iter()
+            .any(|c| is_mig_claim(c) && !book.believed.contains_key(&c.uid));
+        let points = if op == Op::Prepare && fresh_mig && rng.random_bool(0.7) {
+            MIG_PREPARE_POINTS
+        } else {
+            points
         };
         let fault = rng
             .random_bool(0.8)

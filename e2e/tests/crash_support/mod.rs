@@ -354,6 +354,11 @@ impl CrashNode {
         }
     }
 
+    /// Events about a claim (PrepareFailed and the like).
+    pub async fn claim_events(&self, namespace: &str, name: &str) -> Vec<Event> {
+        events_about(&self.client, Some(namespace), "ResourceClaim", name).await
+    }
+
     /// Warning Events about this Node.
     pub async fn node_events(&self) -> Vec<Event> {
         events_about(&self.client, None, "Node", &self.name).await
@@ -409,7 +414,50 @@ impl CrashNode {
                 ));
             }
         }
+        self.check_mig_instances(&entries, &mut problems);
         none_or_all(problems)
+    }
+
+    /// Every MIG instance on the fake cards belongs to an entry that records it (GPU and compute
+    /// instance), and every MIG device an entry records exists.
+    fn check_mig_instances(
+        &self,
+        entries: &serde_json::Map<String, Value>,
+        problems: &mut Vec<String>,
+    ) {
+        let recorded: BTreeSet<(String, u64, u64)> = entries
+            .values()
+            .flat_map(|e| e["mig"].as_array().cloned().unwrap_or_default())
+            .filter_map(|r| {
+                Some((
+                    r["parentUuid"].as_str()?.to_string(),
+                    r["gpuInstance"].as_u64()?,
+                    r["computeInstance"].as_u64()?,
+                ))
+            })
+            .collect();
+        let present: BTreeSet<(String, u64, u64)> = mig_instances(&self.dirs.run)
+            .into_iter()
+            .flat_map(|(card, gi, cis)| {
+                if cis.is_empty() {
+                    problems.push(format!(
+                        "MIG: GPU instance {gi} on {card} has no compute instance (a half-made instance)"
+                    ));
+                }
+                cis.into_iter()
+                    .map(move |ci| (card.clone(), u64::from(gi), u64::from(ci)))
+            })
+            .collect();
+        for (card, gi, ci) in present.difference(&recorded) {
+            problems.push(format!(
+                "MIG: GPU instance {gi} / compute instance {ci} on {card} no checkpoint entry accounts for"
+            ));
+        }
+        for (card, gi, ci) in recorded.difference(&present) {
+            problems.push(format!(
+                "MIG: a checkpoint entry records GPU instance {gi} / compute instance {ci} on {card}, which does not exist"
+            ));
+        }
     }
 
     /// A problem for each file of the state folder the driver does not declare.
@@ -509,6 +557,8 @@ impl CrashNode {
             .chain([
                 gpupool_driver::health::inject::SOCKET_FILE,
                 gpupool_driver::health::monitor::STATE_FILE,
+                // Where the fake cards keep their MIG instances (a real card keeps them itself).
+                gpupool_driver::mig::fake::STATE_FILE,
             ])
             .collect();
         for name in list_dir(&self.dirs.run) {
@@ -521,6 +571,7 @@ impl CrashNode {
                 problems.push(format!("run folder: leftover {kind}/{claim_dir}"));
             }
         }
+        self.check_mig_instances(&entries, &mut problems);
         none_or_all(problems)
     }
 }
@@ -611,6 +662,30 @@ pub fn cdi_ids(devices: &[PreparedDevice]) -> Vec<String> {
     devices
         .iter()
         .flat_map(|d| d.cdi_device_ids.iter().cloned())
+        .collect()
+}
+
+/// One allocation result of this driver on `pool` for an exclusive device (a MIG device): no
+/// share id, no consumed capacity.
+pub fn exclusive_result(request: &str, pool: &str, device: &str) -> Value {
+    json!({"request": request, "driver": DRIVER, "pool": pool, "device": device})
+}
+
+/// The MIG instances the fake cards hold (card UUID, GPU instance id, its compute instances), as
+/// a killed or restarted driver left them.
+pub fn mig_instances(run_dir: &Path) -> Vec<(String, u32, Vec<u32>)> {
+    gpupool_driver::mig::fake::load(run_dir)
+        .cards
+        .into_iter()
+        .flat_map(|(card, c)| {
+            c.gpu_instances.into_iter().map(move |gi| {
+                (
+                    card.clone(),
+                    gi.id,
+                    gi.compute_instances.keys().copied().collect(),
+                )
+            })
+        })
         .collect()
 }
 
