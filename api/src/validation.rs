@@ -579,7 +579,7 @@ pub fn validate_resource_slice(slice: &ResourceSlice) -> Vec<FieldError> {
     }
 
     // Since 1.35 a slice carries counter sets or devices, never both; the counter sets sit in
-    // slices of their own in the same pool (docs/architecture.md, "Device model").
+    // slices of their own in the same pool (docs/architecture.md, "Upstream limits on a slice").
     if spec.shared_counters.is_some() && spec.devices.is_some() {
         errors.push(
             "spec",
