@@ -164,8 +164,7 @@ pub fn mig_attributes(
         attr::MULTIPROCESSORS.into(),
         int(profile.multiprocessors.into()),
     );
-    if gpu.multiprocessors > 0 {
-        let per_sm = gpu.cuda_cores / gpu.multiprocessors;
+    if let Some(per_sm) = gpu.cuda_cores.checked_div(gpu.multiprocessors) {
         a.insert(
             attr::CUDA_CORES.into(),
             int((per_sm * profile.multiprocessors).into()),

@@ -66,13 +66,18 @@ const ALL_1G: &[u32] = &[0, 1, 2, 3, 4, 5, 6];
 pub const A100_40GB_MIG: FakeMig = FakeMig {
     switchable: false,
     profiles: &[
-        mig(19, "1g.5gb", 1, ALL_1G, 7, 14, [1, 1, 0, 0, 0], Some(4864)),
+        mig(
+            19,
+            "1g.5gb",
+            (1, ALL_1G, 7),
+            14,
+            [1, 1, 0, 0, 0],
+            Some(4864),
+        ),
         mig(
             20,
             "1g.5gb+me",
-            1,
-            ALL_1G,
-            1,
+            (1, ALL_1G, 1),
             14,
             [1, 1, 0, 1, 1],
             Some(4864),
@@ -80,9 +85,7 @@ pub const A100_40GB_MIG: FakeMig = FakeMig {
         mig(
             15,
             "1g.10gb",
-            2,
-            &[0, 2, 4, 6],
-            4,
+            (2, &[0, 2, 4, 6], 4),
             14,
             [1, 1, 0, 0, 0],
             Some(9856),
@@ -90,9 +93,7 @@ pub const A100_40GB_MIG: FakeMig = FakeMig {
         mig(
             14,
             "2g.10gb",
-            2,
-            &[0, 2, 4],
-            3,
+            (2, &[0, 2, 4], 3),
             28,
             [2, 1, 0, 0, 0],
             Some(9856),
@@ -100,15 +101,13 @@ pub const A100_40GB_MIG: FakeMig = FakeMig {
         mig(
             9,
             "3g.20gb",
-            4,
-            &[0, 4],
-            2,
+            (4, &[0, 4], 2),
             42,
             [3, 2, 0, 0, 0],
             Some(19968),
         ),
-        mig(5, "4g.20gb", 4, &[0], 1, 56, [4, 2, 0, 0, 0], Some(19968)),
-        mig(0, "7g.40gb", 8, &[0], 1, 98, [7, 5, 0, 1, 1], Some(40192)),
+        mig(5, "4g.20gb", (4, &[0], 1), 56, [4, 2, 0, 0, 0], Some(19968)),
+        mig(0, "7g.40gb", (8, &[0], 1), 98, [7, 5, 0, 1, 1], Some(40192)),
     ],
 };
 
@@ -116,13 +115,18 @@ pub const A100_40GB_MIG: FakeMig = FakeMig {
 pub const A100_80GB_MIG: FakeMig = FakeMig {
     switchable: false,
     profiles: &[
-        mig(19, "1g.10gb", 1, ALL_1G, 7, 14, [1, 1, 0, 0, 0], Some(9856)),
+        mig(
+            19,
+            "1g.10gb",
+            (1, ALL_1G, 7),
+            14,
+            [1, 1, 0, 0, 0],
+            Some(9856),
+        ),
         mig(
             20,
             "1g.10gb+me",
-            1,
-            ALL_1G,
-            1,
+            (1, ALL_1G, 1),
             14,
             [1, 1, 0, 1, 1],
             Some(9856),
@@ -130,9 +134,7 @@ pub const A100_80GB_MIG: FakeMig = FakeMig {
         mig(
             15,
             "1g.20gb",
-            2,
-            &[0, 2, 4, 6],
-            4,
+            (2, &[0, 2, 4, 6], 4),
             14,
             [1, 1, 0, 0, 0],
             Some(19968),
@@ -140,9 +142,7 @@ pub const A100_80GB_MIG: FakeMig = FakeMig {
         mig(
             14,
             "2g.20gb",
-            2,
-            &[0, 2, 4],
-            3,
+            (2, &[0, 2, 4], 3),
             28,
             [2, 1, 0, 0, 0],
             Some(19968),
@@ -150,15 +150,13 @@ pub const A100_80GB_MIG: FakeMig = FakeMig {
         mig(
             9,
             "3g.40gb",
-            4,
-            &[0, 4],
-            2,
+            (4, &[0, 4], 2),
             42,
             [3, 2, 0, 0, 0],
             Some(40192),
         ),
-        mig(5, "4g.40gb", 4, &[0], 1, 56, [4, 2, 0, 0, 0], Some(40192)),
-        mig(0, "7g.80gb", 8, &[0], 1, 98, [7, 5, 0, 1, 1], Some(80384)),
+        mig(5, "4g.40gb", (4, &[0], 1), 56, [4, 2, 0, 0, 0], Some(40192)),
+        mig(0, "7g.80gb", (8, &[0], 1), 98, [7, 5, 0, 1, 1], Some(80384)),
     ],
 };
 
@@ -169,22 +167,20 @@ pub const A100_80GB_MIG: FakeMig = FakeMig {
 pub const H100_80GB_MIG: FakeMig = FakeMig {
     switchable: true,
     profiles: &[
-        mig(19, "1g.10gb", 1, ALL_1G, 7, 16, [1, 1, 0, 1, 0], None),
-        mig(20, "1g.10gb+me", 1, ALL_1G, 1, 16, [1, 1, 0, 1, 1], None),
+        mig(19, "1g.10gb", (1, ALL_1G, 7), 16, [1, 1, 0, 1, 0], None),
+        mig(20, "1g.10gb+me", (1, ALL_1G, 1), 16, [1, 1, 0, 1, 1], None),
         mig(
             15,
             "1g.20gb",
-            2,
-            &[0, 2, 4, 6],
-            4,
+            (2, &[0, 2, 4, 6], 4),
             26,
             [1, 1, 0, 1, 0],
             None,
         ),
-        mig(14, "2g.20gb", 2, &[0, 2, 4], 3, 32, [2, 2, 0, 2, 0], None),
-        mig(9, "3g.40gb", 4, &[0, 4], 2, 60, [3, 3, 0, 3, 0], None),
-        mig(5, "4g.40gb", 4, &[0], 1, 64, [4, 4, 0, 4, 0], None),
-        mig(0, "7g.80gb", 8, &[0], 1, 132, [8, 7, 0, 7, 1], None),
+        mig(14, "2g.20gb", (2, &[0, 2, 4], 3), 32, [2, 2, 0, 2, 0], None),
+        mig(9, "3g.40gb", (4, &[0, 4], 2), 60, [3, 3, 0, 3, 0], None),
+        mig(5, "4g.40gb", (4, &[0], 1), 64, [4, 4, 0, 4, 0], None),
+        mig(0, "7g.80gb", (8, &[0], 1), 132, [8, 7, 0, 7, 1], None),
     ],
 };
 
@@ -193,35 +189,34 @@ pub const H100_80GB_MIG: FakeMig = FakeMig {
 pub const H200_MIG: FakeMig = FakeMig {
     switchable: true,
     profiles: &[
-        mig(19, "1g.18gb", 1, ALL_1G, 7, 16, [1, 1, 0, 1, 0], None),
-        mig(20, "1g.18gb+me", 1, ALL_1G, 1, 16, [1, 1, 0, 1, 1], None),
+        mig(19, "1g.18gb", (1, ALL_1G, 7), 16, [1, 1, 0, 1, 0], None),
+        mig(20, "1g.18gb+me", (1, ALL_1G, 1), 16, [1, 1, 0, 1, 1], None),
         mig(
             15,
             "1g.35gb",
-            2,
-            &[0, 2, 4, 6],
-            4,
+            (2, &[0, 2, 4, 6], 4),
             26,
             [1, 1, 0, 1, 0],
             None,
         ),
-        mig(14, "2g.35gb", 2, &[0, 2, 4], 3, 32, [2, 2, 0, 2, 0], None),
-        mig(9, "3g.71gb", 4, &[0, 4], 2, 60, [3, 3, 0, 3, 0], None),
-        mig(5, "4g.71gb", 4, &[0], 1, 64, [4, 4, 0, 4, 0], None),
-        mig(0, "7g.141gb", 8, &[0], 1, 132, [8, 7, 0, 7, 1], None),
+        mig(14, "2g.35gb", (2, &[0, 2, 4], 3), 32, [2, 2, 0, 2, 0], None),
+        mig(9, "3g.71gb", (4, &[0, 4], 2), 60, [3, 3, 0, 3, 0], None),
+        mig(5, "4g.71gb", (4, &[0], 1), 64, [4, 4, 0, 4, 0], None),
+        mig(0, "7g.141gb", (8, &[0], 1), 132, [8, 7, 0, 7, 1], None),
     ],
 };
 
+/// `geometry`: memory slices per instance, the first slice of each placement, and how many
+/// instances fit at once.
 const fn mig(
     id: u32,
     name: &'static str,
-    memory_slices: u32,
-    placements: &'static [u32],
-    instances: u32,
+    geometry: (u32, &'static [u32], u32),
     multiprocessors: u32,
     engines: [u32; 5],
     memory_mib: Option<u64>,
 ) -> FakeMigProfile {
+    let (memory_slices, placements, instances) = geometry;
     FakeMigProfile {
         id,
         name,

@@ -33,9 +33,9 @@ pub enum PrepareErrorKind {
     #[error(transparent)]
     Render(#[from] CdiError),
     /// The node guard: the device would share its card with another claim's in a way MIG
-    /// forbids (see `guard.rs`).
+    /// forbids (see `guard.rs`). Boxed: the error travels in every prepare's `Result`.
     #[error(transparent)]
-    Conflict(#[from] super::guard::Conflict),
+    Conflict(Box<super::guard::Conflict>),
     #[error("{device}: {source}")]
     NvidiaCdi {
         device: String,

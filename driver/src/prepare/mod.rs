@@ -309,7 +309,7 @@ impl ClaimPreparer {
             })
             .collect();
         // Held until the claim is recorded prepared or has failed: the node guard sees it.
-        let _reserved = self.reserve(claim, &per_device)?;
+        let _reserved = self.reserve(claim, &per_device).map_err(fail)?;
         let layout = self.state.layout();
         let default_enforcement = self
             .opts
@@ -360,12 +360,12 @@ impl ClaimPreparer {
         let answer = self.answer(claim, &per_device, &device_limits, &mig);
         let (rendered, devices) = match answer {
             Ok(answer) => answer,
-            Err(e) => {
+            Err(kind) => {
                 if !mig.is_empty() {
                     let (state, uid) = (self.state.clone(), claim.uid.clone());
                     let _ = tokio::task::spawn_blocking(move || state.abandon(&uid)).await;
                 }
-                return Err(e);
+                return Err(fail(kind));
             }
         };
 
@@ -438,8 +438,7 @@ impl ClaimPreparer {
         per_device: &[(AllocatedDevice, NodeDevice<'_>, EffectiveConfig)],
         device_limits: &[limits::DeviceLimits],
         mig: &[MigRecord],
-    ) -> Result<(cdi::Rendered, Vec<PreparedDevice>), PrepareError> {
-        let fail = |kind: PrepareErrorKind| PrepareError::new(claim, kind);
+    ) -> Result<(cdi::Rendered, Vec<PreparedDevice>), PrepareErrorKind> {
         let layout = self.state.layout();
         let spec_devices: Vec<SpecDevice> = per_device
             .iter()
@@ -461,8 +460,7 @@ impl ClaimPreparer {
                 },
             })
             .collect();
-        let rendered = cdi::render(&claim.uid, &spec_devices, layout, &|p: &Path| p.exists())
-            .map_err(|e| fail(e.into()))?;
+        let rendered = cdi::render(&claim.uid, &spec_devices, layout, &|p: &Path| p.exists())?;
         if let Some(warning) = &rendered.warning {
             if !self.warned_missing_lib.swap(true, Ordering::Relaxed) {
                 tracing::warn!("{warning}");
@@ -478,11 +476,9 @@ impl ClaimPreparer {
                 // A MIG device's driver libraries are its card's.
                 let gpu = device.gpu;
                 let nvidia = nvidia_cdi::find_device_id(spec_dirs, &gpu.uuid, gpu.index).map_err(
-                    |source| {
-                        fail(PrepareErrorKind::NvidiaCdi {
-                            device: d.device.clone(),
-                            source,
-                        })
+                    |source| PrepareErrorKind::NvidiaCdi {
+                        device: d.device.clone(),
+                        source,
                     },
                 )?;
                 cdi_device_ids.push(nvidia);
@@ -504,7 +500,7 @@ impl ClaimPreparer {
         &self,
         claim: &ClaimRef,
         per_device: &[(AllocatedDevice, NodeDevice<'_>, EffectiveConfig)],
-    ) -> Result<Reservation<'_>, PrepareError> {
+    ) -> Result<Reservation<'_>, PrepareErrorKind> {
         let wanted: Vec<(String, Use)> = per_device
             .iter()
             .map(|(_, device, _)| (device.name.clone(), use_of(device)))
@@ -543,8 +539,7 @@ impl ClaimPreparer {
             }
         }
         let name = format!("{}/{}", claim.namespace, claim.name);
-        guard::check(&name, &wanted, &held)
-            .map_err(|e| PrepareError::new(claim, PrepareErrorKind::Conflict(e)))?;
+        guard::check(&name, &wanted, &held).map_err(|e| PrepareErrorKind::Conflict(Box::new(e)))?;
         in_flight.insert(claim.uid.clone(), (name, wanted));
         Ok(Reservation {
             in_flight: &self.in_flight,

@@ -509,8 +509,10 @@ impl TestCluster {
         let (apiserver, kubeconfig) = match &backend {
             Backend::Emulator => {
                 let path = workdir.join("kubeconfig");
-                let mut options = upstream::ApiServerOptions::default();
-                options.without_partitionable_devices = spec.without_partitionable_devices;
+                let options = upstream::ApiServerOptions {
+                    without_partitionable_devices: spec.without_partitionable_devices,
+                    ..Default::default()
+                };
                 (Some(start_api_emulator_with(&path, options).await?), path)
             }
             Backend::Real { .. } => (

@@ -748,7 +748,7 @@ fn a_fraction_of_a_card_blocks_every_mig_device_of_that_card_and_none_of_the_oth
         "gpu-0"
     );
 
-    let err = on_mig_node(&small("s", Some(0)), &[half.clone()], &slices).unwrap_err();
+    let err = on_mig_node(&small("s", Some(0)), std::slice::from_ref(&half), &slices).unwrap_err();
     for k in 0..7 {
         assert!(
             err.contains(&format!(
@@ -770,7 +770,12 @@ fn a_mig_device_blocks_its_card_whole_and_in_fractions() {
     let slices = mig_node_slices("node-h", 2);
     let s = small("s", Some(0));
     let s = allocated(s.clone(), on_mig_node(&s, &[], &slices).unwrap());
-    let err = on_mig_node(&fraction_on("half", Some(0)), &[s.clone()], &slices).unwrap_err();
+    let err = on_mig_node(
+        &fraction_on("half", Some(0)),
+        std::slice::from_ref(&s),
+        &slices,
+    )
+    .unwrap_err();
     assert!(
         err.contains(
             "insufficient counters for gpu-0: gpu-0-counters/memory-slice-0 needs 1, 0 of 1 left"
@@ -778,7 +783,7 @@ fn a_mig_device_blocks_its_card_whole_and_in_fractions() {
         "{err}"
     );
     let whole = claim("whole", vec![exact("gpu", H100, &[])]);
-    let got = on_mig_node(&whole, &[s.clone()], &slices).unwrap();
+    let got = on_mig_node(&whole, std::slice::from_ref(&s), &slices).unwrap();
     assert_eq!(device_of(&got), "gpu-1");
     // The card's other placements stay free for MIG.
     let second = on_mig_node(&small("t", Some(0)), &[s], &slices).unwrap();
@@ -792,7 +797,10 @@ fn a_shared_card_is_charged_with_its_first_share_and_released_with_its_last() {
     let a = allocated(a.clone(), on_mig_node(&a, &[], &slices).unwrap());
     // The second share skips the counter check: all of them are taken, yet it fits.
     let b = fraction_on("b", Some(0));
-    let b = allocated(b.clone(), on_mig_node(&b, &[a.clone()], &slices).unwrap());
+    let b = allocated(
+        b.clone(),
+        on_mig_node(&b, std::slice::from_ref(&a), &slices).unwrap(),
+    );
     assert_eq!(
         device_of(b.status.as_ref().unwrap().allocation.as_ref().unwrap()),
         "gpu-0"
