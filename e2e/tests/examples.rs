@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use common::*;
 use gpupool_api::names::{attr, capacity};
-use gpupool_e2e::harness::objects::pod_yaml;
+use gpupool_e2e::harness::objects::{pod_yaml, template_pod_yaml};
 use gpupool_e2e::harness::{wait_for, TestCluster};
 use gpupool_e2e::sandbox::{self, cdi_limits};
 use k8s_openapi::api::core::v1::Pod;
@@ -81,6 +81,7 @@ fn every_example_reaches_the_state_its_comments_and_the_readme_promise() {
         pod_by_model_lands_on_a_v100(&cluster).await;
         mig_fraction_and_nvlink_claims_share_node_h100(&cluster).await;
         describe_shows_the_mig_device(&cluster).await;
+        compute_profiles_fall_back_between_a_mig_device_and_a_fraction(&cluster).await;
         prefer_a100_waits_for_a_pod_then_takes_an_a100_else_a_v100(&cluster).await;
         eprintln!("examples scenario took {:?}", started.elapsed());
     });
@@ -639,4 +640,44 @@ async fn describe_shows_the_mig_device(cluster: &TestCluster) {
         },
     )
     .await;
+}
+
+/// README "MIG": a ComputeProfile with `mig: First` gets the smallest H100 MIG profile reaching its
+/// compute and memory (1g.10gb: weight 119 >= 100, 10194Mi >= 8Gi) and one with `mig: Last` a
+/// fraction (8Gi and 11% of the card that holds quarter-h100), through the templates the
+/// controller writes and the classes it makes for the GpuModel's MIG profiles.
+async fn compute_profiles_fall_back_between_a_mig_device_and_a_fraction(cluster: &TestCluster) {
+    for (profile, mig, want_request) in [
+        ("mig-first", "First", "gpu/h100-80gb-hbm3-mig-1g-10gb"),
+        ("mig-last", "Last", "gpu/h100-80gb-hbm3"),
+    ] {
+        let yaml = format!(
+            "apiVersion: gpupool.dev/v1alpha1\nkind: ComputeProfile\nmetadata:\n  name: {profile}\n\
+             spec:\n  compute: 100\n  memory: 8Gi\n  models: [h100-80gb-hbm3]\n  mig: {mig}\n  namespaces: [{NS}]\n"
+        );
+        apply(cluster, NS, &yaml).await;
+        let templates: Api<ResourceClaimTemplate> = Api::namespaced(cluster.client(), NS);
+        wait_for(&format!("template {profile}"), TIMEOUT, || async {
+            templates.get_opt(profile).await.ok().flatten()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+        let pod = format!("uses-{profile}");
+        apply(cluster, NS, &template_pod_yaml(&pod, profile)).await;
+        let claim_name = generated_claim(cluster, &pod).await;
+        let (request, pool, device, _) = allocation_of_running(cluster, &pod, &claim_name).await;
+        assert_eq!(
+            (request.as_str(), pool.as_str()),
+            (want_request, "node-h100"),
+            "{profile} -> {device}"
+        );
+        if mig == "Last" {
+            assert_eq!(
+                consumed(cluster, &claim_name).await.1.as_deref(),
+                Some("11")
+            );
+        } else {
+            assert!(device.contains("-mig-1g-10gb-"), "{device}");
+        }
+    }
 }
