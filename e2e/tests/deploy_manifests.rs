@@ -476,6 +476,11 @@ fn rbac_grants_least_privilege() {
             ),
             (
                 "resource.k8s.io",
+                "resourceclaims/driver",
+                &["associated-node:patch", "associated-node:update"]
+            ),
+            (
+                "resource.k8s.io",
                 "resourceslices",
                 &["get", "list", "watch", "create", "update", "delete"]
             ),
@@ -486,6 +491,14 @@ fn rbac_grants_least_privilege() {
         ]),
         "driver ClusterRole"
     );
+    // Only this driver's entries, and only as a node-local driver (never arbitrary-node).
+    let status_rule = find(&objects, "ClusterRole", "gpupool-driver")["rules"]
+        .as_array()
+        .expect("rules")
+        .iter()
+        .find(|r| strings(&r["resources"]) == ["resourceclaims/driver"])
+        .expect("a resourceclaims/driver rule");
+    assert_eq!(strings(&status_rule["resourceNames"]), ["gpupool.dev"]);
 
     let read = &["get", "list", "watch"][..];
     let manage = &["get", "list", "watch", "create", "update", "delete"][..];
