@@ -199,8 +199,9 @@ fn image(test: &str) -> Option<Image> {
     let Some(built) = built_dir(&files) else {
         return skip(
             test,
-            "the binaries are not built next to this test (cargo build -p gpupool-driver \
-             -p gpupool-controller -p gpupool-vgpu; cargo test --workspace builds them)",
+            "the binaries and the library are not all built next to this test (cargo build \
+             -p gpupool-driver -p gpupool-controller -p gpupool-vgpu; cargo test builds the \
+             binaries but not the library's .so, .ci/run builds it)",
         );
     };
     match BUILT.get_or_init(|| build(&tarball, &built)) {
