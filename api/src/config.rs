@@ -6,7 +6,7 @@
 //! sharing: Fractional        # or Exclusive: the claim must hold the whole card
 //! memoryLimit: 4Gi           # may only lower the allocated memory
 //! coreLimit: 25              # percent, may only lower the allocated cores
-//! enforcement: HamiCore      # or None: no HAMi-core limits in the container
+//! enforcement: Gpupool       # or HamiCore, or None: no limits in the container
 //! priority: 1                # HAMi-core's CUDA_TASK_PRIORITY (0 high, 1 low)
 //! ```
 //!
@@ -49,6 +49,8 @@ pub enum Sharing {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Enforcement {
+    /// Limits enforced in the container by gpupool's own library (`libgpupool_vgpu.so`).
+    Gpupool,
     /// Limits enforced in the container by HAMi-core (`libvgpu.so`).
     HamiCore,
     /// No enforcement: the container sees the whole card; the limits are bookkeeping only.
@@ -56,8 +58,18 @@ pub enum Enforcement {
 }
 
 impl Enforcement {
+    /// The library that enforces it, as a claim's status and the driver's log name it.
+    pub fn library_name(self) -> Option<&'static str> {
+        match self {
+            Enforcement::Gpupool => Some("gpupool-vgpu"),
+            Enforcement::HamiCore => Some("HAMi-core"),
+            Enforcement::None => None,
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
+            Enforcement::Gpupool => "Gpupool",
             Enforcement::HamiCore => "HamiCore",
             Enforcement::None => "None",
         }
@@ -201,12 +213,15 @@ pub fn decode(parameters: &Value, field: &str) -> Result<GpuConfig, ConfigError>
     }
     if let Some(v) = map.get("enforcement") {
         config.enforcement = Some(match v.as_str() {
+            Some("Gpupool") => Enforcement::Gpupool,
             Some("HamiCore") => Enforcement::HamiCore,
             Some("None") => Enforcement::None,
             _ => {
                 return Err(err(
                     at("enforcement"),
-                    format!("unsupported value {v}, expected \"HamiCore\" or \"None\""),
+                    format!(
+                        "unsupported value {v}, expected \"Gpupool\", \"HamiCore\" or \"None\""
+                    ),
                 ))
             }
         });
@@ -300,6 +315,7 @@ pub struct EffectiveConfig {
     pub sharing_field: Option<String>,
     pub memory_limit_field: Option<String>,
     pub core_limit_field: Option<String>,
+    pub enforcement_field: Option<String>,
 }
 
 /// The effective config of one allocation result: class entries, then claim entries, later wins.
@@ -324,6 +340,9 @@ pub fn effective_config(entries: &[ConfigEntry], result_request: &str) -> Effect
             }
             if c.core_limit.is_some() {
                 effective.core_limit_field = Some(format!("{}.coreLimit", entry.field));
+            }
+            if c.enforcement.is_some() {
+                effective.enforcement_field = Some(format!("{}.enforcement", entry.field));
             }
             effective.config.overlay(c);
         }

@@ -30,6 +30,19 @@ pub enum Command {
     /// Tell the running driver (same --run-dir) that a GPU raised an XID, was lost, or was reset
     /// (`clear`), as NVML would: to rehearse on fake GPUs, or to lift a taint after a reset.
     InjectXid(InjectXidArgs),
+    /// Copy gpupool's enforcement library onto the node (the DaemonSet's init container), where
+    /// `run --gpupool-lib-dir` finds it and limited containers get it from.
+    InstallLib(InstallLibArgs),
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct InstallLibArgs {
+    /// The library to install (the image carries it here).
+    #[arg(long, default_value = crate::install::IMAGE_LIB_PATH)]
+    pub from: PathBuf,
+    /// The host folder, mounted into the init container at the same path.
+    #[arg(long, env = "GPUPOOL_LIB_DIR", default_value = "/usr/local/gpupool")]
+    pub to: PathBuf,
 }
 
 #[derive(Debug, Clone, clap::Args)]
@@ -92,6 +105,19 @@ pub struct RunArgs {
     /// Host folder holding HAMi-core's libvgpu.so.
     #[arg(long, env = "VGPU_LIB_DIR", default_value = "/usr/local/vgpu")]
     pub vgpu_lib_dir: PathBuf,
+    /// Host folder holding gpupool's own libgpupool_vgpu.so (`install-lib` puts it there).
+    #[arg(long, env = "GPUPOOL_LIB_DIR", default_value = "/usr/local/gpupool")]
+    pub gpupool_lib_dir: PathBuf,
+    /// Which library enforces a claim whose GpuConfig names none: `Auto` is gpupool's where
+    /// installed, else HAMi-core where installed, else none (the claim's status says so).
+    #[arg(
+        long,
+        env = "DEFAULT_ENFORCEMENT",
+        value_enum,
+        default_value = "Auto",
+        ignore_case = true
+    )]
+    pub default_enforcement: DefaultEnforcementArg,
     /// Where real GPUs' driver libraries come from: `nvidia-cdi` returns the node's NVIDIA CDI device
     /// (`nvidia.com/gpu=<uuid or index>`) beside gpupool's own; `none` leaves them to the image.
     #[arg(
@@ -164,12 +190,32 @@ fn parse_pod_uid(value: &str) -> Result<String, String> {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[value(rename_all = "PascalCase")]
+pub enum DefaultEnforcementArg {
+    Auto,
+    Gpupool,
+    HamiCore,
+    None,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum DriverLibrariesArg {
     NvidiaCdi,
     None,
 }
 
 impl RunArgs {
+    pub fn default_enforcement(&self) -> crate::prepare::DefaultEnforcement {
+        use crate::prepare::DefaultEnforcement::{Auto, Fixed};
+        use gpupool_api::config::Enforcement;
+        match self.default_enforcement {
+            DefaultEnforcementArg::Auto => Auto,
+            DefaultEnforcementArg::Gpupool => Fixed(Enforcement::Gpupool),
+            DefaultEnforcementArg::HamiCore => Fixed(Enforcement::HamiCore),
+            DefaultEnforcementArg::None => Fixed(Enforcement::None),
+        }
+    }
+
     pub fn driver_libraries(&self) -> crate::prepare::DriverLibraries {
         match self.driver_libraries {
             DriverLibrariesArg::NvidiaCdi => crate::prepare::DriverLibraries::NvidiaCdi {
@@ -237,6 +283,11 @@ mod tests {
         assert_eq!(args.cdi_root, PathBuf::from("/var/run/cdi"));
         assert_eq!(args.run_dir, PathBuf::from("/var/run/gpupool"));
         assert_eq!(args.vgpu_lib_dir, PathBuf::from("/usr/local/vgpu"));
+        assert_eq!(args.gpupool_lib_dir, PathBuf::from("/usr/local/gpupool"));
+        assert_eq!(
+            args.default_enforcement(),
+            crate::prepare::DefaultEnforcement::Auto
+        );
         assert_eq!(args.log_format, LogFormat::Text);
         assert_eq!(
             args.metrics_addr.0,
@@ -288,6 +339,22 @@ mod tests {
         assert_eq!(args.log_format, LogFormat::Json);
         assert_eq!(args.healthz_addr.unwrap().port(), 51515);
         assert_eq!(args.metrics_addr.0, Some("127.0.0.1:0".parse().unwrap()));
+    }
+
+    #[test]
+    fn default_enforcement_names_a_library_or_none() {
+        use crate::prepare::DefaultEnforcement::Fixed;
+        use gpupool_api::config::Enforcement;
+        for (value, want) in [
+            ("HamiCore", Fixed(Enforcement::HamiCore)),
+            ("gpupool", Fixed(Enforcement::Gpupool)),
+            ("None", Fixed(Enforcement::None)),
+        ] {
+            let args = run_args(&["--default-enforcement", value]).unwrap();
+            assert_eq!(args.default_enforcement(), want, "{value}");
+        }
+        let e = run_args(&["--default-enforcement", "hami"]).unwrap_err();
+        assert!(e.to_string().contains("Gpupool"), "{e}");
     }
 
     #[test]

@@ -7,6 +7,7 @@
 
 pub mod config;
 pub mod health;
+pub mod install;
 pub mod inventory;
 pub mod metrics;
 pub mod node_state;

@@ -13,6 +13,7 @@ use gpupool_driver::config::{Cli, Command, InspectArgs, LogFormat, RunArgs};
 use gpupool_driver::health::{
     inject as health_inject, monitor as health_monitor, nvml as health_nvml, HealthMap, XidPolicy,
 };
+use gpupool_driver::install::Installed;
 use gpupool_driver::inventory::{self, Inventory};
 use gpupool_driver::metrics::{self, DriverMetrics, InstrumentedPreparer};
 use gpupool_driver::node_state::NodeLayout;
@@ -52,6 +53,12 @@ fn main() -> ExitCode {
     let logging = matches!(cli.command, Command::Run(_));
     let result = match cli.command {
         Command::Inspect(args) => inspect(args),
+        Command::InstallLib(args) => gpupool_driver::install::install_lib(&args.from, &args.to)
+            .map(|installed| match installed {
+                Installed::Written(path) => println!("installed {}", path.display()),
+                Installed::UpToDate(path) => println!("{} is up to date", path.display()),
+            })
+            .map_err(anyhow::Error::new),
         Command::InjectXid(args) => {
             gpupool_driver::health::inject::send(&args.run_dir, &args.device, &args.xid)
                 .map(|answer| println!("{answer}"))
@@ -268,11 +275,12 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                     args.state_dir.clone(),
                     args.cdi_root.clone(),
                     args.run_dir.clone(),
-                    &args.vgpu_lib_dir,
+                    (&args.gpupool_lib_dir, &args.vgpu_lib_dir),
                     args.fake_gpus.is_some(),
                 )
             },
             driver_libraries: args.driver_libraries(),
+            default_enforcement: args.default_enforcement(),
         },
         inventory.clone(),
         client.clone(),

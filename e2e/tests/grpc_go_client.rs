@@ -121,15 +121,15 @@ impl Node {
             .unwrap_or_else(|e| panic!("{e}"));
         let host = root.path().join("host");
         let dirs = NodeDirs::under(&host);
-        let vgpu = host.join("vgpu");
-        for dir in [&dirs.registry, &dirs.plugin, &dirs.cdi, &dirs.state, &vgpu] {
+        let libs = host.join("libs");
+        for dir in [&dirs.registry, &dirs.plugin, &dirs.cdi, &dirs.state, &libs] {
             std::fs::create_dir_all(dir).expect("creating the node's folders");
         }
         let binary = find_binary(DRIVER_BIN).unwrap_or_else(|e| panic!("{e}"));
         let driver = ManagedProcess::spawn(
             &format!("{DRIVER_BIN} on {NODE}"),
             &binary,
-            dirs.driver_run_args(NODE, &kubeconfig, FAKE_GPUS, &vgpu),
+            dirs.driver_run_args(NODE, &kubeconfig, FAKE_GPUS, &libs),
             root.path().join("driver.log"),
         )
         .expect("starting the driver");

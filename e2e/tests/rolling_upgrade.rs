@@ -48,7 +48,7 @@ struct NewPod {
 impl NewPod {
     fn start(cluster: &TestCluster, pod_uid: &str, healthz_port: u16) -> NewPod {
         let node = cluster.node_at(0);
-        let vgpu = cluster.workdir().join(&node.spec.name).join("vgpu");
+        let libs = cluster.workdir().join(&node.spec.name).join("libs");
         let log = cluster.workdir().join("driver-new-pod.log");
         let out = std::fs::File::create(&log).expect("creating the new pod's log");
         let err = out.try_clone().expect("cloning the log handle");
@@ -57,7 +57,7 @@ impl NewPod {
         command
             .args(
                 node.dirs
-                    .driver_run_args(&node.name, cluster.kubeconfig_path(), PROFILE, &vgpu),
+                    .driver_run_args(&node.name, cluster.kubeconfig_path(), PROFILE, &libs),
             )
             .arg(format!("--healthz-addr=127.0.0.1:{healthz_port}"))
             .env("POD_UID", pod_uid)

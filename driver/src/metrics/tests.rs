@@ -110,7 +110,7 @@ fn prepared_entry(
         PathBuf::from("/nonexistent/state"),
         PathBuf::from("/nonexistent/cdi"),
         PathBuf::from("/run/gpupool"),
-        Path::new("/nonexistent"),
+        (Path::new("/nonexistent"), Path::new("/nonexistent")),
         true,
     );
     let rendered = cdi::render(uid, &spec_devices, &layout, &|_| false).unwrap();

@@ -107,7 +107,10 @@ mod tests {
             dir.path().join("state"),
             dir.path().to_path_buf(),
             dir.path().join("run"),
-            Path::new("/usr/local/vgpu"),
+            (
+                Path::new("/usr/local/gpupool"),
+                Path::new("/usr/local/vgpu"),
+            ),
             true,
         );
         let spec = Spec {

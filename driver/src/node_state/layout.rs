@@ -2,27 +2,39 @@
 //! folder is added, moved or cleaned up.
 //!
 //! - `<state-dir>/` (0700, survives reboots): the checkpoint ([`checkpoint`](super::checkpoint))
-//!   and `ld.so.preload`, the file HAMi-core's library is preloaded through.
+//!   and one preload file per enforcement library (`ld.so.preload` for HAMi-core,
+//!   `ld.so.preload.gpupool` for gpupool's own), the file a limited container's
+//!   `/etc/ld.so.preload` is.
 //! - `<cdi-root>/` (0755): one CDI spec per prepared claim, `gpupool.dev-claim_<uid>.json`, each
 //!   written through a `.<name>.tmp` file first.
 //! - `<run-dir>/` (0711, per boot, normally a tmpfs): the per-claim folders, one tree per kind
 //!   ([`CLAIM_FOLDERS`]), `<run-dir>/<kind>/<uid>/`.
 //! - the HAMi-core lock folder, `/tmp/vgpulock`, shared by every container on the node.
+//! - the enforcement libraries on the host, which the driver only reads: gpupool's
+//!   (`--gpupool-lib-dir`, installed by the DaemonSet's init container with `install-lib`) and
+//!   HAMi-core's (`--vgpu-lib-dir`, installed by the operator).
 
 use std::path::{Path, PathBuf};
 
+use gpupool_api::config::Enforcement;
 use gpupool_api::names::cdi_spec_file_name;
 
 use super::checkpoint;
 
-/// `ld.so.preload` in the state folder; its content is [`CONTAINER_LIB_PATH`].
+/// HAMi-core's preload file in the state folder; its content is [`HAMI_CORE_CONTAINER_PATH`].
 pub const PRELOAD_FILE_NAME: &str = "ld.so.preload";
-/// Where HAMi-core is mounted in the container, and what `/etc/ld.so.preload` names.
-pub const CONTAINER_LIB_PATH: &str = "/usr/local/vgpu/libvgpu.so";
-/// Where the preload file is mounted in the container.
+/// gpupool's preload file in the state folder; its content is [`GPUPOOL_CONTAINER_PATH`].
+pub const GPUPOOL_PRELOAD_FILE_NAME: &str = "ld.so.preload.gpupool";
+/// Where HAMi-core is mounted in the container.
+pub const HAMI_CORE_CONTAINER_PATH: &str = "/usr/local/vgpu/libvgpu.so";
+/// Where gpupool's library is mounted in the container.
+pub const GPUPOOL_CONTAINER_PATH: &str = "/usr/local/gpupool/libgpupool_vgpu.so";
+/// Where a preload file is mounted in the container.
 pub const LD_SO_PRELOAD: &str = "/etc/ld.so.preload";
 /// HAMi-core's library in `--vgpu-lib-dir`.
 pub const LIB_FILE_NAME: &str = "libvgpu.so";
+/// gpupool's library in `--gpupool-lib-dir` (what `cargo build -p gpupool-vgpu` makes).
+pub const GPUPOOL_LIB_FILE_NAME: &str = "libgpupool_vgpu.so";
 /// HAMi-core's cross-container lock folder, same path on both sides.
 pub const VGPU_LOCK_DIR: &str = "/tmp/vgpulock";
 
@@ -32,6 +44,7 @@ pub const STATE_FILES: &[&str] = &[
     checkpoint::LOG_FILE,
     checkpoint::LOCK_FILE,
     PRELOAD_FILE_NAME,
+    GPUPOOL_PRELOAD_FILE_NAME,
 ];
 
 /// A kind of per-claim host folder: `<run-dir>/<kind>/<claim uid>/`, created (mode 1777, sticky)
@@ -39,7 +52,8 @@ pub const STATE_FILES: &[&str] = &[
 /// for it. A new kind is one more entry in [`CLAIM_FOLDERS`]; the spec mounts it in `prepare/cdi.rs`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ClaimFolder {
-    /// HAMi-core's per-claim accounting file (`<card uuid>.cache`), shared by the claim's containers.
+    /// The enforcement library's per-claim accounting file (`<card uuid>.cache`), shared by the
+    /// claim's containers.
     VgpuCache,
 }
 
@@ -55,6 +69,26 @@ impl ClaimFolder {
     }
 }
 
+/// An in-container enforcement library, as this node holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EnforcementLib {
+    /// What it enforces (never `None`).
+    pub enforcement: Enforcement,
+    /// The library on the host, mounted read-only into limited containers.
+    pub host_path: PathBuf,
+    /// Where it is mounted, which is what its preload file names.
+    pub container_path: &'static str,
+    /// Its preload file in the state folder, mounted at [`LD_SO_PRELOAD`].
+    pub preload_file_name: &'static str,
+}
+
+impl EnforcementLib {
+    /// What claims' status and the log call it.
+    pub fn name(&self) -> &'static str {
+        self.enforcement.library_name().unwrap_or("none")
+    }
+}
+
 /// Host paths of one node agent.
 #[derive(Debug, Clone)]
 pub struct NodeLayout {
@@ -62,8 +96,10 @@ pub struct NodeLayout {
     pub cdi_root: PathBuf,
     /// Per-boot state, normally on a tmpfs.
     pub run_dir: PathBuf,
-    /// `<vgpu-lib-dir>/libvgpu.so`.
-    pub vgpu_lib: PathBuf,
+    /// gpupool's library, `<gpupool-lib-dir>/libgpupool_vgpu.so`.
+    pub gpupool_lib: EnforcementLib,
+    /// HAMi-core, `<vgpu-lib-dir>/libvgpu.so`.
+    pub hami_core_lib: EnforcementLib,
     pub vgpu_lock_dir: PathBuf,
     pub fake_gpus: bool,
     /// A lock file when other driver instances share these folders (a rolling update with surge),
@@ -72,28 +108,54 @@ pub struct NodeLayout {
 }
 
 impl NodeLayout {
-    /// The layout for these folders, HAMi-core's lock folder at its fixed place.
+    /// The layout for these folders, HAMi-core's lock folder at its fixed place. `lib_dirs` are
+    /// the host folders of gpupool's library and of HAMi-core, in that order.
     pub fn new(
         state_dir: PathBuf,
         cdi_root: PathBuf,
         run_dir: PathBuf,
-        vgpu_lib_dir: &Path,
+        (gpupool_lib_dir, vgpu_lib_dir): (&Path, &Path),
         fake_gpus: bool,
     ) -> Self {
         NodeLayout {
             state_dir,
             cdi_root,
             run_dir,
-            vgpu_lib: vgpu_lib_dir.join(LIB_FILE_NAME),
+            gpupool_lib: EnforcementLib {
+                enforcement: Enforcement::Gpupool,
+                host_path: gpupool_lib_dir.join(GPUPOOL_LIB_FILE_NAME),
+                container_path: GPUPOOL_CONTAINER_PATH,
+                preload_file_name: GPUPOOL_PRELOAD_FILE_NAME,
+            },
+            hami_core_lib: EnforcementLib {
+                enforcement: Enforcement::HamiCore,
+                host_path: vgpu_lib_dir.join(LIB_FILE_NAME),
+                container_path: HAMI_CORE_CONTAINER_PATH,
+                preload_file_name: PRELOAD_FILE_NAME,
+            },
             vgpu_lock_dir: PathBuf::from(VGPU_LOCK_DIR),
             fake_gpus,
             serialize_lock: None,
         }
     }
 
-    /// A file whose content is [`CONTAINER_LIB_PATH`], mounted at `/etc/ld.so.preload`.
-    pub fn preload_file(&self) -> PathBuf {
-        self.state_dir.join(PRELOAD_FILE_NAME)
+    /// The library that enforces `enforcement`; `None` for no enforcement.
+    pub fn library(&self, enforcement: Enforcement) -> Option<&EnforcementLib> {
+        match enforcement {
+            Enforcement::Gpupool => Some(&self.gpupool_lib),
+            Enforcement::HamiCore => Some(&self.hami_core_lib),
+            Enforcement::None => None,
+        }
+    }
+
+    /// Both libraries, gpupool's first.
+    pub fn libraries(&self) -> [&EnforcementLib; 2] {
+        [&self.gpupool_lib, &self.hami_core_lib]
+    }
+
+    /// The library's preload file: one line, its container path; mounted at [`LD_SO_PRELOAD`].
+    pub fn preload_file(&self, lib: &EnforcementLib) -> PathBuf {
+        self.state_dir.join(lib.preload_file_name)
     }
 
     /// The folder holding every claim's folder of `kind`.

@@ -14,7 +14,7 @@
 pub mod checkpoint;
 pub mod fault;
 mod files;
-mod fsutil;
+pub(crate) mod fsutil;
 pub mod layout;
 mod recovery;
 

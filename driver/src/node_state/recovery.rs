@@ -11,7 +11,7 @@ use gpupool_api::validation::is_uuid;
 use super::checkpoint::{self, CheckpointData, ClaimEntry, ClaimState};
 use super::files;
 use super::fsutil;
-use super::layout::{self, NodeLayout, CLAIM_FOLDERS, CONTAINER_LIB_PATH, PRELOAD_FILE_NAME};
+use super::layout::{self, NodeLayout, CLAIM_FOLDERS};
 use super::NodeStateError;
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> NodeStateError {
@@ -34,7 +34,7 @@ fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
-/// Folders with their modes, `ld.so.preload`, then the checkpoint against the files: completed
+/// Folders with their modes, the preload files, then the checkpoint against the files: completed
 /// entries get their spec back (written again after a reboot), unfinished ones are rolled back,
 /// and files no completed entry accounts for are removed.
 pub(super) fn recover(layout: &NodeLayout, boot_id: &str) -> Result<Recovered, NodeStateError> {
@@ -53,18 +53,20 @@ pub(super) fn recover(layout: &NodeLayout, boot_id: &str) -> Result<Recovered, N
         let root = layout.claim_folder_root(*kind);
         fsutil::ensure_private_dir(&root, 0o711).map_err(io_err(&root))?;
     }
-    let preload = format!("{CONTAINER_LIB_PATH}\n");
-    let preload_file = layout.preload_file();
-    if fs::read_to_string(&preload_file).ok().as_deref() != Some(preload.as_str()) {
-        fsutil::atomic_write(
-            state_dir,
-            PRELOAD_FILE_NAME,
-            ".ld.so.preload.tmp",
-            preload.as_bytes(),
-            0o644,
-            None,
-        )
-        .map_err(io_err(&preload_file))?;
+    for lib in layout.libraries() {
+        let preload = format!("{}\n", lib.container_path);
+        let preload_file = layout.preload_file(lib);
+        if fs::read_to_string(&preload_file).ok().as_deref() != Some(preload.as_str()) {
+            fsutil::atomic_write(
+                state_dir,
+                lib.preload_file_name,
+                &format!(".{}.tmp", lib.preload_file_name),
+                preload.as_bytes(),
+                0o644,
+                None,
+            )
+            .map_err(io_err(&preload_file))?;
+        }
     }
 
     let _lock = checkpoint::CheckpointLock::acquire(state_dir)

@@ -2,7 +2,8 @@
 //! then written atomically to the CDI root.
 //!
 //! One spec per claim, kind `gpupool.dev/claim`, one CDI device per allocation result in result
-//! order. Per device: `/dev/nvidia<minor>`, the limit env, the HAMi-core mounts; spec-level: the
+//! order. Per device: `/dev/nvidia<minor>`, the limit env, the enforcement library's mounts
+//! (gpupool's or HAMi-core's, one per claim); spec-level: the
 //! control device nodes. A runtime fails a container whose device node or mount source is missing,
 //! so nothing that is not on the host is ever emitted: with fake GPUs it is left out, on a real GPU
 //! node the claim fails instead (dropping it silently would hand out an unusable or unlimited GPU).
@@ -17,9 +18,7 @@ use thiserror::Error;
 
 use super::claim::AllocatedDevice;
 use super::limits::{self, DeviceLimits};
-use crate::node_state::layout::{
-    ClaimFolder, NodeLayout, CONTAINER_LIB_PATH, LD_SO_PRELOAD, VGPU_LOCK_DIR,
-};
+use crate::node_state::layout::{ClaimFolder, NodeLayout, LD_SO_PRELOAD, VGPU_LOCK_DIR};
 
 pub const CONTROL_DEVICE_NODES: &[&str] =
     &["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"];
@@ -46,7 +45,7 @@ pub struct Rendered {
     pub spec: Spec,
     /// `gpupool.dev/claim=<name>`, one per device, in result order.
     pub cdi_ids: Vec<String>,
-    /// Set when limits are written but cannot be enforced (HAMi-core not installed).
+    /// Set when limits are written but cannot be enforced (the library is not installed).
     pub warning: Option<String>,
 }
 
@@ -73,18 +72,28 @@ pub fn render(
 ) -> Result<Rendered, CdiError> {
     let enforced: Vec<&SpecDevice> = devices
         .iter()
-        .filter(|d| d.limits.enforcement == Enforcement::HamiCore)
+        .filter(|d| d.limits.enforcement != Enforcement::None)
         .collect();
-    let preload_file = layout.preload_file();
-    let lib_present = exists(&layout.vgpu_lib) && exists(&preload_file);
-    let lock_present = exists(&layout.vgpu_lock_dir);
-    let warning = (!enforced.is_empty() && !lib_present).then(|| {
+    // One library per claim (limits.rs refuses a claim whose devices disagree).
+    let library = enforced
+        .first()
+        .and_then(|d| layout.library(d.limits.enforcement));
+    let lib_present =
+        library.is_some_and(|lib| exists(&lib.host_path) && exists(&layout.preload_file(lib)));
+    let warning = library.filter(|_| !lib_present).map(|lib| {
         format!(
-            "HAMi-core ({}) is not installed on this node: limits are set but not enforced",
-            layout.vgpu_lib.display()
+            "{} ({}) is not installed on this node: limits are set but not enforced",
+            lib.name(),
+            lib.host_path.display()
         )
     });
-    if !enforced.is_empty() && lib_present && !lock_present && !layout.fake_gpus {
+    // HAMi-core coordinates its containers through a node-wide lock folder; gpupool's library
+    // needs none (its accounting file locks itself).
+    let hami_core = enforced
+        .first()
+        .is_some_and(|d| d.limits.enforcement == Enforcement::HamiCore);
+    let lock_present = hami_core && exists(&layout.vgpu_lock_dir);
+    if hami_core && lib_present && !lock_present && !layout.fake_gpus {
         return Err(CdiError::MissingLockDir(
             layout.vgpu_lock_dir.display().to_string(),
         ));
@@ -119,7 +128,7 @@ pub fn render(
                 ..Default::default()
             });
         }
-        if d.limits.enforcement == Enforcement::HamiCore {
+        if let (Some(lib), true) = (library, d.limits.enforcement != Enforcement::None) {
             edits.env.extend(limits::limit_env(d.limits));
             edits.env.extend(shared.iter().flatten().cloned());
             edits.env.extend(visible.iter().cloned());
@@ -129,8 +138,10 @@ pub fn render(
             if lib_present {
                 edits
                     .mounts
-                    .push(bind(&layout.vgpu_lib, CONTAINER_LIB_PATH, true));
-                edits.mounts.push(bind(&preload_file, LD_SO_PRELOAD, true));
+                    .push(bind(&lib.host_path, lib.container_path, true));
+                edits
+                    .mounts
+                    .push(bind(&layout.preload_file(lib), LD_SO_PRELOAD, true));
             }
             if lock_present {
                 edits
@@ -138,9 +149,9 @@ pub fn render(
                     .push(bind(&layout.vgpu_lock_dir, VGPU_LOCK_DIR, false));
             }
         }
-        if layout.fake_gpus {
-            edits.env.extend(limits::fake_env(d.limits.ordinal, d.gpu));
-        }
+        edits
+            .env
+            .extend(limits::identity_env(d.limits.ordinal, d.gpu));
         let name = cdi_device_name(
             claim_uid,
             &d.allocated.device,
@@ -196,7 +207,10 @@ mod tests {
             "/var/lib/gpupool".into(),
             "/var/run/cdi".into(),
             "/var/run/gpupool".into(),
-            Path::new("/usr/local/vgpu"),
+            (
+                Path::new("/usr/local/gpupool"),
+                Path::new("/usr/local/vgpu"),
+            ),
             fake,
         )
     }
@@ -223,6 +237,74 @@ mod tests {
 
     fn everything_exists(_: &Path) -> bool {
         true
+    }
+
+    /// Host -> container paths of one device's mounts.
+    fn mounts(edits: &ContainerEdits) -> BTreeSet<(&str, &str)> {
+        edits
+            .mounts
+            .iter()
+            .map(|m| (m.host_path.as_str(), m.container_path.as_str()))
+            .collect()
+    }
+
+    #[test]
+    fn real_gpu_spec_with_gpupool_mounts_its_library_and_no_hami_lock() {
+        let inv = inventory();
+        let (a, la) = (
+            allocated("gpu-1", Some("s1")),
+            limits(0, 16384, 25, Enforcement::Gpupool),
+        );
+        let devices = [SpecDevice {
+            allocated: &a,
+            gpu: &inv.gpus[1],
+            limits: &la,
+        }];
+        let r = render(UID, &devices, &layout(false), &everything_exists).unwrap();
+        assert_eq!(r.warning, None);
+        let edits = &r.spec.devices[0].container_edits;
+        let cache_dir = format!("/var/run/gpupool/vgpu-cache/{UID}");
+        assert_eq!(
+            mounts(edits),
+            BTreeSet::from([
+                (
+                    "/usr/local/gpupool/libgpupool_vgpu.so",
+                    "/usr/local/gpupool/libgpupool_vgpu.so"
+                ),
+                ("/var/lib/gpupool/ld.so.preload.gpupool", LD_SO_PRELOAD),
+                (cache_dir.as_str(), cache_dir.as_str()),
+            ])
+        );
+        for env in [
+            "CUDA_DEVICE_MEMORY_LIMIT_0=16384m".to_string(),
+            "CUDA_DEVICE_SM_LIMIT_0=25".to_string(),
+            format!("CUDA_VISIBLE_DEVICES={}", inv.gpus[1].uuid),
+            // The library maps _0 to this card by UUID, whatever CUDA_VISIBLE_DEVICES becomes.
+            format!("GPUPOOL_DEVICE_UUID_0={}", inv.gpus[1].uuid),
+        ] {
+            assert!(
+                edits.env.contains(&env),
+                "{env} missing from {:?}",
+                edits.env
+            );
+        }
+
+        // Without the library the limits are still written, and the warning names it.
+        let no_lib = |p: &Path| !p.ends_with("libgpupool_vgpu.so");
+        let r = render(UID, &devices, &layout(false), &no_lib).unwrap();
+        assert_eq!(
+            r.warning.as_deref(),
+            Some(
+                "gpupool-vgpu (/usr/local/gpupool/libgpupool_vgpu.so) is not installed on this \
+                 node: limits are set but not enforced"
+            )
+        );
+        let edits = &r.spec.devices[0].container_edits;
+        assert!(edits.env.contains(&"CUDA_DEVICE_SM_LIMIT_0=25".to_string()));
+        assert_eq!(
+            mounts(edits),
+            BTreeSet::from([(cache_dir.as_str(), cache_dir.as_str())])
+        );
     }
 
     #[test]
@@ -286,16 +368,11 @@ mod tests {
             );
         }
         assert!(s.devices[0].container_edits.env.contains(&cache));
-        let mounts: BTreeSet<(&str, &str)> = d1
-            .mounts
-            .iter()
-            .map(|m| (m.host_path.as_str(), m.container_path.as_str()))
-            .collect();
         let cache_dir = format!("/var/run/gpupool/vgpu-cache/{UID}");
         assert_eq!(
-            mounts,
+            mounts(d1),
             BTreeSet::from([
-                ("/usr/local/vgpu/libvgpu.so", CONTAINER_LIB_PATH),
+                ("/usr/local/vgpu/libvgpu.so", "/usr/local/vgpu/libvgpu.so"),
                 ("/var/lib/gpupool/ld.so.preload", LD_SO_PRELOAD),
                 ("/tmp/vgpulock", "/tmp/vgpulock"),
                 (cache_dir.as_str(), cache_dir.as_str()),
@@ -304,7 +381,7 @@ mod tests {
         let lib = d1
             .mounts
             .iter()
-            .find(|m| m.container_path == CONTAINER_LIB_PATH)
+            .find(|m| m.container_path == "/usr/local/vgpu/libvgpu.so")
             .unwrap();
         assert!(lib.options.contains(&"ro".to_string()));
     }
@@ -372,7 +449,7 @@ mod tests {
             .iter()
             .all(|e| !e.starts_with("CUDA_VISIBLE_DEVICES")));
 
-        // enforcement None: no HAMi-core env or mounts, the device still carries its identity.
+        // enforcement None: no limit env or mounts, the device still carries its identity.
         let l = limits(0, 8192, 50, Enforcement::None);
         let devices = [SpecDevice {
             allocated: &a,

@@ -1,6 +1,6 @@
-//! The limits each prepared device gets, and the HAMi-core environment that carries them (pure).
+//! The limits each prepared device gets, and the environment that carries them (pure).
 //!
-//! HAMi-core contract (docs/architecture.md): `CUDA_DEVICE_MEMORY_LIMIT_<i>=<MiB>m` and
+//! gpupool's library and HAMi-core read the same variables. HAMi-core contract (docs/architecture.md): `CUDA_DEVICE_MEMORY_LIMIT_<i>=<MiB>m` and
 //! `CUDA_DEVICE_SM_LIMIT_<i>=<percent>` per CUDA ordinal `<i>` in the container, no zero padding
 //! (the library parses with base 0: a leading zero would mean octal), at most 16 devices.
 //! `CUDA_DEVICE_MEMORY_SHARED_CACHE` names one file that HAMi-core maps as the accounting region of
@@ -22,8 +22,21 @@ pub const MAX_DEVICES: usize = 16;
 
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum LimitsError {
-    #[error("{count} devices in one claim, HAMi-core supports at most {MAX_DEVICES}")]
+    #[error(
+        "{count} devices in one claim, the enforcement libraries support at most {MAX_DEVICES}"
+    )]
     TooManyDevices { count: usize },
+    #[error(
+        "{field}: {second} on {second_device}, but {first_device} is enforced by {first}: \
+         a container preloads one enforcement library, so a claim's devices must agree"
+    )]
+    MixedEnforcement {
+        field: String,
+        first: &'static str,
+        first_device: String,
+        second: &'static str,
+        second_device: String,
+    },
     #[error("{device}: consumedCapacity[{capacity:?}]: {message}")]
     BadCapacity {
         device: String,
@@ -66,13 +79,36 @@ fn consumed(device: &AllocatedDevice, name: &str) -> Result<Option<quantity::Mil
         .transpose()
 }
 
+/// Which library enforces a claim whose config does not say (`--default-enforcement`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DefaultEnforcement {
+    /// gpupool's library where it is installed, else HAMi-core where it is, else gpupool's (the
+    /// claim's status then says that its limits are not enforced).
+    Auto,
+    Fixed(Enforcement),
+}
+
+impl DefaultEnforcement {
+    /// The enforcement a claim without an `enforcement` field gets on this node; `installed` tells
+    /// whether a library is on the host.
+    pub fn resolve(self, installed: impl Fn(Enforcement) -> bool) -> Enforcement {
+        match self {
+            DefaultEnforcement::Fixed(e) => e,
+            DefaultEnforcement::Auto if installed(Enforcement::Gpupool) => Enforcement::Gpupool,
+            DefaultEnforcement::Auto if installed(Enforcement::HamiCore) => Enforcement::HamiCore,
+            DefaultEnforcement::Auto => Enforcement::Gpupool,
+        }
+    }
+}
+
 /// Limits of one device: the allocation (whole card when no memory was consumed), then the config's
-/// overrides, which may only lower it.
+/// overrides, which may only lower it. `default_enforcement` applies where the config says nothing.
 pub fn device_limits(
     ordinal: usize,
     device: &AllocatedDevice,
     gpu: &Gpu,
     config: &EffectiveConfig,
+    default_enforcement: Enforcement,
 ) -> Result<DeviceLimits, LimitsError> {
     let bad = |capacity: &str, message: String| LimitsError::BadCapacity {
         device: device.device.clone(),
@@ -139,12 +175,12 @@ pub fn device_limits(
         ordinal,
         memory_bytes,
         cores,
-        enforcement: c.enforcement.unwrap_or(Enforcement::HamiCore),
+        enforcement: c.enforcement.unwrap_or(default_enforcement),
         priority: c.priority,
     })
 }
 
-/// The per-ordinal HAMi-core variables of one device (empty when enforcement is off).
+/// The per-ordinal limit variables of one device (empty when enforcement is off).
 pub fn limit_env(limits: &DeviceLimits) -> Vec<String> {
     if limits.enforcement == Enforcement::None {
         return Vec::new();
@@ -156,16 +192,17 @@ pub fn limit_env(limits: &DeviceLimits) -> Vec<String> {
     ]
 }
 
-/// Variables that name the fake card behind ordinal `i`, so a pod on a GPU-less node can see what
-/// it was given.
-pub fn fake_env(ordinal: usize, gpu: &Gpu) -> Vec<String> {
+/// Variables that name the card behind ordinal `i`: a pod sees what it was given (on a GPU-less
+/// node there is nothing else to look at), and gpupool's library maps `_<i>` to the card's UUID
+/// from them, whatever `CUDA_VISIBLE_DEVICES` a process inside sets later.
+pub fn identity_env(ordinal: usize, gpu: &Gpu) -> Vec<String> {
     vec![
         format!("GPUPOOL_DEVICE_UUID_{ordinal}={}", gpu.uuid),
         format!("GPUPOOL_DEVICE_MODEL_{ordinal}={}", gpu.model),
     ]
 }
 
-/// The claim-wide HAMi-core variables, identical on every enforced device of the claim.
+/// The claim-wide variables of the enforcement library, identical on every enforced device.
 pub fn shared_env(cache_file: &str, priority: Option<i64>) -> Vec<String> {
     let mut env = vec![format!("CUDA_DEVICE_MEMORY_SHARED_CACHE={cache_file}")];
     if let Some(p) = priority {
@@ -174,20 +211,45 @@ pub fn shared_env(cache_file: &str, priority: Option<i64>) -> Vec<String> {
     env
 }
 
-/// Limits of every device of a claim, ordinals in result order.
+/// Limits of every device of a claim, ordinals in result order; every enforced device uses the
+/// same library.
 pub fn claim_limits(
     devices: &[(AllocatedDevice, &Gpu, EffectiveConfig)],
+    default_enforcement: Enforcement,
 ) -> Result<Vec<DeviceLimits>, LimitsError> {
     if devices.len() > MAX_DEVICES {
         return Err(LimitsError::TooManyDevices {
             count: devices.len(),
         });
     }
-    devices
+    let limits = devices
         .iter()
         .enumerate()
-        .map(|(i, (device, gpu, config))| device_limits(i, device, gpu, config))
-        .collect()
+        .map(|(i, (device, gpu, config))| {
+            device_limits(i, device, gpu, config, default_enforcement)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut enforced = limits
+        .iter()
+        .zip(devices)
+        .filter(|(l, _)| l.enforcement != Enforcement::None);
+    if let Some((first, (first_device, ..))) = enforced.next() {
+        if let Some((other, (device, _, config))) =
+            enforced.find(|(l, _)| l.enforcement != first.enforcement)
+        {
+            return Err(LimitsError::MixedEnforcement {
+                field: config
+                    .enforcement_field
+                    .clone()
+                    .unwrap_or_else(|| "enforcement".into()),
+                first: first.enforcement.as_str(),
+                first_device: first_device.device.clone(),
+                second: other.enforcement.as_str(),
+                second_device: device.device.clone(),
+            });
+        }
+    }
+    Ok(limits)
 }
 
 #[cfg(test)]
@@ -195,6 +257,9 @@ mod tests {
     use super::*;
     use crate::prepare::claim::tests::inventory;
     use gpupool_api::config::GpuConfig;
+
+    /// The node default in these tests.
+    const D: Enforcement = Enforcement::Gpupool;
 
     fn device(name: &str, memory: Option<&str>, cores: Option<&str>) -> AllocatedDevice {
         let mut consumed = std::collections::BTreeMap::new();
@@ -219,6 +284,7 @@ mod tests {
             sharing_field: Some("p.sharing".into()),
             memory_limit_field: Some("p.memoryLimit".into()),
             core_limit_field: Some("p.coreLimit".into()),
+            enforcement_field: Some("p.enforcement".into()),
         }
     }
 
@@ -231,17 +297,19 @@ mod tests {
             &device("gpu-0", Some("8Gi"), Some("50")),
             a100,
             &cfg(GpuConfig::default()),
+            Enforcement::Gpupool,
         )
         .unwrap();
         assert_eq!(
             (l.memory_mib(), l.cores, l.enforcement),
-            (8192, 50, Enforcement::HamiCore)
+            (8192, 50, Enforcement::Gpupool)
         );
         let l = device_limits(
             0,
             &device("gpu-0", None, None),
             a100,
             &cfg(GpuConfig::default()),
+            D,
         )
         .unwrap();
         assert_eq!((l.memory_mib(), l.cores), (40960, 0));
@@ -251,6 +319,7 @@ mod tests {
             &device("gpu-0", Some("1431Mi"), Some("0")),
             a100,
             &cfg(GpuConfig::default()),
+            D,
         )
         .unwrap();
         assert_eq!(l.memory_mib(), 1431);
@@ -271,7 +340,7 @@ mod tests {
                 cfg(GpuConfig::default()),
             ),
         ];
-        let limits = claim_limits(&devices).unwrap();
+        let limits = claim_limits(&devices, D).unwrap();
         let env: Vec<String> = limits.iter().flat_map(limit_env).collect();
         assert_eq!(
             env,
@@ -283,7 +352,7 @@ mod tests {
             ]
         );
         assert_eq!(
-            fake_env(1, &inv.gpus[0]),
+            identity_env(1, &inv.gpus[0]),
             [
                 "GPUPOOL_DEVICE_UUID_1=GPU-00000000-0000-0000-0000-000000000000",
                 "GPUPOOL_DEVICE_MODEL_1=A100-SXM4-40GB"
@@ -313,20 +382,21 @@ mod tests {
             &device("gpu-0", Some("8Gi"), Some("50")),
             a100,
             &cfg(lower),
+            D,
         )
         .unwrap();
         assert_eq!((l.memory_mib(), l.cores), (4096, 20));
         assert!(
             limit_env(&l).is_empty(),
-            "enforcement None writes no HAMi-core env"
+            "enforcement None writes no limit env"
         );
 
         let above = GpuConfig {
             memory_limit: Some(9 << 30),
             ..Default::default()
         };
-        let e =
-            device_limits(0, &device("gpu-0", Some("8Gi"), None), a100, &cfg(above)).unwrap_err();
+        let e = device_limits(0, &device("gpu-0", Some("8Gi"), None), a100, &cfg(above), D)
+            .unwrap_err();
         assert!(
             e.to_string()
                 .starts_with("p.memoryLimit: 9Gi is above the 8Gi"),
@@ -339,7 +409,7 @@ mod tests {
                 ..Default::default()
             };
             let e =
-                device_limits(0, &device("gpu-0", None, Some("50")), a100, &cfg(c)).unwrap_err();
+                device_limits(0, &device("gpu-0", None, Some("50")), a100, &cfg(c), D).unwrap_err();
             assert!(e.to_string().starts_with("p.coreLimit:"), "{e}");
         }
         // From "no SM limit" any limit is a lowering.
@@ -348,7 +418,7 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            device_limits(0, &device("gpu-0", None, None), a100, &cfg(c))
+            device_limits(0, &device("gpu-0", None, None), a100, &cfg(c), D)
                 .unwrap()
                 .cores,
             30
@@ -362,7 +432,8 @@ mod tests {
             0,
             &device("gpu-0", None, None),
             a100,
-            &cfg(exclusive.clone())
+            &cfg(exclusive.clone()),
+            D
         )
         .is_ok());
         let e = device_limits(
@@ -370,6 +441,7 @@ mod tests {
             &device("gpu-0", Some("8Gi"), None),
             a100,
             &cfg(exclusive),
+            D,
         )
         .unwrap_err();
         assert!(e.to_string().starts_with("p.sharing:"), "{e}");
@@ -383,6 +455,7 @@ mod tests {
             &device("gpu-0", Some("8GB"), None),
             &inv.gpus[0],
             &cfg(GpuConfig::default()),
+            D,
         )
         .unwrap_err();
         assert!(e.to_string().contains("memory"), "{e}");
@@ -391,6 +464,7 @@ mod tests {
             &device("gpu-0", None, Some("101")),
             &inv.gpus[0],
             &cfg(GpuConfig::default()),
+            D,
         )
         .unwrap_err();
         assert!(e.to_string().contains("cores"), "{e}");
@@ -404,7 +478,7 @@ mod tests {
             })
             .collect();
         assert_eq!(
-            claim_limits(&many).unwrap_err(),
+            claim_limits(&many, D).unwrap_err(),
             LimitsError::TooManyDevices { count: 17 }
         );
     }

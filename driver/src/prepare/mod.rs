@@ -31,6 +31,7 @@ use self::api::{ApiError, ClaimApi, ClaimRead, KubeClaimApi};
 use self::cdi::SpecDevice;
 use self::claim::AllocationId;
 pub use self::error::{PrepareError, PrepareErrorKind};
+pub use self::limits::DefaultEnforcement;
 pub use self::nvidia_cdi::DriverLibraries;
 use self::status_writes::{write_device_health, StatusQueue, StatusWrite};
 use crate::node_state::checkpoint::{CheckpointData, ClaimEntry, ClaimState};
@@ -45,6 +46,8 @@ pub struct PrepareOptions {
     pub layout: NodeLayout,
     /// Where real GPUs' driver libraries come from (ignored with fake GPUs, which have none).
     pub driver_libraries: DriverLibraries,
+    /// The enforcement of a claim whose config names none.
+    pub default_enforcement: DefaultEnforcement,
 }
 
 /// The kubelet gives a whole NodePrepareResources call 45 s; leave room for the rest.
@@ -298,13 +301,18 @@ impl ClaimPreparer {
                 )
             })
             .collect();
-        let device_limits = limits::claim_limits(&per_device).map_err(|e| fail(e.into()))?;
+        let layout = self.state.layout();
+        let default_enforcement = self
+            .opts
+            .default_enforcement
+            .resolve(|e| layout.library(e).is_some_and(|lib| lib.host_path.exists()));
+        let device_limits =
+            limits::claim_limits(&per_device, default_enforcement).map_err(|e| fail(e.into()))?;
 
-        let enforced = device_limits
+        let hami_core = device_limits
             .iter()
             .any(|l| l.enforcement == gpupool_api::config::Enforcement::HamiCore);
-        let layout = self.state.layout();
-        if enforced && !layout.fake_gpus && layout.vgpu_lib.exists() {
+        if hami_core && !layout.fake_gpus && layout.hami_core_lib.host_path.exists() {
             self.state
                 .ensure_vgpu_lock_dir()
                 .map_err(|e| fail(e.into()))?;

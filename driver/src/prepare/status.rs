@@ -61,16 +61,21 @@ pub fn device_data(
     value
 }
 
-fn ready_message(limits: &DeviceLimits) -> String {
+/// What the Ready condition says; it agrees with the reason: enforced, or why not.
+fn ready_message(limits: &DeviceLimits, warning: Option<&str>) -> String {
     let cores = if limits.cores == 0 {
         "no SM limit".to_string()
     } else {
         format!("{}% of the SMs", limits.cores)
     };
+    let enforcement = match (warning, limits.enforcement.library_name()) {
+        (Some(warning), _) => format!("; {warning}"),
+        (None, Some(library)) => format!(", enforced by {library}"),
+        (None, None) => ", not enforced (enforcement None)".to_string(),
+    };
     format!(
-        "prepared: {} of memory, {cores}, enforcement {}",
+        "prepared: {} of memory, {cores}{enforcement}",
         quantity::format_bytes(limits.memory_bytes),
-        limits.enforcement.as_str()
     )
 }
 
@@ -97,7 +102,7 @@ pub fn device_status(
             } else {
                 "Prepared".into()
             },
-            message: ready_message(limits),
+            message: ready_message(limits, warning),
             last_transition_time: Time(now),
             observed_generation: generation,
         }]),
@@ -319,6 +324,53 @@ mod tests {
         assert!(serde_json::to_vec(&warned).unwrap().len() <= MAX_DATA_BYTES);
         assert!(warned.get("computeUnits").is_none());
         assert_eq!(compute_units(Some(312), 0), None);
+    }
+
+    #[test]
+    fn ready_message_agrees_with_the_reason() {
+        let inv = inventory();
+        let ready = |limits: &DeviceLimits, warning: Option<&str>| {
+            let s = device_status(
+                &device(),
+                &inv.gpus[0],
+                limits,
+                None,
+                warning,
+                None,
+                Timestamp::UNIX_EPOCH,
+            );
+            let c = s.conditions.unwrap().remove(0);
+            (c.reason, c.message)
+        };
+        let enforced = DeviceLimits {
+            enforcement: Enforcement::Gpupool,
+            ..limits()
+        };
+        assert_eq!(
+            ready(&enforced, None),
+            (
+                "Prepared".to_string(),
+                "prepared: 8Gi of memory, 50% of the SMs, enforced by gpupool-vgpu".to_string()
+            )
+        );
+        let missing = "gpupool-vgpu (/usr/local/gpupool/libgpupool_vgpu.so) is not installed on \
+                       this node: limits are set but not enforced";
+        let (reason, message) = ready(&enforced, Some(missing));
+        assert_eq!(reason, "PreparedNotEnforced");
+        assert_eq!(
+            message,
+            format!("prepared: 8Gi of memory, 50% of the SMs; {missing}")
+        );
+        assert!(!message.contains("enforced by"), "{message}");
+        let off = DeviceLimits {
+            enforcement: Enforcement::None,
+            cores: 0,
+            ..limits()
+        };
+        assert_eq!(
+            ready(&off, None).1,
+            "prepared: 8Gi of memory, no SM limit, not enforced (enforcement None)"
+        );
     }
 
     /// Our entry for the test device, and the same device as another driver's entry.

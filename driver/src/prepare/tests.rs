@@ -302,10 +302,11 @@ fn opts_under(top: &Path) -> PrepareOptions {
             top.join("var/lib/gpupool"),
             top.join("run/cdi"),
             top.join("run/gpupool"),
-            &top.join("usr/local/vgpu"),
+            (&top.join("usr/local/gpupool"), &top.join("usr/local/vgpu")),
             true,
         ),
         driver_libraries: DriverLibraries::None,
+        default_enforcement: DefaultEnforcement::Auto,
     }
 }
 
@@ -1220,8 +1221,9 @@ async fn real_gpu_fractional_claim_names_the_real_card() {
     let mut opts = opts_under(root.path());
     opts.layout.fake_gpus = false;
     // A stand-in library file: the spec is not run here, only rendered.
-    fs::create_dir_all(opts.layout.vgpu_lib.parent().unwrap()).unwrap();
-    fs::write(&opts.layout.vgpu_lib, b"").unwrap();
+    let lib = &opts.layout.gpupool_lib.host_path;
+    fs::create_dir_all(lib.parent().unwrap()).unwrap();
+    fs::write(lib, b"").unwrap();
     let api = Arc::new(FakeApi::default());
     api.add(
         "train",

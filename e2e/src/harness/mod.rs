@@ -195,13 +195,15 @@ impl NodeDirs {
     }
 
     /// `gpupool-driver run` for a fake node with these folders: the one command line the harness,
-    /// the bench and the crash tests start drivers with.
+    /// the bench and the crash tests start drivers with. `lib_dirs` holds the node's enforcement
+    /// libraries (`gpupool/` and HAMi-core's `vgpu/`): an empty folder means neither is
+    /// installed, whatever this host has.
     pub fn driver_run_args(
         &self,
         node: &str,
         kubeconfig: &Path,
         fake_gpus: &str,
-        vgpu_lib_dir: &Path,
+        lib_dirs: &Path,
     ) -> Vec<String> {
         let path = |p: &Path| p.display().to_string();
         [
@@ -223,7 +225,9 @@ impl NodeDirs {
             "--fake-gpus",
             fake_gpus,
             "--vgpu-lib-dir",
-            &path(vgpu_lib_dir),
+            &path(&lib_dirs.join("vgpu")),
+            "--gpupool-lib-dir",
+            &path(&lib_dirs.join("gpupool")),
             // Many drivers run side by side: each takes a free port and logs it (`metrics_addr`).
             "--metrics-addr",
             "127.0.0.1:0",
@@ -638,9 +642,8 @@ impl TestCluster {
             Some(Kubelet::start(self.client.clone(), config).await?)
         };
         let binary = find_binary(DRIVER_BIN)?;
-        // An empty vgpu folder: the HAMi-core library is "not installed", whatever this host has.
         let mut args =
-            dirs.driver_run_args(&name, &self.kubeconfig, &spec.fake_gpus, &base.join("vgpu"));
+            dirs.driver_run_args(&name, &self.kubeconfig, &spec.fake_gpus, &base.join("libs"));
         args.extend(spec.extra_driver_args.iter().cloned());
         let driver = ManagedProcess::spawn(
             &format!("{DRIVER_BIN} on {name}"),

@@ -52,7 +52,7 @@ pub struct CrashNode {
     pub dirs: NodeDirs,
     pub root: PathBuf,
     kubeconfig: PathBuf,
-    vgpu_dir: PathBuf,
+    lib_dirs: PathBuf,
     binary: PathBuf,
     fake_gpus: String,
     /// The driver of the last start; every start is a new process, all writing to one log.
@@ -87,8 +87,8 @@ impl CrashNode {
             .unwrap_or_else(|e| panic!("{e}"));
         let host = root.join("host");
         let dirs = NodeDirs::under(&host);
-        let vgpu_dir = host.join("vgpu");
-        for dir in [&dirs.registry, &dirs.plugin, &vgpu_dir] {
+        let lib_dirs = host.join("libs");
+        for dir in [&dirs.registry, &dirs.plugin, &lib_dirs] {
             std::fs::create_dir_all(dir).expect("creating the node's folders");
         }
         let mut config = KubeletConfig::new(name, &dirs.registry);
@@ -114,7 +114,7 @@ impl CrashNode {
             dirs,
             root,
             kubeconfig,
-            vgpu_dir,
+            lib_dirs,
             binary,
             fake_gpus: fake_gpus.to_string(),
             driver,
@@ -206,7 +206,7 @@ impl CrashNode {
             &self.name,
             &self.kubeconfig,
             &self.fake_gpus,
-            &self.vgpu_dir,
+            &self.lib_dirs,
         );
         let mut driver = ManagedProcess::new(
             self.driver.name(),

@@ -166,11 +166,11 @@ impl Bench {
             state: base.join("state"),
             run: self.runtime_dir().join(name).join("gpupool"),
         };
-        let vgpu = base.join("vgpu");
-        for dir in [&dirs.registry, &dirs.plugin, &dirs.cdi, &dirs.state, &vgpu] {
+        let libs = base.join("libs");
+        for dir in [&dirs.registry, &dirs.plugin, &dirs.cdi, &dirs.state, &libs] {
             std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         }
-        Ok((dirs, vgpu))
+        Ok((dirs, libs))
     }
 
     fn spawn_driver(
@@ -178,9 +178,9 @@ impl Bench {
         name: &str,
         fake_gpus: &str,
         dirs: &NodeDirs,
-        vgpu: &Path,
+        libs: &Path,
     ) -> anyhow::Result<ManagedProcess> {
-        let args = dirs.driver_run_args(name, &self.kubeconfig, fake_gpus, vgpu);
+        let args = dirs.driver_run_args(name, &self.kubeconfig, fake_gpus, libs);
         ManagedProcess::spawn(
             &format!("gpupool-driver on {name}"),
             &self.driver_bin,
@@ -199,7 +199,7 @@ impl Bench {
         devices: usize,
         scan: Duration,
     ) -> anyhow::Result<(BenchNode, Duration, Duration)> {
-        let (dirs, vgpu) = self.node_dirs(name)?;
+        let (dirs, libs) = self.node_dirs(name)?;
         let mut config = KubeletConfig::new(name, &dirs.registry);
         config.manage_pods = false;
         config.poll_interval = scan;
@@ -207,7 +207,7 @@ impl Bench {
             .await
             .with_context(|| format!("starting the kubelet emulator of {name}"))?;
         let spawned = Instant::now();
-        let driver = self.spawn_driver(name, fake_gpus, &dirs, &vgpu)?;
+        let driver = self.spawn_driver(name, fake_gpus, &dirs, &libs)?;
         let mut node = BenchNode {
             name: name.to_string(),
             kubelet: Some(kubelet),
@@ -250,8 +250,8 @@ impl Bench {
             prepared.push((name, self.node_dirs(name)?));
         }
         let mut nodes = Vec::new();
-        for (name, (dirs, vgpu)) in prepared {
-            let driver = self.spawn_driver(name, fake_gpus, &dirs, &vgpu)?;
+        for (name, (dirs, libs)) in prepared {
+            let driver = self.spawn_driver(name, fake_gpus, &dirs, &libs)?;
             nodes.push(BenchNode {
                 name: name.clone(),
                 kubelet: None,
