@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use gpupool_e2e::harness::process::{assert_succeeded, offline_go};
+use gpupool_e2e::harness::process::assert_succeeded;
 use gpupool_e2e::harness::workspace_root;
 use serde_json::Value;
 
@@ -119,10 +119,14 @@ fn strings(value: &Value) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// The container (or init container) `name` of a workload's pod.
 fn container<'a>(workload: &'a Value, name: &str) -> &'a Value {
-    workload["spec"]["template"]["spec"]["containers"]
-        .as_array()
-        .and_then(|cs| cs.iter().find(|c| c["name"] == name))
+    let pod = &workload["spec"]["template"]["spec"];
+    ["containers", "initContainers"]
+        .iter()
+        .filter_map(|list| pod[list].as_array())
+        .flatten()
+        .find(|c| c["name"] == name)
         .unwrap_or_else(|| panic!("{}: no container {name}", key(workload)))
 }
 
@@ -134,8 +138,24 @@ fn flag(container: &Value, flag: &str) -> Option<String> {
         .find_map(|a| a.strip_prefix(&prefix).map(str::to_owned))
 }
 
-/// host path -> (mount path, read only) of each hostPath volume mounted by the container.
+/// host path -> (mount path, read only) of each hostPath volume mounted by the container, which
+/// mounts every volume of the pod.
 fn host_mounts(workload: &Value, container_name: &str) -> BTreeMap<String, (String, bool)> {
+    let mounts = host_mounts_of(workload, container_name);
+    let volumes = workload["spec"]["template"]["spec"]["volumes"]
+        .as_array()
+        .map_or(0, Vec::len);
+    assert_eq!(
+        mounts.len(),
+        volumes,
+        "{}: every volume is mounted, and only once",
+        key(workload)
+    );
+    mounts
+}
+
+/// host path -> (mount path, read only) of each hostPath volume mounted by the container.
+fn host_mounts_of(workload: &Value, container_name: &str) -> BTreeMap<String, (String, bool)> {
     let pod = &workload["spec"]["template"]["spec"];
     let volumes: BTreeMap<String, &Value> = pod["volumes"]
         .as_array()
@@ -166,12 +186,6 @@ fn host_mounts(workload: &Value, container_name: &str) -> BTreeMap<String, (Stri
             ),
         );
     }
-    assert_eq!(
-        mounts.len(),
-        volumes.len(),
-        "{}: every volume is mounted, and only once",
-        key(workload)
-    );
     mounts
 }
 
@@ -180,6 +194,8 @@ const PLUGIN_DIR: &str = "/var/lib/kubelet/plugins/gpupool.dev";
 const CDI_ROOT: &str = "/var/run/cdi";
 const RUN_DIR: &str = "/var/run/gpupool";
 const VGPU_LIB_DIR: &str = "/usr/local/vgpu";
+/// gpupool's enforcement library on the node, installed there by the driver pod's init container.
+const GPUPOOL_LIB_DIR: &str = "/usr/local/gpupool";
 /// HAMi-core's lock folder; fixed by HAMi-core itself.
 const VGPU_LOCK_DIR: &str = "/tmp/vgpulock";
 
@@ -233,6 +249,7 @@ fn driver_daemonset_mounts_exactly_what_it_needs() {
             PLUGIN_DIR,
             CDI_ROOT,
             RUN_DIR,
+            GPUPOOL_LIB_DIR,
             VGPU_LIB_DIR,
             VGPU_LOCK_DIR,
         ]
@@ -250,7 +267,8 @@ fn driver_daemonset_mounts_exactly_what_it_needs() {
                 host, in_container,
                 "{dir}: {host} is mounted at the same path"
             );
-            let should_be_read_only = host == "/dev" || host == VGPU_LIB_DIR;
+            let should_be_read_only =
+                host == "/dev" || host == VGPU_LIB_DIR || host == GPUPOOL_LIB_DIR;
             assert_eq!(*read_only, should_be_read_only, "{dir}: readOnly of {host}");
         }
 
@@ -262,9 +280,16 @@ fn driver_daemonset_mounts_exactly_what_it_needs() {
             ("--cdi-root", CDI_ROOT),
             ("--run-dir", RUN_DIR),
             ("--vgpu-lib-dir", VGPU_LIB_DIR),
+            ("--gpupool-lib-dir", GPUPOOL_LIB_DIR),
         ] {
             assert_eq!(flag(driver, name).as_deref(), Some(path), "{dir}: {name}");
         }
+        assert_eq!(
+            flag(driver, "--default-enforcement").as_deref(),
+            Some("Auto"),
+            "{dir}: ours where installed, else HAMi-core, else limits not enforced"
+        );
+        assert_library_installed_into(ds, GPUPOOL_LIB_DIR, dir);
         assert_eq!(
             flag(driver, "--fake-gpus").is_some(),
             fake,
@@ -364,6 +389,67 @@ fn driver_daemonset_mounts_exactly_what_it_needs() {
             "{dir}: runtimeClassName"
         );
     }
+}
+
+/// The init container that puts gpupool's enforcement library on the node: the driver's own image
+/// and subcommand, root without any capability, writing nothing but the host folder that the
+/// driver container mounts read-only and names in `--gpupool-lib-dir`.
+fn assert_library_installed_into(ds: &Value, lib_dir: &str, origin: &str) {
+    let inits = ds["spec"]["template"]["spec"]["initContainers"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{origin}: no init containers"));
+    assert_eq!(inits.len(), 1, "{origin}: {inits:?}");
+    let init = container(ds, "install-lib");
+    let driver = container(ds, "driver");
+    assert_eq!(
+        init["image"], driver["image"],
+        "{origin}: the driver's image"
+    );
+    assert_eq!(
+        init["imagePullPolicy"], driver["imagePullPolicy"],
+        "{origin}"
+    );
+    assert_eq!(
+        strings(&init["command"]),
+        ["gpupool-driver", "install-lib"],
+        "{origin}"
+    );
+    assert_eq!(
+        strings(&init["args"]),
+        [format!("--to={lib_dir}")],
+        "{origin}"
+    );
+    let security = &init["securityContext"];
+    assert_eq!(
+        security["runAsUser"], 0,
+        "{origin}: the host folder is root's"
+    );
+    assert_eq!(security["allowPrivilegeEscalation"], false, "{origin}");
+    assert_eq!(security["readOnlyRootFilesystem"], true, "{origin}");
+    assert_eq!(
+        strings(&security["capabilities"]["drop"]),
+        ["ALL"],
+        "{origin}"
+    );
+    assert!(
+        !security["privileged"].as_bool().unwrap_or(false),
+        "{origin}"
+    );
+    assert_eq!(
+        host_mounts_of(ds, "install-lib"),
+        BTreeMap::from([(lib_dir.to_owned(), (lib_dir.to_owned(), false))]),
+        "{origin}: the init container writes only the library's folder"
+    );
+    assert_eq!(
+        host_mounts_of(ds, "driver").get(lib_dir),
+        Some(&(lib_dir.to_owned(), true)),
+        "{origin}: the driver reads the library's folder"
+    );
+    assert_eq!(
+        flag(driver, "--gpupool-lib-dir").as_deref(),
+        Some(lib_dir),
+        "{origin}"
+    );
 }
 
 /// A node's new driver pod starts before the old one stops, and each names its sockets after its
@@ -476,6 +562,11 @@ fn rbac_grants_least_privilege() {
             ),
             (
                 "resource.k8s.io",
+                "resourceclaims/driver",
+                &["associated-node:patch", "associated-node:update"]
+            ),
+            (
+                "resource.k8s.io",
                 "resourceslices",
                 &["get", "list", "watch", "create", "update", "delete"]
             ),
@@ -486,6 +577,14 @@ fn rbac_grants_least_privilege() {
         ]),
         "driver ClusterRole"
     );
+    // Only this driver's entries, and only as a node-local driver (never arbitrary-node).
+    let status_rule = find(&objects, "ClusterRole", "gpupool-driver")["rules"]
+        .as_array()
+        .expect("rules")
+        .iter()
+        .find(|r| strings(&r["resources"]) == ["resourceclaims/driver"])
+        .expect("a resourceclaims/driver rule");
+    assert_eq!(strings(&status_rule["resourceNames"]), ["gpupool.dev"]);
 
     let read = &["get", "list", "watch"][..];
     let manage = &["get", "list", "watch", "create", "update", "delete"][..];
@@ -805,59 +904,388 @@ fn default_gpumodels_are_valid_and_agree_with_the_examples() {
     }
 }
 
-fn go_missing(test: &str) -> bool {
-    if have("go", "version") {
-        return false;
+/// The real Helm: `GPUPOOL_HELM`, else `helm` on PATH (`.ci/install-helm` installs v4.1.4 and
+/// prints its path); `None` without it (`test` then says it skips). A `GPUPOOL_HELM` that does not
+/// run fails the test: CI set it, so a broken install must not pass as a skip.
+fn helm(test: &str) -> Option<PathBuf> {
+    if let Some(path) = std::env::var_os("GPUPOOL_HELM") {
+        let path = PathBuf::from(path);
+        let out = Command::new(&path)
+            .arg("version")
+            .output()
+            .unwrap_or_else(|e| panic!("GPUPOOL_HELM={}: {e}", path.display()));
+        assert_succeeded(&out, &format!("GPUPOOL_HELM={} version", path.display()));
+        return Some(path);
+    }
+    if have("helm", "version") {
+        return Some(PathBuf::from("helm"));
     }
     println!(
-        "skipping {test}: go is not installed (apt-get install golang-go); deploy/tools/helm-render, \
-         the chart renderer, is a Go program"
+        "skipping {test}: no helm (set GPUPOOL_HELM or put helm on PATH; `.ci/install-helm` \
+         installs Helm v4.1.4 and prints its path), and the real Helm is what is tested"
     );
-    true
+    None
 }
 
-/// `go <args>` in deploy/tools/helm-render: stdlib only, so nothing to download and no toolchain
-/// switch; the build cache stays in the shared target folder.
-fn go_in_renderer(args: &[&str]) -> Command {
-    let mut cmd = offline_go(&deploy_dir().join("tools/helm-render"));
+/// `helm <args>` with its configuration, cache and data folders in the target folder: the chart
+/// checks neither read nor change a user's Helm repositories and plugins.
+fn helm_command(helm: &Path, args: &[&str]) -> Command {
+    let home = workspace_root().join("target/helm-home");
+    let mut cmd = Command::new(helm);
     cmd.args(args)
-        // Go wants a GOPATH even with nothing to download; CI may run without $HOME.
-        .env("GOPATH", workspace_root().join("target/go-path"));
+        .env("HELM_CONFIG_HOME", home.join("config"))
+        .env("HELM_CACHE_HOME", home.join("cache"))
+        .env("HELM_DATA_HOME", home.join("data"));
     cmd
 }
 
-#[test]
-fn helm_renderer_unit_tests_pass() {
-    if go_missing("helm_renderer_unit_tests_pass") {
-        return;
-    }
-    let out = go_in_renderer(&["test", "./..."])
-        .output()
-        .expect("run go test");
-    assert_succeeded(&out, "go test in deploy/tools/helm-render");
+fn chart_dir() -> PathBuf {
+    deploy_dir().join("helm/gpupool")
 }
 
-/// The chart rendered by deploy/tools/helm-render (`helm template --include-crds` for the subset of
-/// Helm the chart uses), with the release namespace gpupool and extra `--set`s.
-fn helm_template(sets: &[&str]) -> Vec<Value> {
-    helm_template_in("gpupool", sets)
-}
-
-fn helm_template_in(namespace: &str, sets: &[&str]) -> Vec<Value> {
-    let mut cmd = go_in_renderer(&["run", "."]);
-    cmd.arg("-chart")
-        .arg(deploy_dir().join("helm/gpupool"))
-        .args(["-name", "gpupool", "-namespace", namespace, "-include-crds"]);
+/// `helm template gpupool deploy/helm/gpupool --namespace <namespace> --include-crds --set ...`.
+fn helm_template_output(helm: &Path, namespace: &str, sets: &[&str]) -> std::process::Output {
+    let chart = chart_dir();
+    let mut cmd = helm_command(
+        helm,
+        &[
+            "template",
+            "gpupool",
+            chart.to_str().expect("utf-8 path"),
+            "--namespace",
+            namespace,
+            "--include-crds",
+        ],
+    );
     for set in sets {
-        cmd.args(["-set", set]);
+        cmd.args(["--set", set]);
     }
-    let out = cmd.output().expect("run go");
+    cmd.output().expect("run helm template")
+}
+
+/// What the real Helm renders for the chart with the release namespace gpupool and `sets`.
+fn helm_template(helm: &Path, sets: &[&str]) -> Vec<Value> {
+    helm_template_in(helm, "gpupool", sets)
+}
+
+fn helm_template_in(helm: &Path, namespace: &str, sets: &[&str]) -> Vec<Value> {
+    let out = helm_template_output(helm, namespace, sets);
     assert!(
         out.status.success(),
-        "helm-render {sets:?} failed:\n{}",
+        "helm template --set {sets:?} failed:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    parse_documents(&String::from_utf8_lossy(&out.stdout), "helm-render output")
+    parse_documents(&String::from_utf8_lossy(&out.stdout), "helm template")
+}
+
+/// Every value set that README.md, the chart's README and values.yaml document, each with the
+/// kustomize overlay it must render where there is one. `documented_value_sets_are_all_tested`
+/// keeps this list and the documents in step.
+const VALUE_SETS: &[(&[&str], Option<&str>)] = &[
+    (&[], Some("base")),
+    (&["fakeGpus=a100-40gb:2"], Some("overlays/fake-gpus")),
+    (&["driver.runtimeClassName=nvidia"], Some("overlays/nvidia")),
+    // A list needs its comma escaped for --set (values.yaml says so).
+    (&["fakeGpus=a100-40gb:2\\,v100-32gb:1"], None),
+    (&["metrics.serviceMonitor.enabled=true"], None),
+    (
+        &[
+            "metrics.serviceMonitor.enabled=true",
+            "metrics.serviceMonitor.interval=15s",
+            "metrics.serviceMonitor.labels.release=prometheus",
+        ],
+        None,
+    ),
+    (&["enforcement.default=Gpupool"], None),
+    (&["enforcement.default=HamiCore"], None),
+    (&["enforcement.default=None"], None),
+    (&["enforcement.gpupool.install=false"], None),
+    (&["enforcement.gpupool.libDir=/opt/gpupool"], None),
+    (PATHS_AND_PORTS, None),
+    (&["gpuModels=null"], None),
+];
+
+/// Every folder, port and name values.yaml lets a user move, moved at once.
+const PATHS_AND_PORTS: &[&str] = &[
+    "kubeletDir=/var/snap/microk8s/common/var/lib/kubelet",
+    "cdiRoot=/etc/cdi",
+    "runDir=/run/gpupool",
+    "hamiCore.libDir=/opt/hami",
+    "enforcement.gpupool.libDir=/opt/gpupool",
+    "logFormat=text",
+    "driver.healthzPort=9100",
+    "driver.metricsPort=9101",
+    "controller.metricsPort=9102",
+    "controller.replicas=3",
+    "image.repository=registry.example/gpupool",
+    "image.tag=0.2.0",
+    "image.pullPolicy=Always",
+];
+
+/// The `--set` arguments a document shows, as written: `--set a=b,c=d` gives both, an escaped
+/// comma (`a=b\,c`) stays in its value.
+fn documented_sets(text: &str) -> Vec<String> {
+    let words: Vec<&str> = text.split_whitespace().collect();
+    let mut sets = Vec::new();
+    for pair in words.windows(2).filter(|pair| pair[0] == "--set") {
+        // Shell quotes and Markdown backticks go, as does the sentence's punctuation after them.
+        let arg = pair[1]
+            .replace(['`', '\'', '"'], "")
+            .trim_end_matches(['.', ',', ';', ':', ')'])
+            .to_owned();
+        let mut current = String::new();
+        let mut chars = arg.chars().peekable();
+        while let Some(c) = chars.next() {
+            match c {
+                '\\' if chars.peek() == Some(&',') => {
+                    current.push_str("\\,");
+                    chars.next();
+                }
+                ',' => sets.push(std::mem::take(&mut current)),
+                c => current.push(c),
+            }
+        }
+        sets.push(current);
+    }
+    sets
+}
+
+#[test]
+fn documented_value_sets_are_all_tested() {
+    // Rendered, or shown as a value Helm refuses.
+    let tested: BTreeSet<&str> = VALUE_SETS
+        .iter()
+        .flat_map(|(sets, _)| sets.iter().copied())
+        .chain(
+            WRONG_VALUES
+                .iter()
+                .flat_map(|(sets, _)| sets.iter().copied()),
+        )
+        .collect();
+    let mut documented = Vec::new();
+    for doc in [
+        "README.md",
+        "deploy/helm/gpupool/README.md",
+        "deploy/helm/gpupool/values.yaml",
+    ] {
+        for set in documented_sets(&read(&workspace_root().join(doc))) {
+            documented.push((doc, set));
+        }
+    }
+    assert!(
+        documented.iter().any(|(_, s)| s == "fakeGpus=a100-40gb:2"),
+        "found the documented --set examples: {documented:?}"
+    );
+    for (doc, set) in &documented {
+        assert!(
+            tested.contains(set.as_str()),
+            "{doc} shows --set {set}, which VALUE_SETS does not render"
+        );
+    }
+    // Each enforcement the chart offers is rendered (Auto is the default).
+    let schema: Value =
+        serde_json::from_str(&read(&chart_dir().join("values.schema.json"))).expect("JSON");
+    let choices = strings(&schema["properties"]["enforcement"]["properties"]["default"]["enum"]);
+    assert!(choices.contains(&"Auto".to_owned()), "{choices:?}");
+    for choice in choices.iter().filter(|c| *c != "Auto") {
+        assert!(
+            tested.contains(format!("enforcement.default={choice}").as_str()),
+            "enforcement.default={choice} is not rendered"
+        );
+    }
+}
+
+#[test]
+fn helm_lint_strict_passes_for_every_value_set() {
+    let Some(helm) = helm("helm_lint_strict_passes_for_every_value_set") else {
+        return;
+    };
+    let chart = chart_dir();
+    for (sets, _) in VALUE_SETS {
+        let mut cmd = helm_command(
+            &helm,
+            &["lint", "--strict", chart.to_str().expect("utf-8 path")],
+        );
+        for set in *sets {
+            cmd.args(["--set", set]);
+        }
+        let out = cmd.output().expect("run helm lint");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("1 chart(s) linted, 0 chart(s) failed"),
+            "helm lint --strict --set {sets:?}:\n{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // Not even a recommendation left (the icon was one).
+        for level in ["[INFO]", "[WARNING]", "[ERROR]"] {
+            assert!(
+                !stdout.contains(level),
+                "helm lint --set {sets:?} says:\n{stdout}"
+            );
+        }
+    }
+}
+
+#[test]
+fn chart_icon_is_the_svg_beside_it() {
+    let chart: Value = serde_yaml::from_str(&read(&chart_dir().join("Chart.yaml"))).expect("YAML");
+    let icon = chart["icon"].as_str().expect("Chart.yaml has an icon");
+    let svg = std::fs::read(chart_dir().join("icon.svg")).expect("deploy/helm/gpupool/icon.svg");
+    assert_eq!(
+        icon,
+        format!("data:image/svg+xml;base64,{}", base64(&svg)),
+        "Chart.yaml's icon is icon.svg as a data: URL; refresh with: \
+         echo \"data:image/svg+xml;base64,$(base64 -w0 deploy/helm/gpupool/icon.svg)\""
+    );
+}
+
+/// Standard base64 with padding (RFC 4648), as `base64 -w0` writes it.
+fn base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let b = [
+            chunk[0],
+            chunk.get(1).copied().unwrap_or(0),
+            chunk.get(2).copied().unwrap_or(0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(ALPHABET[((n >> (18 - 6 * i)) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// What a user might mistype, and what Helm must answer: each answer names the value and the fault.
+const WRONG_VALUES: &[(&[&str], &[&str])] = &[
+    (
+        &["fakeGpus=3"],
+        &["at '/fakeGpus'", "got number, want string"],
+    ),
+    (
+        &["fakeGpus=a100:2"],
+        &["at '/fakeGpus'", "'a100:2' does not match pattern"],
+    ),
+    (
+        &["fakeGpus=a100-40gb:0"],
+        &["at '/fakeGpus'", "'a100-40gb:0' does not match pattern"],
+    ),
+    (
+        &["fakeGPUs=a100-40gb:2"],
+        &["additional properties 'fakeGPUs' not allowed"],
+    ),
+    (
+        &["enforcement.default=gpupool"],
+        &[
+            "at '/enforcement/default'",
+            "value must be one of 'Auto', 'Gpupool', 'HamiCore', 'None'",
+        ],
+    ),
+    (
+        &["enforcement.gpupool.instal=false"],
+        &[
+            "at '/enforcement/gpupool'",
+            "additional properties 'instal' not allowed",
+        ],
+    ),
+    (
+        &["enforcement.gpupool.install=yes"],
+        &[
+            "at '/enforcement/gpupool/install'",
+            "got string, want boolean",
+        ],
+    ),
+    (
+        &["enforcement.gpupool.libDir=usr/local/gpupool"],
+        &["at '/enforcement/gpupool/libDir'", "does not match pattern"],
+    ),
+    (
+        &["kubeletDir=/var/lib/kubelet/"],
+        &["at '/kubeletDir'", "does not match pattern"],
+    ),
+    (
+        &["hamicore.libDir=/opt/hami"],
+        &["additional properties 'hamicore' not allowed"],
+    ),
+    (
+        &["logFormat=yaml"],
+        &["at '/logFormat'", "value must be one of 'json', 'text'"],
+    ),
+    (
+        &["driver.healthzPort=0"],
+        &["at '/driver/healthzPort'", "minimum: got 0, want 1"],
+    ),
+    (
+        &["controller.replicas=two"],
+        &["at '/controller/replicas'", "got string, want integer"],
+    ),
+    (
+        &["metrics.serviceMonitor.interval=30"],
+        &["at '/metrics/serviceMonitor/interval'"],
+    ),
+    (
+        &["gpuModels[0].name=a100", "gpuModels[0].computeWeight=312"],
+        &["at '/gpuModels/0'", "missing property 'model'"],
+    ),
+];
+
+#[test]
+fn helm_refuses_wrong_values_naming_them() {
+    let Some(helm) = helm("helm_refuses_wrong_values_naming_them") else {
+        return;
+    };
+    for (sets, expected) in WRONG_VALUES {
+        let out = helm_template_output(&helm, "gpupool", sets);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "helm template --set {sets:?} was accepted"
+        );
+        assert!(
+            stderr.contains("values don't meet the specifications of the schema"),
+            "--set {sets:?}: the schema refused it:\n{stderr}"
+        );
+        for part in *expected {
+            assert!(
+                stderr.contains(part),
+                "--set {sets:?}: the message says {part:?}:\n{stderr}"
+            );
+        }
+    }
+}
+
+/// The fake GPU profiles the schema accepts are the driver's.
+#[test]
+fn values_schema_knows_the_driver_fake_gpu_profiles() {
+    let source = read(&workspace_root().join("driver/src/inventory/fake.rs"));
+    let driver: BTreeSet<String> = source
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("key: \""))
+        .filter_map(|rest| rest.split('"').next())
+        .map(str::to_owned)
+        .collect();
+    assert!(driver.contains("a100-40gb"), "{driver:?}");
+    let schema: Value =
+        serde_json::from_str(&read(&chart_dir().join("values.schema.json"))).expect("JSON");
+    let pattern = schema["properties"]["fakeGpus"]["pattern"]
+        .as_str()
+        .expect("fakeGpus pattern");
+    // The pattern names the profiles in one alternation, written twice (first and later items).
+    let alternations: Vec<BTreeSet<String>> = pattern
+        .split('(')
+        .filter_map(|group| group.split(')').next())
+        .filter(|group| group.contains('|') && group.contains("a100-40gb"))
+        .map(|group| group.split('|').map(str::to_owned).collect())
+        .collect();
+    assert_eq!(alternations.len(), 2, "{pattern}");
+    for profiles in alternations {
+        assert_eq!(profiles, driver, "values.schema.json's fakeGpus profiles");
+    }
 }
 
 /// Lists whose order means nothing to Kubernetes but that a strategic-merge patch reorders.
@@ -896,16 +1324,14 @@ fn by_key(objects: Vec<Value>) -> BTreeMap<String, Value> {
 
 #[test]
 fn helm_chart_renders_the_kustomize_objects() {
-    if kubectl_missing("helm_chart_renders_the_kustomize_objects")
-        || go_missing("helm_chart_renders_the_kustomize_objects")
-    {
+    if kubectl_missing("helm_chart_renders_the_kustomize_objects") {
         return;
     }
-    for (dir, sets) in [
-        ("base", &[][..]),
-        ("overlays/fake-gpus", &["fakeGpus=a100-40gb:2"][..]),
-        ("overlays/nvidia", &["driver.runtimeClassName=nvidia"][..]),
-    ] {
+    let Some(helm) = helm("helm_chart_renders_the_kustomize_objects") else {
+        return;
+    };
+    for (sets, dir) in VALUE_SETS {
+        let Some(dir) = dir else { continue };
         // Helm creates the release namespace itself (--create-namespace); a Namespace in the chart
         // would collide with it, so that one object is the base's alone.
         let kustomized = by_key(
@@ -914,7 +1340,7 @@ fn helm_chart_renders_the_kustomize_objects() {
                 .filter(|o| o["kind"] != "Namespace")
                 .collect(),
         );
-        let rendered = by_key(helm_template(sets));
+        let rendered = by_key(helm_template(&helm, sets));
         let daemonset = rendered
             .values()
             .find(|o| o["kind"] == "DaemonSet")
@@ -936,28 +1362,62 @@ fn helm_chart_renders_the_kustomize_objects() {
     }
 }
 
-#[test]
-fn containerfile_builds_both_binaries_into_a_non_root_image() {
+/// Where the image carries the enforcement library, which `gpupool-driver install-lib` copies from.
+const IMAGE_LIBRARY: &str = "/usr/local/lib/gpupool/libgpupool_vgpu.so";
+
+/// The Containerfile's instructions, comments and blank lines dropped, continuations joined.
+fn containerfile_instructions() -> Vec<String> {
     let text = read(&deploy_dir().join("Containerfile"));
-    let instructions: Vec<&str> = text
-        .lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty() && !l.starts_with('#'))
-        .collect();
-    let froms = instructions
-        .iter()
-        .filter(|l| l.starts_with("FROM "))
-        .count();
-    assert!(froms >= 2, "multi-stage: a builder and a runtime stage");
+    let mut instructions = Vec::new();
+    let mut current = String::new();
+    for line in text.lines().map(str::trim) {
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        match line.strip_suffix('\\') {
+            Some(part) => current.push_str(part),
+            None => {
+                current.push_str(line);
+                instructions.push(std::mem::take(&mut current));
+            }
+        }
+    }
+    instructions
+}
+
+/// The Containerfile's stages by name, each with its instructions after FROM.
+fn containerfile_stages() -> Vec<(String, Vec<String>)> {
+    let mut stages: Vec<(String, Vec<String>)> = Vec::new();
+    for instruction in containerfile_instructions() {
+        if let Some(from) = instruction.strip_prefix("FROM ") {
+            let name = from
+                .split_once(" AS ")
+                .map(|(_, name)| name.trim().to_owned())
+                .unwrap_or_default();
+            stages.push((name, vec![instruction.clone()]));
+        } else if let Some((_, body)) = stages.last_mut() {
+            body.push(instruction);
+        }
+    }
+    stages
+}
+
+#[test]
+fn containerfile_builds_from_source_by_default_or_packs_prebuilt_binaries() {
+    let stages = containerfile_stages();
+    let names: Vec<&str> = stages.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        ["build", "runtime", "prebuilt", "image"],
+        "stages; the last one is what a plain `docker build` makes"
+    );
+    let stage = |name: &str| &stages.iter().find(|(n, _)| n == name).expect("stage").1;
 
     // Every COPY from the build context names something that exists, and together they hold every
     // workspace member (cargo loads them all).
     let workspace = read(&workspace_root().join("Cargo.toml"));
     let mut copied = BTreeSet::new();
-    for line in instructions
-        .iter()
-        .filter(|l| l.starts_with("COPY ") && !l.contains("--from"))
-    {
+    for line in stage("build").iter().filter(|l| l.starts_with("COPY ")) {
         let parts: Vec<&str> = line.split_whitespace().skip(1).collect();
         for source in &parts[..parts.len() - 1] {
             assert!(
@@ -967,19 +1427,19 @@ fn containerfile_builds_both_binaries_into_a_non_root_image() {
             copied.insert(source.to_string());
         }
     }
-    let members_line = workspace
-        .lines()
-        .find(|l| l.trim_start().starts_with("members"))
+    let members = workspace
+        .split("members = [")
+        .nth(1)
+        .and_then(|rest| rest.split(']').next())
         .expect("workspace members");
-    for member in members_line.split('"').skip(1).step_by(2) {
+    for member in members.split('"').skip(1).step_by(2) {
         let top = member.split('/').next().unwrap_or(member);
         assert!(
             copied.contains(top),
             "the image build copies workspace member {member}"
         );
     }
-
-    let build = instructions
+    let build = stage("build")
         .iter()
         .find(|l| l.contains("cargo build"))
         .expect("a cargo build step");
@@ -988,32 +1448,81 @@ fn containerfile_builds_both_binaries_into_a_non_root_image() {
         "--locked",
         "-p gpupool-driver",
         "-p gpupool-controller",
+        "-p gpupool-vgpu",
     ] {
         assert!(build.contains(needed), "cargo build {needed}");
     }
-    for binary in ["gpupool-driver", "gpupool-controller"] {
-        assert!(
-            instructions
-                .iter()
-                .any(|l| l.starts_with("COPY --from=build") && l.contains(&format!("/{binary}"))),
-            "the runtime stage holds {binary}"
+
+    // Both final stages start from the runtime stage and put the same three files in the same
+    // places: the binaries on PATH, the library where install-lib takes it from.
+    for (name, from) in [("prebuilt", "${BIN_DIR}/"), ("image", "/out/")] {
+        let body = stage(name);
+        assert_eq!(body[0], format!("FROM runtime AS {name}"));
+        let copies: Vec<&String> = body.iter().filter(|l| l.starts_with("COPY ")).collect();
+        // (source, destination) of each file copied.
+        let copied: Vec<(String, String)> = copies
+            .iter()
+            .flat_map(|l| {
+                let words: Vec<&str> = l
+                    .split_whitespace()
+                    .skip(1)
+                    .filter(|w| !w.starts_with("--"))
+                    .collect();
+                let (destination, sources) = words.split_last().expect("COPY <src> <dst>");
+                sources
+                    .iter()
+                    .map(|s| (s.to_string(), destination.to_string()))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        for (file, destination) in [
+            ("gpupool-driver", "/usr/local/bin/"),
+            ("gpupool-controller", "/usr/local/bin/"),
+            ("libgpupool_vgpu.so", IMAGE_LIBRARY),
+        ] {
+            assert!(
+                copied.contains(&(format!("{from}{file}"), destination.to_owned())),
+                "{name}: {file} to {destination}: {copied:?}"
+            );
+        }
+        assert_eq!(
+            copies.iter().any(|l| l.starts_with("COPY --from=build")),
+            name == "image",
+            "{name}: only the default target needs the Rust build"
         );
     }
-    let user = instructions
+    assert!(stage("prebuilt").contains(&"ARG BIN_DIR".to_owned()));
+    assert!(
+        containerfile_instructions().contains(&"ARG BIN_DIR=target/release".to_owned()),
+        "the prebuilt target takes release binaries by default"
+    );
+    // The build context leaves out target/ but for those three release files.
+    let ignore = read(&workspace_root().join(".dockerignore"));
+    for file in ["gpupool-driver", "gpupool-controller", "libgpupool_vgpu.so"] {
+        assert!(
+            ignore
+                .lines()
+                .any(|l| l == format!("!target/release/{file}")),
+            ".dockerignore keeps target/release/{file}"
+        );
+    }
+
+    let user = stage("runtime")
         .iter()
         .rev()
         .find_map(|l| l.strip_prefix("USER "))
-        .expect("a USER");
-    let uid = user.split(':').next().unwrap_or_default();
+        .expect("a USER")
+        .to_owned();
+    let uid = user.split(':').next().unwrap_or_default().to_owned();
     assert!(
         uid != "0" && uid != "root",
         "the image runs as a non-root user, got {user}"
     );
 
     // The controller's pod runs as that same user.
-    let Some(objects) =
-        rendered_base("containerfile_builds_both_binaries_into_a_non_root_image (manifest part)")
-    else {
+    let Some(objects) = rendered_base(
+        "containerfile_builds_from_source_by_default_or_packs_prebuilt_binaries (manifest part)",
+    ) else {
         return;
     };
     let deployment = find(&objects, "Deployment", "gpupool-controller");
@@ -1062,17 +1571,136 @@ fn to_yaml_stream(objects: &[Value]) -> String {
         .collect()
 }
 
+/// `kubectl apply --validate=strict` of `objects`, then every object read back with what was
+/// rendered (nothing dropped on the way in: spec, rules, subjects, roleRef).
+async fn apply_and_read_back(kubeconfig: &Path, objects: &[Value], origin: &str) {
+    let out = kubectl_at(
+        kubeconfig,
+        &["apply", "--validate=strict", "-f", "-"],
+        Some(to_yaml_stream(objects)),
+    )
+    .await;
+    assert!(
+        out.status.success(),
+        "kubectl apply --validate=strict of {origin}:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = kubectl_at(
+        kubeconfig,
+        &["get", "-f", "-", "-o", "json"],
+        Some(to_yaml_stream(objects)),
+    )
+    .await;
+    assert!(
+        out.status.success(),
+        "get {origin}:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let listed: Value = serde_json::from_slice(&out.stdout).expect("kubectl get -o json");
+    let stored: BTreeMap<String, Value> = listed["items"]
+        .as_array()
+        .cloned()
+        .unwrap_or_else(|| vec![listed.clone()])
+        .into_iter()
+        .map(|o| (key(&o), o))
+        .collect();
+    for object in objects {
+        let stored = stored
+            .get(&key(object))
+            .unwrap_or_else(|| panic!("{origin}: {} not stored", key(object)));
+        for field in ["spec", "rules", "subjects", "roleRef"] {
+            if let Some(rendered) = object.get(field) {
+                assert_eq!(
+                    &stored[field],
+                    rendered,
+                    "{origin}: {} {field} as stored",
+                    key(object)
+                );
+            }
+        }
+    }
+}
+
+/// The API server emulator on loopback and a kubeconfig for it (in `dir`).
+async fn emulator(dir: &Path) -> (gpupool_apiserver::ApiServer, PathBuf) {
+    let server = gpupool_apiserver::ApiServer::start()
+        .await
+        .expect("start the API emulator");
+    let kubeconfig = dir.join("kubeconfig");
+    server.write_kubeconfig(&kubeconfig).expect("kubeconfig");
+    (server, kubeconfig)
+}
+
+/// Each value set as `helm install --create-namespace` would send it, to a fresh API server: the
+/// namespace, the chart's CRDs, then the rest, created with strict field validation and read back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_helm_value_set_applies_to_the_api_emulator() {
+    if kubectl_missing("every_helm_value_set_applies_to_the_api_emulator") {
+        return;
+    }
+    let Some(helm) = helm("every_helm_value_set_applies_to_the_api_emulator") else {
+        return;
+    };
+    for (sets, _) in VALUE_SETS {
+        let origin = format!("helm --set {sets:?}");
+        let objects = helm_template(&helm, sets);
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (_server, kubeconfig) = emulator(dir.path()).await;
+        let out = kubectl_at(&kubeconfig, &["create", "namespace", "gpupool"], None).await;
+        assert_succeeded(&out, "kubectl create namespace gpupool");
+        let (crds, rest): (Vec<Value>, Vec<Value>) = objects
+            .into_iter()
+            .partition(|o| o["kind"] == "CustomResourceDefinition");
+        assert_eq!(crds.len(), 2, "{origin}: the chart's crds/");
+        apply_and_read_back(&kubeconfig, &crds, &origin).await;
+
+        if rest.iter().any(|o| o["kind"] == "ServiceMonitor") {
+            // Without the Prometheus Operator a server knows no ServiceMonitor, and the install
+            // fails saying so (values.yaml: "needs the monitoring.coreos.com CRDs"). Without
+            // client-side validation, as `helm install` sends objects: kubectl's validation of an
+            // unknown kind would fall back to OpenAPI v2 in protobuf, which the emulator serves only
+            // as JSON.
+            let out = kubectl_at(
+                &kubeconfig,
+                &["apply", "--validate=false", "-f", "-"],
+                Some(to_yaml_stream(&rest)),
+            )
+            .await;
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success(), "{origin}: applied without the CRD");
+            assert!(
+                stderr.contains(
+                    "no matches for kind \"ServiceMonitor\" in version \"monitoring.coreos.com/v1\""
+                ),
+                "{origin}: {stderr}"
+            );
+            let crd = workspace_root()
+                .join("e2e/tests/fixtures/servicemonitors.monitoring.coreos.com.yaml");
+            let out = kubectl_at(
+                &kubeconfig,
+                &[
+                    "apply",
+                    "--validate=strict",
+                    "-f",
+                    crd.to_str().expect("utf-8 path"),
+                ],
+                None,
+            )
+            .await;
+            assert_succeeded(&out, "kubectl apply the ServiceMonitor CRD");
+        }
+        apply_and_read_back(&kubeconfig, &rest, &origin).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn manifests_apply_to_the_api_emulator_with_strict_field_validation() {
     if kubectl_missing("manifests_apply_to_the_api_emulator_with_strict_field_validation") {
         return;
     }
-    let server = gpupool_apiserver::ApiServer::start()
-        .await
-        .expect("start the API emulator");
     let dir = tempfile::tempdir().expect("tempdir");
-    let kubeconfig = dir.path().join("kubeconfig");
-    server.write_kubeconfig(&kubeconfig).expect("kubeconfig");
+    let (_server, kubeconfig) = emulator(dir.path()).await;
 
     // As the install instructions say: CRDs first, so that the GpuModels of the base find their kind.
     let crds = deploy_dir().join("crds");
@@ -1094,55 +1722,7 @@ async fn manifests_apply_to_the_api_emulator_with_strict_field_validation() {
     );
 
     for (dir, objects) in each_rendered() {
-        let out = kubectl_at(
-            &kubeconfig,
-            &["apply", "--validate=strict", "-f", "-"],
-            Some(to_yaml_stream(&objects)),
-        )
-        .await;
-        assert!(
-            out.status.success(),
-            "kubectl apply --validate=strict of {dir}:\n{}\n{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-
-        // Nothing was dropped on the way in: every object reads back with the rendered spec (and
-        // rules, subjects, roleRef, ...).
-        let out = kubectl_at(
-            &kubeconfig,
-            &["get", "-f", "-", "-o", "json"],
-            Some(to_yaml_stream(&objects)),
-        )
-        .await;
-        assert!(
-            out.status.success(),
-            "get {dir}:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let listed: Value = serde_json::from_slice(&out.stdout).expect("kubectl get -o json");
-        let stored: BTreeMap<String, Value> = listed["items"]
-            .as_array()
-            .cloned()
-            .unwrap_or_else(|| vec![listed.clone()])
-            .into_iter()
-            .map(|o| (key(&o), o))
-            .collect();
-        for object in &objects {
-            let stored = stored
-                .get(&key(object))
-                .unwrap_or_else(|| panic!("{dir}: {} not stored", key(object)));
-            for field in ["spec", "rules", "subjects", "roleRef"] {
-                if let Some(rendered) = object.get(field) {
-                    assert_eq!(
-                        &stored[field],
-                        rendered,
-                        "{dir}: {} {field} as stored",
-                        key(object)
-                    );
-                }
-            }
-        }
+        apply_and_read_back(&kubeconfig, &objects, dir).await;
     }
 
     // Strictness is real: a misspelt field in a built-in kind and in a custom resource is refused,
@@ -1181,13 +1761,17 @@ fn built_binary(name: &str) -> Option<PathBuf> {
     path.is_file().then_some(path)
 }
 
-/// Long flags of `<binary> run --help`, each with its possible values when clap lists them.
-fn run_flags(binary: &Path) -> BTreeMap<String, Option<Vec<String>>> {
+/// Long flags of `<binary> <subcommand> --help`, each with its possible values when clap lists them.
+fn subcommand_flags(binary: &Path, subcommand: &str) -> BTreeMap<String, Option<Vec<String>>> {
     let out = Command::new(binary)
-        .args(["run", "--help"])
+        .args([subcommand, "--help"])
         .output()
-        .expect("run --help");
-    assert!(out.status.success(), "{} run --help", binary.display());
+        .expect("<subcommand> --help");
+    assert!(
+        out.status.success(),
+        "{} {subcommand} --help",
+        binary.display()
+    );
     let help = String::from_utf8_lossy(&out.stdout).into_owned();
     let mut flags: BTreeMap<String, Option<Vec<String>>> = BTreeMap::new();
     let mut current: Option<String> = None;
@@ -1219,8 +1803,15 @@ fn workload_args_are_flags_the_binaries_accept() {
     if kubectl_missing("workload_args_are_flags_the_binaries_accept") {
         return;
     }
+    // Every container, init containers included: its command is `<binary> <subcommand>`.
     for (binary, kind, workload, container_name) in [
         ("gpupool-driver", "DaemonSet", "gpupool-driver", "driver"),
+        (
+            "gpupool-driver",
+            "DaemonSet",
+            "gpupool-driver",
+            "install-lib",
+        ),
         (
             "gpupool-controller",
             "Deployment",
@@ -1232,23 +1823,25 @@ fn workload_args_are_flags_the_binaries_accept() {
             println!("skipping the {binary} flags: the binary is not built next to this test (cargo test --workspace builds it)");
             continue;
         };
-        let known = run_flags(&path);
-        assert!(
-            known.contains_key("--help"),
-            "{binary}: parsed its help: {known:?}"
-        );
         for (dir, objects) in each_rendered() {
             let c = container(find(&objects, kind, workload), container_name);
+            let command = strings(&c["command"]);
             assert_eq!(
-                strings(&c["command"]).first().map(String::as_str),
+                command.first().map(String::as_str),
                 Some(binary),
-                "{dir}"
+                "{dir}: {container_name}"
+            );
+            let subcommand = command.get(1).expect("a subcommand");
+            let known = subcommand_flags(&path, subcommand);
+            assert!(
+                known.contains_key("--help"),
+                "{binary} {subcommand}: parsed its help: {known:?}"
             );
             for arg in strings(&c["args"]) {
                 let (name, value) = arg.split_once('=').unwrap_or((arg.as_str(), ""));
                 let possible = known
                     .get(name)
-                    .unwrap_or_else(|| panic!("{dir}: {binary} run has no flag {name}"));
+                    .unwrap_or_else(|| panic!("{dir}: {binary} {subcommand} has no flag {name}"));
                 if let Some(values) = possible {
                     assert!(
                         values.iter().any(|v| v == value),
@@ -1262,19 +1855,11 @@ fn workload_args_are_flags_the_binaries_accept() {
 
 #[test]
 fn helm_values_move_flags_and_mounts_together() {
-    if go_missing("helm_values_move_flags_and_mounts_together") {
+    let Some(helm) = helm("helm_values_move_flags_and_mounts_together") else {
         return;
-    }
+    };
     let kubelet = "/var/snap/microk8s/common/var/lib/kubelet";
-    let objects = helm_template(&[
-        &format!("kubeletDir={kubelet}"),
-        "cdiRoot=/etc/cdi",
-        "hamiCore.libDir=/opt/hami",
-        "logFormat=text",
-        "driver.healthzPort=9100",
-        "controller.replicas=3",
-        "image.tag=0.2.0",
-    ]);
+    let objects = helm_template(&helm, PATHS_AND_PORTS);
     let ds = find(&objects, "DaemonSet", "gpupool-driver");
     let driver = container(ds, "driver");
     let mounts = host_mounts(ds, "driver");
@@ -1283,7 +1868,9 @@ fn helm_values_move_flags_and_mounts_together() {
         ("--plugin-dir", format!("{kubelet}/plugins/gpupool.dev")),
         ("--state-dir", format!("{kubelet}/plugins/gpupool.dev")),
         ("--cdi-root", "/etc/cdi".to_owned()),
+        ("--run-dir", "/run/gpupool".to_owned()),
         ("--vgpu-lib-dir", "/opt/hami".to_owned()),
+        ("--gpupool-lib-dir", "/opt/gpupool".to_owned()),
     ] {
         assert_eq!(flag(driver, name), Some(path.clone()), "{name}");
         let (in_container, _) = mounts
@@ -1294,22 +1881,29 @@ fn helm_values_move_flags_and_mounts_together() {
             "{name}: same path in the container as on the host"
         );
     }
+    assert_library_installed_into(ds, "/opt/gpupool", "helm");
     assert_eq!(flag(driver, "--log-format").as_deref(), Some("text"));
     assert_eq!(
         flag(driver, "--healthz-addr").as_deref(),
         Some("0.0.0.0:9100")
     );
     assert_eq!(driver["ports"][0]["containerPort"], 9100);
-    assert_eq!(driver["image"], "gpupool:0.2.0");
+    assert_eq!(metrics_port(driver), 9101);
+    let image = "registry.example/gpupool:0.2.0";
+    for name in ["driver", "install-lib"] {
+        assert_eq!(container(ds, name)["image"], image, "{name}");
+        assert_eq!(container(ds, name)["imagePullPolicy"], "Always", "{name}");
+    }
 
     let deployment = find(&objects, "Deployment", "gpupool-controller");
     assert_eq!(deployment["spec"]["replicas"], 3);
     let controller = container(deployment, "controller");
     assert_eq!(flag(controller, "--log-format").as_deref(), Some("text"));
-    assert_eq!(controller["image"], "gpupool:0.2.0");
+    assert_eq!(metrics_port(controller), 9102);
+    assert_eq!(controller["image"], image);
 
     // A release in another namespace confines that namespace's driver ServiceAccount.
-    let elsewhere = helm_template_in("gpu-system", &[]);
+    let elsewhere = helm_template_in(&helm, "gpu-system", &[]);
     let policy = find(
         &elsewhere,
         "ValidatingAdmissionPolicy",
@@ -1328,6 +1922,55 @@ fn helm_values_move_flags_and_mounts_together() {
             key(binding)
         );
     }
+}
+
+#[test]
+fn helm_enforcement_values_set_the_default_and_the_library_install() {
+    let Some(helm) = helm("helm_enforcement_values_set_the_default_and_the_library_install") else {
+        return;
+    };
+    let daemonset =
+        |sets: &[&str]| find(&helm_template(&helm, sets), "DaemonSet", "gpupool-driver").clone();
+    let default = daemonset(&[]);
+    assert_eq!(
+        flag(container(&default, "driver"), "--default-enforcement").as_deref(),
+        Some("Auto")
+    );
+    assert_library_installed_into(&default, GPUPOOL_LIB_DIR, "helm defaults");
+
+    for choice in ["Gpupool", "HamiCore", "None"] {
+        let ds = daemonset(&[&format!("enforcement.default={choice}")]);
+        assert_eq!(
+            flag(container(&ds, "driver"), "--default-enforcement").as_deref(),
+            Some(choice)
+        );
+        // The library is installed whatever the default: a claim's GpuConfig may still ask for it.
+        assert_library_installed_into(&ds, GPUPOOL_LIB_DIR, choice);
+    }
+
+    // Installed by the operator: no init container, the driver still looks in the folder.
+    let ds = daemonset(&["enforcement.gpupool.install=false"]);
+    assert!(
+        ds["spec"]["template"]["spec"]["initContainers"].is_null(),
+        "{}",
+        ds["spec"]["template"]["spec"]["initContainers"]
+    );
+    let driver = container(&ds, "driver");
+    assert_eq!(
+        flag(driver, "--gpupool-lib-dir").as_deref(),
+        Some(GPUPOOL_LIB_DIR)
+    );
+    assert_eq!(
+        host_mounts(&ds, "driver").get(GPUPOOL_LIB_DIR),
+        Some(&(GPUPOOL_LIB_DIR.to_owned(), true))
+    );
+
+    let ds = daemonset(&["enforcement.gpupool.libDir=/opt/gpupool"]);
+    assert_library_installed_into(&ds, "/opt/gpupool", "libDir=/opt/gpupool");
+    assert!(
+        !host_mounts(&ds, "driver").contains_key(GPUPOOL_LIB_DIR),
+        "the old folder is no longer mounted"
+    );
 }
 
 /// The port of a `--metrics-addr=:<port>` flag.
@@ -1400,16 +2043,20 @@ fn metrics_ports_are_served_and_exposed_by_headless_services() {
 
 #[test]
 fn helm_service_monitors_are_optional_and_select_the_metrics_services() {
-    if go_missing("helm_service_monitors_are_optional_and_select_the_metrics_services") {
+    let Some(helm) = helm("helm_service_monitors_are_optional_and_select_the_metrics_services")
+    else {
         return;
-    }
-    assert!(of_kind(&helm_template(&[]), "ServiceMonitor").is_empty());
-    let objects = helm_template(&[
-        "metrics.serviceMonitor.enabled=true",
-        "metrics.serviceMonitor.interval=15s",
-        "driver.metricsPort=9100",
-        "controller.metricsPort=9101",
-    ]);
+    };
+    assert!(of_kind(&helm_template(&helm, &[]), "ServiceMonitor").is_empty());
+    let objects = helm_template(
+        &helm,
+        &[
+            "metrics.serviceMonitor.enabled=true",
+            "metrics.serviceMonitor.interval=15s",
+            "driver.metricsPort=9100",
+            "controller.metricsPort=9101",
+        ],
+    );
     assert_metrics_exposed(&objects, "DaemonSet", "gpupool-driver", "driver", "helm");
     assert_metrics_exposed(
         &objects,

@@ -77,12 +77,7 @@ async fn claim_ready(cluster: &TestCluster, ns: &str, pod: &str) -> Option<(Stri
         .first()?
         .resource_claim_name
         .clone()?;
-    let claim = common::claim(cluster, ns, &claim_name).await;
-    let entry = claim
-        .status?
-        .devices?
-        .into_iter()
-        .find(|d| d.driver == gpupool_api::names::DRIVER_NAME)?;
+    let entry = common::driver_status_entry(cluster, ns, &claim_name).await?;
     let ready = entry.conditions?.into_iter().find(|c| c.type_ == "Ready")?;
     Some((ready.status, ready.reason))
 }

@@ -17,8 +17,8 @@ use gpupool_api::names::DRIVER_NAME;
 use gpupool_apiserver::ApiServer;
 use gpupool_e2e::harness::process::{assert_succeeded, offline_go};
 use gpupool_e2e::harness::{
-    cleanup, find_binary, start_api_emulator, wait_for, workspace_root, ManagedProcess, NodeDirs,
-    DRIVER_BIN,
+    cleanup, find_binary, service_account_kubeconfig, start_api_emulator, wait_for, workspace_root,
+    ManagedProcess, NodeDirs, DRIVER_BIN, DRIVER_SERVICE_ACCOUNT,
 };
 use serde_json::Value;
 
@@ -119,6 +119,9 @@ impl Node {
         let apiserver = start_api_emulator(&kubeconfig)
             .await
             .unwrap_or_else(|e| panic!("{e}"));
+        let driver_kubeconfig =
+            service_account_kubeconfig(&apiserver, root.path(), DRIVER_SERVICE_ACCOUNT, Some(NODE))
+                .unwrap_or_else(|e| panic!("{e}"));
         let host = root.path().join("host");
         let dirs = NodeDirs::under(&host);
         let libs = host.join("libs");
@@ -129,7 +132,7 @@ impl Node {
         let driver = ManagedProcess::spawn(
             &format!("{DRIVER_BIN} on {NODE}"),
             &binary,
-            dirs.driver_run_args(NODE, &kubeconfig, FAKE_GPUS, &libs),
+            dirs.driver_run_args(NODE, &driver_kubeconfig, FAKE_GPUS, &libs),
             root.path().join("driver.log"),
         )
         .expect("starting the driver");

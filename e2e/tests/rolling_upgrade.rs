@@ -49,6 +49,9 @@ impl NewPod {
     fn start(cluster: &TestCluster, pod_uid: &str, healthz_port: u16) -> NewPod {
         let node = cluster.node_at(0);
         let libs = cluster.workdir().join(&node.spec.name).join("libs");
+        let kubeconfig = cluster
+            .driver_kubeconfig(&node.name)
+            .unwrap_or_else(|e| panic!("{e}"));
         let log = cluster.workdir().join("driver-new-pod.log");
         let out = std::fs::File::create(&log).expect("creating the new pod's log");
         let err = out.try_clone().expect("cloning the log handle");
@@ -57,7 +60,7 @@ impl NewPod {
         command
             .args(
                 node.dirs
-                    .driver_run_args(&node.name, cluster.kubeconfig_path(), PROFILE, &libs),
+                    .driver_run_args(&node.name, &kubeconfig, PROFILE, &libs),
             )
             .arg(format!("--healthz-addr=127.0.0.1:{healthz_port}"))
             .env("POD_UID", pod_uid)

@@ -14,6 +14,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
+use crate::auth::{self, Attributes, Tokens, UserInfo};
 use crate::discovery;
 use crate::latency::{self, Latency};
 use crate::openapi;
@@ -22,7 +23,8 @@ use crate::resources::ResourceDef;
 use crate::selectors::{FieldSelector, LabelSelector};
 use crate::status::ApiError;
 use crate::store::{
-    EventType, FieldValidation, PatchType, Preconditions, Store, StoredEvent, WriteOptions,
+    EventType, FieldValidation, PatchType, Preconditions, Requester, Store, StoredEvent,
+    WriteOptions,
 };
 use crate::table;
 use crate::watchcache::{CachedObject, WatchCache};
@@ -46,6 +48,8 @@ pub struct Shared {
     pub latency: Latency,
     /// Locked after `store` where both are held.
     pub watch_cache: Option<Mutex<WatchCache>>,
+    /// The bearer tokens this server accepts (see [`auth`]).
+    pub tokens: Tokens,
 }
 
 impl Shared {
@@ -62,6 +66,7 @@ impl Shared {
             bookmark_interval_ms: std::sync::atomic::AtomicU64::new(10_000),
             latency,
             watch_cache,
+            tokens: Tokens::default(),
         }
     }
 
@@ -176,6 +181,7 @@ fn with_warnings(mut response: Response, warnings: &[String]) -> Response {
 }
 
 struct RequestContext {
+    user: UserInfo,
     method: Method,
     query: BTreeMap<String, String>,
     accept: String,
@@ -207,6 +213,10 @@ impl RequestContext {
         Ok(WriteOptions {
             field_validation: FieldValidation::parse(self.param("fieldValidation"))?,
             dry_run: self.param("dryRun") == Some("All"),
+            requester: Some(Requester {
+                user: self.user.clone(),
+                verb: auth::verb(self.method.as_str(), true, false),
+            }),
         })
     }
 
@@ -264,7 +274,16 @@ pub async fn handle(
             user_agent: header_str(header::USER_AGENT),
         });
     tracing::debug!(%method, %uri, "request");
+    let user = match shared.tokens.authenticate(
+        headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok()),
+    ) {
+        Ok(user) => user,
+        Err(error) => return error_response(&error),
+    };
     let ctx = RequestContext {
+        user,
         method,
         query: parse_query(uri.query()),
         accept: header_str(header::ACCEPT),
@@ -280,6 +299,19 @@ pub async fn handle(
     let segments: Vec<&str> = segments.iter().map(String::as_str).collect();
     let cost = latency::classify(ctx.method.as_str(), &segments, &ctx.query);
     shared.latency.charge(cost).await;
+    let non_resource = !matches!(
+        segments.as_slice(),
+        ["api", "v1", _, ..] | ["apis", _, _, _, ..]
+    );
+    if non_resource {
+        let attrs = Attributes::NonResource {
+            verb: &ctx.method.as_str().to_ascii_lowercase(),
+            path: uri.path(),
+        };
+        if !auth::authorize(&shared.store(), &ctx.user, &attrs) {
+            return error_response(&auth::forbidden(&ctx.user, &attrs));
+        }
+    }
     match route(&shared, &ctx, &segments) {
         Ok(response) => response,
         Err(error) => error_response(&error),
@@ -444,6 +476,15 @@ fn resource_request(
     let target = resolve(&shared.store(), group, version, rest)?;
     let def = &target.def;
     let ns = target.namespace;
+    let verb = auth::verb(
+        ctx.method.as_str(),
+        target.name.is_some(),
+        ctx.flag("watch"),
+    );
+    let attrs = auth::resource_attributes(def, verb, ns, target.name, target.subresource);
+    if !auth::authorize(&shared.store(), &ctx.user, &attrs) {
+        return Err(auth::forbidden(&ctx.user, &attrs));
+    }
     let include = ctx.param("includeObject").unwrap_or_default().to_string();
     match (target.name, target.subresource, ctx.method.clone()) {
         (None, None, Method::GET) => {

@@ -2,7 +2,10 @@
 //! faithful enough for kube-rs clients and the real `kubectl`. Objects are kept as JSON values so no
 //! field is lost; the rules of the real server that gpupool depends on live in [`store`] and [`rules`].
 //!
-//! Not emulated, on purpose or for now: authentication and authorization, admission (webhooks and
+//! Authentication and authorization as [`auth`] describes them: bearer tokens, RBAC, and the DRA
+//! status permissions of 1.36.
+//!
+//! Not emulated, on purpose or for now: the Node authorizer, admission (webhooks and
 //! ValidatingAdmissionPolicies are stored, not enforced), CEL `x-kubernetes-validations`, real
 //! server-side apply field ownership (apply is a merge of the applied object), pagination
 //! (`limit`/`continue` answer everything at once), graceful pod deletion (a pod is deleted at once,
@@ -10,6 +13,7 @@
 //! and ConfigMaps, and OpenAPI schemas (kubectl falls back to JSON merge patches for unknown kinds
 //! and `kubectl explain` has nothing to show).
 
+pub mod auth;
 pub mod clock;
 pub mod discovery;
 pub mod events;
@@ -213,10 +217,21 @@ impl ApiServer {
         self.addr.port()
     }
 
-    /// A kubeconfig whose current context (`gpupool-emulator`) points at this server, namespace default.
+    /// A kubeconfig whose current context (`gpupool-emulator`) points at this server, namespace
+    /// default, with no credentials: the administrator (see [`auth`]).
     pub fn kubeconfig_yaml(&self) -> String {
+        self.kubeconfig_yaml_for("{}")
+    }
+
+    /// A kubeconfig for this server that authenticates with `token` (see
+    /// [`ApiServer::service_account_token`]).
+    pub fn kubeconfig_yaml_with(&self, token: &str) -> String {
+        self.kubeconfig_yaml_for(&format!("\n    token: {token}"))
+    }
+
+    fn kubeconfig_yaml_for(&self, user: &str) -> String {
         format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: {CONTEXT_NAME}\n  cluster:\n    server: {url}\ncontexts:\n- name: {CONTEXT_NAME}\n  context:\n    cluster: {CONTEXT_NAME}\n    user: {CONTEXT_NAME}\n    namespace: default\ncurrent-context: {CONTEXT_NAME}\nusers:\n- name: {CONTEXT_NAME}\n  user: {{}}\npreferences: {{}}\n",
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: {CONTEXT_NAME}\n  cluster:\n    server: {url}\ncontexts:\n- name: {CONTEXT_NAME}\n  context:\n    cluster: {CONTEXT_NAME}\n    user: {CONTEXT_NAME}\n    namespace: default\ncurrent-context: {CONTEXT_NAME}\nusers:\n- name: {CONTEXT_NAME}\n  user: {user}\npreferences: {{}}\n",
             url = self.url()
         )
     }
@@ -225,13 +240,32 @@ impl ApiServer {
         std::fs::write(path, self.kubeconfig_yaml())
     }
 
+    /// A token of ServiceAccount `namespace/name`, bound to `node` like the projected token of a
+    /// pod running there (what a DaemonSet's pod gets); its permissions are whatever RBAC objects
+    /// in this server grant that ServiceAccount.
+    pub fn service_account_token(&self, namespace: &str, name: &str, node: Option<&str>) -> String {
+        self.shared
+            .tokens
+            .issue(auth::UserInfo::service_account(namespace, name, node))
+    }
+
     /// A kube-rs client for this server, built from [`ApiServer::kubeconfig_yaml`] the way the
     /// driver and the controller read a kubeconfig. A test helper: panics if no client can be made.
     #[cfg(feature = "client")]
     pub async fn client(&self) -> kube::Client {
+        Self::client_from(&self.kubeconfig_yaml()).await
+    }
+
+    /// [`ApiServer::client`] authenticating with `token`.
+    #[cfg(feature = "client")]
+    pub async fn client_with_token(&self, token: &str) -> kube::Client {
+        Self::client_from(&self.kubeconfig_yaml_with(token)).await
+    }
+
+    #[cfg(feature = "client")]
+    async fn client_from(kubeconfig: &str) -> kube::Client {
         use kube::config::{KubeConfigOptions, Kubeconfig};
-        let kubeconfig =
-            Kubeconfig::from_yaml(&self.kubeconfig_yaml()).expect("the kubeconfig parses");
+        let kubeconfig = Kubeconfig::from_yaml(kubeconfig).expect("the kubeconfig parses");
         let config =
             kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
                 .await

@@ -6,7 +6,9 @@ use clap::Parser;
 use gpupool_apiserver::{ApiProfile, ApiServer, ApiServerOptions};
 
 #[derive(Parser)]
-#[command(about = "Kubernetes API server emulator on 127.0.0.1 (REST + watch, JSON, no auth)")]
+#[command(
+    about = "Kubernetes API server emulator on 127.0.0.1 (REST + watch, JSON, RBAC; the kubeconfig it writes is an administrator's)"
+)]
 struct Args {
     /// Port on 127.0.0.1; 0 picks a free one.
     #[arg(long, default_value_t = 0)]

@@ -100,6 +100,16 @@ impl ApiError {
         Self::of_object(403, "Forbidden", def, name, &format!("is forbidden: {why}"))
     }
 
+    /// A 403 with the message and details given (authorization's wording, see `auth`).
+    pub fn forbidden_with(message: String, details: Value) -> Self {
+        Self::new(403, "Forbidden", message, Some(details))
+    }
+
+    /// A token the server does not know.
+    pub fn unauthorized() -> Self {
+        Self::new(401, "Unauthorized", "Unauthorized".into(), None)
+    }
+
     /// A JSON patch that cannot be applied (a failed test, a missing path) is a 422 like upstream.
     pub fn invalid_patch(def: &ResourceDef, name: &str, why: &str) -> Self {
         Self::new(

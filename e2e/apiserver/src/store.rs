@@ -72,10 +72,20 @@ impl FieldValidation {
     }
 }
 
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct WriteOptions {
     pub field_validation: FieldValidation,
     pub dry_run: bool,
+    /// Who writes, for the checks that depend on it (a claim's status, `auth`); `None` for the
+    /// emulator's own writes.
+    pub requester: Option<Requester>,
+}
+
+/// The user behind a write and the verb of the request (`update` or `patch`).
+#[derive(Debug, Clone)]
+pub struct Requester {
+    pub user: crate::auth::UserInfo,
+    pub verb: &'static str,
 }
 
 #[derive(Debug, Clone)]
@@ -423,7 +433,7 @@ impl Store {
         &self,
         def: &ResourceDef,
         body: &mut Value,
-        options: WriteOptions,
+        options: &WriteOptions,
     ) -> Result<Vec<String>, ApiError> {
         if !body.is_object() {
             return Err(ApiError::bad_request(
@@ -565,7 +575,7 @@ impl Store {
             outcome.object = Self::present(def, &outcome.object);
             return Ok(outcome);
         }
-        let warnings = self.decode(def, &mut body, options)?;
+        let warnings = self.decode(def, &mut body, &options)?;
         self.drop_disabled_fields(def, &mut body);
         drop_empty_metadata(&mut body);
         let namespace = if def.namespaced {
@@ -687,7 +697,7 @@ impl Store {
             return Ok(outcome);
         }
         let (key, existing) = self.stored(def, namespace, name)?;
-        let warnings = self.decode(def, &mut body, options)?;
+        let warnings = self.decode(def, &mut body, &options)?;
         self.drop_disabled_fields(def, &mut body);
         drop_empty_metadata(&mut body);
         let body_name = meta_str(&body, "name").unwrap_or_default();
@@ -779,6 +789,17 @@ impl Store {
         if def.group == "resource.k8s.io" && def.kind == "ResourceClaim" {
             rules::drop_deallocated_status_devices(&existing, &mut updated);
             causes.extend(rules::validate_claim_status(Some(&existing), &updated));
+            if let (Some(requester), Some("status")) = (&options.requester, subresource) {
+                causes.extend(crate::auth::claim_status_causes(
+                    self,
+                    &requester.user,
+                    requester.verb,
+                    name,
+                    namespace,
+                    &existing,
+                    &updated,
+                ));
+            }
         }
         causes.extend(rules::validate_finalizers(&existing, &updated));
         if !causes.is_empty() {
@@ -1254,7 +1275,7 @@ mod tests {
         let def = cm_def(&store);
         let strict = WriteOptions {
             field_validation: FieldValidation::Strict,
-            dry_run: false,
+            ..Default::default()
         };
         let err = store
             .create(

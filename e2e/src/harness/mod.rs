@@ -602,16 +602,33 @@ impl TestCluster {
         }
         let crds = parse_manifests(&String::from_utf8_lossy(&output.stdout))?;
         apply_objects(&self.client, &crds, "default").await?;
+        // On the emulator it runs as its ServiceAccount, with its Lease where the RBAC lets it.
+        let mut args = vec![
+            "run".to_string(),
+            "--metrics-addr".into(),
+            "127.0.0.1:0".into(),
+        ];
+        match &self.apiserver {
+            Some(server) => {
+                let kubeconfig = service_account_kubeconfig(
+                    server,
+                    &self.workdir,
+                    CONTROLLER_SERVICE_ACCOUNT,
+                    None,
+                )?;
+                args.extend([
+                    "--kubeconfig".into(),
+                    kubeconfig.display().to_string(),
+                    "--lease-namespace".into(),
+                    COMPONENT_NAMESPACE.into(),
+                ]);
+            }
+            None => args.extend(["--kubeconfig".into(), self.kubeconfig.display().to_string()]),
+        }
         let process = ManagedProcess::spawn(
             CONTROLLER_BIN,
             &binary,
-            vec![
-                "run".into(),
-                "--kubeconfig".into(),
-                self.kubeconfig.display().to_string(),
-                "--metrics-addr".into(),
-                "127.0.0.1:0".into(),
-            ],
+            args,
             self.workdir.join("controller.log"),
         )?;
         self.controller = Some(Mutex::new(process));
@@ -655,8 +672,9 @@ impl TestCluster {
             Some(Kubelet::start(self.client.clone(), config).await?)
         };
         let binary = find_binary(DRIVER_BIN)?;
+        let kubeconfig = self.driver_kubeconfig(&name)?;
         let mut args =
-            dirs.driver_run_args(&name, &self.kubeconfig, &spec.fake_gpus, &base.join("libs"));
+            dirs.driver_run_args(&name, &kubeconfig, &spec.fake_gpus, &base.join("libs"));
         args.extend(spec.extra_driver_args.iter().cloned());
         let driver = ManagedProcess::spawn(
             &format!("{DRIVER_BIN} on {name}"),
@@ -684,6 +702,19 @@ impl TestCluster {
 
     pub fn client(&self) -> Client {
         self.client.clone()
+    }
+
+    /// The kubeconfig a driver on `node` runs with: on the emulator its ServiceAccount's, bound to
+    /// the node (written under the node's folder), else the cluster's.
+    pub fn driver_kubeconfig(&self, node: &str) -> Result<PathBuf, HarnessError> {
+        match &self.apiserver {
+            Some(server) => {
+                let dir = self.workdir.join(node);
+                mkdir(&dir)?;
+                service_account_kubeconfig(server, &dir, DRIVER_SERVICE_ACCOUNT, Some(node))
+            }
+            None => Ok(self.kubeconfig.clone()),
+        }
     }
 
     pub fn kubeconfig_path(&self) -> &Path {
@@ -977,7 +1008,8 @@ pub fn workspace_root() -> PathBuf {
         .to_path_buf()
 }
 
-/// Starts the API server emulator and writes a kubeconfig for it at `kubeconfig`.
+/// Starts the API server emulator, writes an administrator's kubeconfig for it at `kubeconfig`,
+/// and installs the components' ServiceAccounts and RBAC (see [`install_component_rbac`]).
 pub async fn start_api_emulator(kubeconfig: &Path) -> Result<upstream::ApiServer, HarnessError> {
     start_api_emulator_with(kubeconfig, upstream::ApiServerOptions::default()).await
 }
@@ -993,7 +1025,50 @@ pub async fn start_api_emulator_with(
     server
         .write_kubeconfig(kubeconfig)
         .map_err(|e| HarnessError::ApiServer(format!("writing kubeconfig: {e}")))?;
+    install_component_rbac(&client_for_kubeconfig(kubeconfig).await?).await?;
     Ok(server)
+}
+
+/// The manifests that give the driver and the controller their identities and permissions, as an
+/// operator installs them.
+const COMPONENT_RBAC: &[&str] = &[
+    "deploy/base/namespace.yaml",
+    "deploy/base/driver-rbac.yaml",
+    "deploy/base/controller-rbac.yaml",
+];
+/// Where [`COMPONENT_RBAC`] puts the ServiceAccounts.
+pub const COMPONENT_NAMESPACE: &str = "gpupool";
+pub const DRIVER_SERVICE_ACCOUNT: &str = "gpupool-driver";
+pub const CONTROLLER_SERVICE_ACCOUNT: &str = "gpupool-controller";
+
+/// Applies the ServiceAccounts, roles and bindings of deploy/base, so that a driver or controller
+/// started with [`service_account_kubeconfig`] has exactly the permissions an installed one has
+/// (a permission missing there fails the tests as it would fail a cluster).
+pub async fn install_component_rbac(client: &Client) -> Result<(), HarnessError> {
+    for file in COMPONENT_RBAC {
+        let path = workspace_root().join(file);
+        let yaml = std::fs::read_to_string(&path).map_err(io_err(format!("reading {file}")))?;
+        apply_objects(client, &parse_manifests(&yaml)?, COMPONENT_NAMESPACE).await?;
+    }
+    Ok(())
+}
+
+/// Writes `dir/kubeconfig-<account>[-<node>]` for ServiceAccount `gpupool/<account>` of the
+/// emulator, its token bound to `node` as a DaemonSet pod's is, and returns its path.
+pub fn service_account_kubeconfig(
+    server: &upstream::ApiServer,
+    dir: &Path,
+    account: &str,
+    node: Option<&str>,
+) -> Result<PathBuf, HarnessError> {
+    let token = server.service_account_token(COMPONENT_NAMESPACE, account, node);
+    let path = dir.join(match node {
+        Some(node) => format!("kubeconfig-{account}-{node}"),
+        None => format!("kubeconfig-{account}"),
+    });
+    std::fs::write(&path, server.kubeconfig_yaml_with(&token))
+        .map_err(io_err(format!("writing {}", path.display())))?;
+    Ok(path)
 }
 
 fn start_scheduler(client: Client) -> tokio::task::JoinHandle<()> {

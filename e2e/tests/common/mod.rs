@@ -66,6 +66,20 @@ pub async fn claim(cluster: &TestCluster, namespace: &str, name: &str) -> Resour
         .unwrap_or_else(|e| panic!("get resourceclaim {namespace}/{name}: {e}"))
 }
 
+/// gpupool's (first) entry in the claim's `status.devices`, once the driver has written one.
+pub async fn driver_status_entry(
+    cluster: &TestCluster,
+    namespace: &str,
+    name: &str,
+) -> Option<k8s_openapi::api::resource::v1::AllocatedDeviceStatus> {
+    claim(cluster, namespace, name)
+        .await
+        .status?
+        .devices?
+        .into_iter()
+        .find(|d| d.driver == gpupool_api::names::DRIVER_NAME)
+}
+
 pub async fn events_about(
     cluster: &TestCluster,
     namespace: &str,

@@ -16,7 +16,8 @@ use gpupool_api::claim::{ClaimRef, PreparedDevice};
 use gpupool_apiserver::ApiServer;
 use gpupool_e2e::harness::{
     client_for_kubeconfig, create_namespace, events_about, find_binary, node_slices,
-    start_api_emulator, wait_for_every, ManagedProcess, NodeDirs, DRIVER_BIN,
+    service_account_kubeconfig, start_api_emulator, wait_for_every, ManagedProcess, NodeDirs,
+    DRIVER_BIN, DRIVER_SERVICE_ACCOUNT,
 };
 use gpupool_e2e::kubelet::{
     Kubelet, KubeletConfig, KubeletError, PrepareOutcome, UnprepareOutcome,
@@ -51,7 +52,8 @@ pub struct CrashNode {
     pub kubelet: Kubelet,
     pub dirs: NodeDirs,
     pub root: PathBuf,
-    kubeconfig: PathBuf,
+    /// The driver's ServiceAccount, bound to this node.
+    driver_kubeconfig: PathBuf,
     lib_dirs: PathBuf,
     binary: PathBuf,
     fake_gpus: String,
@@ -85,6 +87,9 @@ impl CrashNode {
         let client = client_for_kubeconfig(&kubeconfig)
             .await
             .unwrap_or_else(|e| panic!("{e}"));
+        let driver_kubeconfig =
+            service_account_kubeconfig(&apiserver, &root, DRIVER_SERVICE_ACCOUNT, Some(name))
+                .unwrap_or_else(|e| panic!("{e}"));
         let host = root.join("host");
         let dirs = NodeDirs::under(&host);
         let lib_dirs = host.join("libs");
@@ -113,7 +118,7 @@ impl CrashNode {
             kubelet,
             dirs,
             root,
-            kubeconfig,
+            driver_kubeconfig,
             lib_dirs,
             binary,
             fake_gpus: fake_gpus.to_string(),
@@ -204,7 +209,7 @@ impl CrashNode {
         let before = self.kubelet.registration(DRIVER).map_or(0, |r| r.sequence);
         let args = self.dirs.driver_run_args(
             &self.name,
-            &self.kubeconfig,
+            &self.driver_kubeconfig,
             &self.fake_gpus,
             &self.lib_dirs,
         );

@@ -12,7 +12,10 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Context};
 use gpupool_api::claim::ClaimRef;
 use gpupool_apiserver::{ApiServer, ApiServerOptions};
-use gpupool_e2e::harness::{ManagedProcess, NodeDirs};
+use gpupool_e2e::harness::{
+    install_component_rbac, service_account_kubeconfig, ManagedProcess, NodeDirs,
+    DRIVER_SERVICE_ACCOUNT,
+};
 use gpupool_e2e::kubelet::{Kubelet, KubeletConfig, KubeletError};
 use k8s_openapi::api::core::v1::{Namespace, Node};
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
@@ -32,7 +35,6 @@ const READY_TIMEOUT: Duration = Duration::from_secs(60);
 pub struct Bench {
     pub apiserver: ApiServer,
     pub client: Client,
-    kubeconfig: PathBuf,
     driver_bin: PathBuf,
     workdir: tempfile::TempDir,
     /// Where the nodes' CDI and run folders live: a tmpfs when there is one, as `/var/run/cdi`
@@ -115,10 +117,11 @@ impl Bench {
             .write_kubeconfig(&kubeconfig)
             .context("writing the kubeconfig")?;
         let client = bench_client(&kubeconfig).await?;
+        // The drivers run as their ServiceAccount, authorized as in a cluster.
+        install_component_rbac(&client).await?;
         let bench = Bench {
             apiserver,
             client,
-            kubeconfig,
             driver_bin,
             workdir,
             runtime_dir,
@@ -180,7 +183,13 @@ impl Bench {
         dirs: &NodeDirs,
         libs: &Path,
     ) -> anyhow::Result<ManagedProcess> {
-        let args = dirs.driver_run_args(name, &self.kubeconfig, fake_gpus, libs);
+        let kubeconfig = service_account_kubeconfig(
+            &self.apiserver,
+            &self.workdir().join(name),
+            DRIVER_SERVICE_ACCOUNT,
+            Some(name),
+        )?;
+        let args = dirs.driver_run_args(name, &kubeconfig, fake_gpus, libs);
         ManagedProcess::spawn(
             &format!("gpupool-driver on {name}"),
             &self.driver_bin,

@@ -1,3 +1,0 @@
-module gpupool.dev/tools/helm-render
-
-go 1.19
