@@ -99,7 +99,9 @@ pub struct RunArgs {
     /// disk write.
     #[arg(long, env = "RUN_DIR", default_value = "/var/run/gpupool")]
     pub run_dir: PathBuf,
-    /// Fake GPUs instead of NVML, e.g. a100-40gb:2,v100-32gb:1.
+    /// Fake GPUs instead of NVML, e.g. a100-40gb:2,v100-32gb:1; an entry may add `+mig` (MIG mode on
+    /// at start), `+nvswitch` (its cards on one NVSwitch fabric) or `+nvlink-pairs` (bridged pairs),
+    /// e.g. h100-80gb:8+nvswitch.
     #[arg(long, env = "FAKE_GPUS")]
     pub fake_gpus: Option<String>,
     /// Host folder holding HAMi-core's libvgpu.so.
@@ -254,7 +256,9 @@ impl RunArgs {
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct InspectArgs {
-    /// Fake GPUs instead of NVML, e.g. a100-40gb:2,v100-32gb:1.
+    /// Fake GPUs instead of NVML, e.g. a100-40gb:2,v100-32gb:1; an entry may add `+mig` (MIG mode on
+    /// at start), `+nvswitch` (its cards on one NVSwitch fabric) or `+nvlink-pairs` (bridged pairs),
+    /// e.g. h100-80gb:8+nvswitch.
     #[arg(long, env = "FAKE_GPUS")]
     pub fake_gpus: Option<String>,
     /// Node name for the slices; the host name when absent.
