@@ -181,9 +181,17 @@ async fn gpu_models_become_classes_and_kubectl_counts_the_pool(cluster: &TestClu
     assert_eq!(shown["a100-sxm4-40gb"]["WEIGHT"], "312");
     assert_eq!(shown["v100-sxm2-32gb"]["WEIGHT"], "256");
     assert_eq!(shown["rtx-3090"]["WEIGHT"], "71");
-    for (name, row) in &shown {
-        assert_eq!(row["READY"], "True", "{name}: {row:?}");
+    for m in &MODELS {
+        let row = &shown[m.gpu_model];
+        assert_eq!(row["READY"], "True", "{}: {row:?}", m.gpu_model);
     }
+    // gpumodels.yaml also has the H100 (MIG) model, which this pool has no card of.
+    let h100 = &shown["h100-80gb-hbm3"];
+    assert_eq!(
+        (h100["READY"].as_str(), h100["DEVICES"].as_str()),
+        ("False", "0"),
+        "{h100:?}"
+    );
 }
 
 /// Pods until gone and claims until gone (their allocations released).
@@ -505,7 +513,7 @@ async fn weight_changes_reach_the_slices_and_deleting_a_model_removes_its_class(
     let rows = table_rows(&table);
     assert_eq!(
         rows.keys().map(String::as_str).collect::<Vec<_>>(),
-        ["a100-sxm4-40gb", "rtx-3090"],
+        ["a100-sxm4-40gb", "h100-80gb-hbm3", "rtx-3090"],
         "{table}"
     );
 }
