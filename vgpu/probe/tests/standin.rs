@@ -563,3 +563,22 @@ fn two_busy_processes_share_the_card_half_and_half_in_nvml() {
     }
     assert!(u["device_util_mean"].as_f64().unwrap() > 85.0, "{u}");
 }
+
+#[test]
+fn a_process_killed_mid_kernel_does_not_keep_the_card() {
+    let m = Machine::new("1x1g");
+    let mut a = m.spawn(&[
+        "launch",
+        "--seconds",
+        "30",
+        "--kernel-us",
+        "50000",
+        "--report-ms",
+        "100",
+    ]);
+    wait_for(&mut a, "progress");
+    kill9(&mut a);
+    let out = m.run(&["launch", "--seconds", "0.5", "--kernel-us", "5000"]);
+    let l = one(&out, "launch");
+    assert!(l["busy_fraction"].as_f64().unwrap() > 0.7, "{l}");
+}

@@ -501,7 +501,11 @@ impl Sim {
                     if d.engine_owner.load(Ordering::Acquire) == owner
                         && !self.slot_alive(owner as usize - 1)
                     {
-                        // The owner died with the card: take it back (its slot is reaped later).
+                        // The owner died with the card (or was handed it while waiting): take
+                        // it back, and drop its waiting bit so that no later release hands the
+                        // card to the dead again (its slot is reaped later).
+                        d.engine_waiters
+                            .fetch_and(!(1u64 << (owner - 1)), Ordering::AcqRel);
                         if d.engine_owner
                             .compare_exchange(owner, 0, Ordering::AcqRel, Ordering::Relaxed)
                             .is_ok()

@@ -659,6 +659,7 @@ impl Session<'_> {
             }
         }
         if self.opts.flag("hold") {
+            emit(json!({"op": "hold", "pid": std::process::id()}));
             hold_forever();
         }
         if !self.opts.flag("no-free") {
@@ -702,6 +703,7 @@ impl Session<'_> {
             emit(self.views());
         }
         if self.opts.flag("hold") {
+            emit(json!({"op": "hold", "pid": std::process::id()}));
             hold_forever();
         }
         for h in &held {
