@@ -169,6 +169,8 @@ pub struct Sim {
     engine_local: [Mutex<()>; MAX_DEVICES],
     /// Serialises this process's writers of its own busy buckets.
     ring_writer: Mutex<()>,
+    /// Serialises this process's threads on the memory lock.
+    memory_local: Mutex<()>,
 }
 
 impl std::fmt::Debug for Sim {
@@ -180,9 +182,13 @@ impl std::fmt::Debug for Sim {
     }
 }
 
+/// The memory lock, held: this process's threads excluded by a mutex, other processes by the OFD
+/// lock (which does not exclude threads sharing one open file description: a second `F_OFD_SETLKW`
+/// from the same description succeeds at once).
 struct Locked<'a> {
     sim: &'a Sim,
     offset: u64,
+    _local: std::sync::MutexGuard<'a, ()>,
 }
 
 impl Drop for Locked<'_> {
@@ -259,6 +265,7 @@ impl Sim {
             slot: None,
             engine_local: std::array::from_fn(|_| Mutex::new(())),
             ring_writer: Mutex::new(()),
+            memory_local: Mutex::new(()),
         })
     }
 
@@ -293,9 +300,14 @@ impl Sim {
     }
 
     fn lock(&self, offset: u64) -> Locked<'_> {
+        let local = self.memory_local.lock().unwrap_or_else(|e| e.into_inner());
         // An error here means the file descriptor is broken: nothing sensible remains to do.
         sys::lock_wait(self.file.as_raw_fd(), offset).expect("stand-in state lock");
-        Locked { sim: self, offset }
+        Locked {
+            sim: self,
+            offset,
+            _local: local,
+        }
     }
 
     /// Takes a process slot for this process (the CUDA side, at `cuInit`), recording `host_pid` as the
@@ -710,6 +722,28 @@ mod tests {
                 memory: 1 << 30
             }]
         );
+    }
+
+    #[test]
+    fn threads_of_one_process_never_charge_past_capacity() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state").to_str().unwrap().to_string();
+        let mut a = Sim::open(&path, || Ok(config("1x1g"))).unwrap();
+        a.attach(std::process::id()).unwrap();
+        let a = std::sync::Arc::new(a);
+        let threads: Vec<_> = (0..8)
+            .map(|_| {
+                let a = a.clone();
+                std::thread::spawn(move || {
+                    (0..300)
+                        .filter(|_| a.charge(0, 1 << 20, Charge::Memory))
+                        .count()
+                })
+            })
+            .collect();
+        let granted: usize = threads.into_iter().map(|t| t.join().unwrap()).sum();
+        assert_eq!(granted, 1024);
+        assert_eq!(a.memory(0).free(), 0);
     }
 
     #[test]
