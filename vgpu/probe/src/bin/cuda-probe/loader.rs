@@ -34,6 +34,8 @@ pub struct Loader {
     /// The version the ABIs follow: `--cuda-version` for the proc lookups, the header's otherwise.
     pub version: i32,
     pub per_thread: bool,
+    /// Flags for the proc lookups when given (`--proc-flags`), e.g. 0 = CU_GET_PROC_ADDRESS_DEFAULT.
+    pub flags: Option<u64>,
     getproc_v2: Option<GetProcV2>,
     getproc_v1: Option<GetProcV1>,
 }
@@ -109,15 +111,20 @@ pub fn header_name(base: &str, per_thread: bool) -> String {
 }
 
 impl Loader {
-    pub fn open(lookup: Lookup, version: i32, per_thread: bool) -> Result<Loader, String> {
-        let flags = libc::RTLD_NOW
+    pub fn open(
+        lookup: Lookup,
+        version: i32,
+        per_thread: bool,
+        flags: Option<u64>,
+    ) -> Result<Loader, String> {
+        let mode = libc::RTLD_NOW
             | if lookup == Lookup::Global {
                 libc::RTLD_GLOBAL
             } else {
                 libc::RTLD_LOCAL
             };
         // SAFETY: a constant NUL-terminated name.
-        let handle = unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), flags) };
+        let handle = unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), mode) };
         if handle.is_null() {
             return Err(format!("dlopen(libcuda.so.1): {}", dlerror_text()));
         }
@@ -130,6 +137,7 @@ impl Loader {
                 HEADER_VERSION
             },
             per_thread,
+            flags,
             getproc_v2: None,
             getproc_v1: None,
         };
@@ -183,7 +191,9 @@ impl Loader {
     }
 
     pub fn proc_flags(&self) -> u64 {
-        if self.per_thread {
+        if let Some(f) = self.flags {
+            f
+        } else if self.per_thread {
             CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
         } else {
             CU_GET_PROC_ADDRESS_LEGACY_STREAM

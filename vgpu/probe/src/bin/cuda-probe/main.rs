@@ -24,6 +24,8 @@ How entry points are found (every subcommand):
                      calls with (e.g. below 3020, cuMemAlloc is the 32-bit CUDA 2.0 form)
   --per-thread       per-thread default stream: CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM (proc),
                      the _ptsz names (dlsym, global); otherwise CU_GET_PROC_ADDRESS_LEGACY_STREAM
+  --proc-flags N     the exact flags for the proc lookups (e.g. 0, CU_GET_PROC_ADDRESS_DEFAULT, as
+                     the runtime passes when not built for per-thread streams)
   --device N         CUDA ordinal (default 0)
   --context primary|create|none
         primary (default): cuDevicePrimaryCtxRetain + cuCtxSetCurrent, as the runtime does;
@@ -210,7 +212,14 @@ fn main() {
                     std::process::exit(2);
                 }
             };
-            match loader::Loader::open(lookup, version, opts.flag("per-thread")) {
+            let flags = match opts.num("proc-flags") {
+                Ok(f) => f,
+                Err(e) => {
+                    run::emit(serde_json::json!({"op": "usage_error", "message": e}));
+                    std::process::exit(2);
+                }
+            };
+            match loader::Loader::open(lookup, version, opts.flag("per-thread"), flags) {
                 Err(e) => {
                     run::emit(serde_json::json!({"op": "error", "message": e}));
                     3
