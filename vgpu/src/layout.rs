@@ -226,17 +226,24 @@ impl Header {
     }
 }
 
-/// `memory[0]=1073741824 sm[0]=30 ...`, listing only limited devices ("none" when nothing is).
+/// `memory[0]=1073741824 sm[1]=30%`, listing only limited devices ("none" when nothing is);
+/// a limit every device has (the index-less variable) is written once as `[*]`.
 pub fn describe(memory: &[Option<u64>; MAX_DEVICES], sm: &[Option<u32>; MAX_DEVICES]) -> String {
-    let mut parts = Vec::new();
-    for i in 0..MAX_DEVICES {
-        if let Some(bytes) = memory[i] {
-            parts.push(format!("memory[{i}]={bytes}"));
-        }
-        if let Some(pct) = sm[i] {
-            parts.push(format!("sm[{i}]={pct}%"));
+    fn list<T: Copy + PartialEq + std::fmt::Display>(
+        name: &str,
+        unit: &str,
+        limits: &[Option<T>; MAX_DEVICES],
+    ) -> Vec<String> {
+        match limits[0] {
+            Some(all) if limits.iter().all(|l| *l == Some(all)) => {
+                vec![format!("{name}[*]={all}{unit}")]
+            }
+            _ => (0..MAX_DEVICES)
+                .filter_map(|i| limits[i].map(|v| format!("{name}[{i}]={v}{unit}")))
+                .collect(),
         }
     }
+    let parts = [list("memory", "", memory), list("sm", "%", sm)].concat();
     if parts.is_empty() {
         "none".to_string()
     } else {
@@ -402,5 +409,9 @@ mod tests {
         let header = Header::for_config(&config());
         assert_eq!(header.describe_limits(), "memory[0]=1073741824 sm[1]=30%");
         assert_eq!(describe(&[None; MAX_DEVICES], &[None; MAX_DEVICES]), "none");
+        assert_eq!(
+            describe(&[Some(5); MAX_DEVICES], &[Some(30); MAX_DEVICES]),
+            "memory[*]=5 sm[*]=30%"
+        );
     }
 }

@@ -79,6 +79,8 @@ pub struct Process {
     nvml_devices: Mutex<[usize; MAX_DEVICES]>,
     /// This process's PID as NVML names it; 0 while unknown.
     host_pid: AtomicU32,
+    /// In the host's PID namespace our own PID is NVML's, once NVML lists us.
+    initial_pid_namespace: bool,
     pub sampler_started: AtomicBool,
 }
 
@@ -188,11 +190,6 @@ fn create() -> Option<Process> {
         None
     };
     register_atfork();
-    let host_pid = if in_initial_pid_namespace() {
-        std::process::id()
-    } else {
-        0
-    };
     Some(Process {
         config,
         file,
@@ -206,7 +203,8 @@ fn create() -> Option<Process> {
         by_cudevice: [const { AtomicI32::new(CACHE_UNKNOWN) }; CUDEVICE_CACHE],
         nvml: OnceLock::new(),
         nvml_devices: Mutex::new([0; MAX_DEVICES]),
-        host_pid: AtomicU32::new(host_pid),
+        host_pid: AtomicU32::new(0),
+        initial_pid_namespace: in_initial_pid_namespace(),
         sampler_started: AtomicBool::new(false),
     })
 }
@@ -407,6 +405,38 @@ impl Process {
         Some(self.host_pid.load(Ordering::Acquire)).filter(|&p| p != 0)
     }
 
+    fn set_host_pid(&self, pid: u32, how: &str) {
+        if self.host_pid.swap(pid, Ordering::AcqRel) == pid {
+            return;
+        }
+        if let (Some(file), Some(slot)) = (self.file.as_ref(), self.slot_if_claimed()) {
+            file.set_host_pid(slot, pid);
+        }
+        log_info!("host PID {pid} ({how})");
+    }
+
+    /// NVML's process list on a card, as PIDs.
+    fn card_pids(&self, index: usize) -> Option<Vec<u32>> {
+        let list = self.nvml()?.processes(self.nvml_device(index)?)?;
+        Some(list.iter().map(|p| p.pid).collect())
+    }
+
+    /// In the host's PID namespace, our PID is NVML's as soon as NVML lists it on the card.
+    fn confirm_own_pid(&self, index: usize) -> Option<u32> {
+        if let Some(pid) = self.host_pid() {
+            return Some(pid);
+        }
+        let own = std::process::id();
+        if self.initial_pid_namespace && self.card_pids(index)?.contains(&own) {
+            self.set_host_pid(
+                own,
+                "our own: we are in the host's PID namespace and NVML lists it",
+            );
+            return Some(own);
+        }
+        None
+    }
+
     /// Our slot in the shared file, claimed on first need and held until the process exits.
     pub fn slot(&self) -> Option<usize> {
         let slot = self.slot.load(Ordering::Acquire);
@@ -421,10 +451,10 @@ impl Process {
         }
         match file.claim_slot(std::process::id()) {
             Ok(slot) => {
+                self.slot.store(slot, Ordering::Release);
                 if let Some(pid) = self.host_pid() {
                     file.set_host_pid(slot, pid);
                 }
-                self.slot.store(slot, Ordering::Release);
                 Some(slot)
             }
             Err(error) => {
@@ -513,9 +543,7 @@ impl Process {
     /// what NVML says the process uses on the card minus what we track. Returns whether the
     /// charged value changed. Rate-limited unless `force`.
     fn refresh_context(&self, index: usize, force: bool) -> bool {
-        let (Some(pid), Some(file), Some(slot)) =
-            (self.host_pid(), self.file.as_ref(), self.slot_if_claimed())
-        else {
+        let (Some(file), Some(slot)) = (self.file.as_ref(), self.slot_if_claimed()) else {
             return false;
         };
         {
@@ -535,6 +563,9 @@ impl Process {
             }
             inner.last_refresh_ns[index] = now;
         }
+        let Some(pid) = self.confirm_own_pid(index) else {
+            return false;
+        };
         let Some(used) = self.nvml_used(index, pid) else {
             return false;
         };
@@ -580,11 +611,10 @@ impl Process {
             }
         }
         let nvml_device = self.nvml_device(index);
-        let pids_before = match (self.host_pid(), nvml_device, self.nvml()) {
-            (None, Some(d), Some(nvml)) => nvml
-                .processes(d)
-                .map(|list| list.iter().map(|p| p.pid).collect()),
-            _ => None,
+        let pids_before = if self.host_pid().is_none() {
+            self.card_pids(index)
+        } else {
+            None
         };
         let free_before = match (nvml_device, self.nvml()) {
             (Some(d), Some(nvml)) => nvml.memory(d).map(|(_, free)| free),
@@ -605,23 +635,18 @@ impl Process {
             return;
         };
         let nvml_device = self.nvml_device(index);
-        if self.host_pid().is_none() {
-            if let (Some(before), Some(d), Some(nvml)) =
-                (&probe.pids_before, nvml_device, self.nvml())
-            {
-                let after: Vec<u32> = nvml
-                    .processes(d)
-                    .map(|l| l.iter().map(|p| p.pid).collect())
-                    .unwrap_or_default();
+        if self.confirm_own_pid(index).is_none() {
+            if let (Some(before), Some(after)) = (&probe.pids_before, self.card_pids(index)) {
                 let new: Vec<u32> = after
                     .iter()
                     .copied()
                     .filter(|p| !before.contains(p))
                     .collect();
                 if let [pid] = new[..] {
-                    self.host_pid.store(pid, Ordering::Release);
-                    file.set_host_pid(slot, pid);
-                    log_info!("host PID {pid} (the one new process in NVML's list across our context's creation)");
+                    self.set_host_pid(
+                        pid,
+                        "the one new process in NVML's list across our context's creation",
+                    );
                 } else {
                     log_info!("host PID unknown: {} new processes in NVML's list across our context's creation", new.len());
                 }
