@@ -2,7 +2,7 @@
 //! handles, and the guard every exported function runs its body in.
 
 use crate::ffi::*;
-use gpupool_standin_device::{spec, Sim};
+use gpupool_standin_device::Sim;
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
 use std::sync::{Mutex, MutexGuard, OnceLock};
@@ -185,10 +185,6 @@ impl<T> Registry<T> {
         self.map.remove(&handle)
     }
 
-    pub fn values(&self) -> impl Iterator<Item = &T> {
-        self.map.values()
-    }
-
     pub fn keys(&self) -> Vec<usize> {
         self.map.keys().copied().collect()
     }
@@ -200,10 +196,6 @@ impl<T> Registry<T> {
 
 pub fn uuid_of(sim: &Sim, physical: usize) -> [u8; 16] {
     sim.device(physical).uuid
-}
-
-pub fn uuid_string(bytes: &[u8; 16]) -> String {
-    spec::format_uuid(bytes)
 }
 
 #[cfg(test)]

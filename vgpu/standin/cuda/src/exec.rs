@@ -215,7 +215,6 @@ impl Event {
 }
 
 pub struct Module {
-    ctx: usize,
     functions: Vec<usize>,
 }
 
@@ -720,13 +719,7 @@ unsafe fn load(module: *mut CUmodule, image: *const c_void) -> Result<(), CUresu
         );
         functions.push(fh);
     }
-    st.exec.modules.insert(
-        mh,
-        Module {
-            ctx: ctx.handle,
-            functions,
-        },
-    );
+    st.exec.modules.insert(mh, Module { functions });
     *module = mh as CUmodule;
     Ok(())
 }
@@ -789,7 +782,6 @@ pub unsafe extern "C" fn cuModuleGetFunction(
             .modules
             .get(module as usize)
             .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
-        let _ = m.ctx;
         let f = m
             .functions
             .iter()

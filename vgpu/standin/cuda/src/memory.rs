@@ -403,11 +403,10 @@ pub unsafe extern "C" fn cuMemAllocManaged(
     flags: u32,
 ) -> CUresult {
     entry(|| {
-        let d = driver()?;
+        driver()?;
         if dptr.is_null() || !matches!(flags, CU_MEM_ATTACH_GLOBAL | CU_MEM_ATTACH_HOST) {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        let _ = d;
         out(dptr, alloc_linear(bytesize as u64, Kind::Managed)?);
         Ok(())
     })
@@ -416,15 +415,8 @@ pub unsafe extern "C" fn cuMemAllocManaged(
 fn free(addr: u64) -> Result<(), CUresult> {
     let d = driver()?;
     current()?;
-    let mut st = d.state();
-    let kind = st
-        .mem
-        .allocs
-        .get(&addr)
-        .map(|a| a.kind)
-        .ok_or(CUDA_ERROR_INVALID_VALUE)?;
-    let _ = kind;
-    st.mem.free(&d.sim, addr)
+    // Unknown addresses, and addresses inside an allocation, are CUDA_ERROR_INVALID_VALUE.
+    d.state().mem.free(&d.sim, addr)
 }
 
 #[no_mangle]
@@ -559,7 +551,8 @@ pub unsafe extern "C" fn cuMemCreate(
 ) -> CUresult {
     entry(|| {
         let d = driver()?;
-        if handle.is_null() || flags != 0 || size == 0 || !(size as u64).is_multiple_of(GRANULARITY) {
+        if handle.is_null() || flags != 0 || size == 0 || !(size as u64).is_multiple_of(GRANULARITY)
+        {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let physical = prop_location(prop)?;
