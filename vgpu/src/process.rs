@@ -55,6 +55,7 @@ static PROCESS: AtomicPtr<Process> = AtomicPtr::new(std::ptr::null_mut());
 static REFUSED: AtomicBool = AtomicBool::new(false);
 static INIT_LOCK: AtomicBool = AtomicBool::new(false);
 static ATFORK_REGISTERED: AtomicBool = AtomicBool::new(false);
+static ATEXIT_REGISTERED: AtomicBool = AtomicBool::new(false);
 
 const NO_SLOT: usize = usize::MAX;
 const CACHE_UNKNOWN: i32 = -2;
@@ -239,6 +240,20 @@ extern "C" fn after_fork_in_child() {
     REFUSED.store(false, Ordering::Release);
     GATE.store(GATE_UNINIT, Ordering::Release);
     INIT_LOCK.store(false, Ordering::Release);
+}
+
+/// A process that exits normally gives its charges back at once (a killed one is reaped by the
+/// next process that looks). A forked child that never re-attached finds no state and does nothing.
+extern "C" fn release_slot_at_exit() {
+    let current = PROCESS.load(Ordering::Acquire);
+    if current.is_null() {
+        return;
+    }
+    // SAFETY: the leaked state is never freed.
+    let process = unsafe { &*current };
+    if let (Some(file), Some(slot)) = (process.file.as_ref(), process.slot_if_claimed()) {
+        file.release_slot(slot);
+    }
 }
 
 fn cuda_ok(rc: Option<CUresult>) -> bool {
@@ -452,6 +467,10 @@ impl Process {
         match file.claim_slot(std::process::id()) {
             Ok(slot) => {
                 self.slot.store(slot, Ordering::Release);
+                if !ATEXIT_REGISTERED.swap(true, Ordering::AcqRel) {
+                    // SAFETY: registers a handler that only does atomic stores.
+                    unsafe { libc::atexit(release_slot_at_exit) };
+                }
                 if let Some(pid) = self.host_pid() {
                     file.set_host_pid(slot, pid);
                 }

@@ -477,6 +477,20 @@ impl SharedFile {
         })
     }
 
+    /// Gives our slot back as the process exits normally, so that its charges disappear at once
+    /// rather than at the next reap. Only the owner writes its slot; no lock needed (our OFD lock
+    /// on the range stays until exit, so nobody claims it in between).
+    pub fn release_slot(&self, slot: usize) {
+        for device in 0..MAX_DEVICES {
+            self.u64_at(layout::slot_tracked(slot, device))
+                .store(0, Ordering::Relaxed);
+            self.u64_at(layout::slot_context(slot, device))
+                .store(0, Ordering::Relaxed);
+        }
+        self.u32_at(layout::slot(slot) + layout::S_IN_USE)
+            .store(0, Ordering::Release);
+    }
+
     pub fn set_host_pid(&self, slot: usize, host_pid: u32) {
         self.u32_at(layout::slot(slot) + layout::S_HOST_PID)
             .store(host_pid, Ordering::Release);
@@ -951,6 +965,21 @@ mod tests {
         assert_eq!(map[1], Some(u3));
         assert_eq!(replaced, vec![(1, u2, u3)]);
         assert_eq!(a.uuid_map().unwrap()[1], Some(u3));
+    }
+
+    #[test]
+    fn a_released_slot_stops_counting_at_once() {
+        let path = TempPath::new("x.cache");
+        let a = SharedFile::open(&path.0).expect("open");
+        let b = SharedFile::open(&path.0).expect("open");
+        let slot = a.claim_slot(1).expect("slot");
+        a.set_context(slot, 0, 300);
+        a.charge(slot, 0, 5, 1000).unwrap();
+        assert_eq!(b.charged(0), 305);
+        a.release_slot(slot);
+        assert_eq!(b.charged(0), 0);
+        // Its range is still locked by the exiting owner: nobody claims it meanwhile.
+        assert_ne!(b.claim_slot(2).expect("slot"), slot);
     }
 
     #[test]
