@@ -1,0 +1,384 @@
+//! Memory limits under the library, through the stand-in driver: every allocation path refused at
+//! the limit to the byte, frees that give back exactly what was charged, and views that agree and
+//! saturate.
+
+mod harness;
+
+use harness::*;
+
+/// One allocation of each path: the probe's arguments and the bytes the library charges for it
+/// (`None`: the driver's pitch decides, read from a first run).
+struct Case {
+    path: &'static str,
+    args: Vec<String>,
+    bytes: Option<u64>,
+}
+
+fn case(path: &'static str, args: &[&str], bytes: Option<u64>) -> Case {
+    let mut all = vec!["alloc".to_string(), "--path".to_string(), path.to_string()];
+    all.extend(args.iter().map(|a| a.to_string()));
+    Case {
+        path,
+        args: all,
+        bytes,
+    }
+}
+
+fn cases() -> Vec<Case> {
+    // Odd sizes where the path allows them, so that a rounding charge would show.
+    let odd = 64 * MIB + 5;
+    vec![
+        case("cuMemAlloc", &["--size", &odd.to_string()], Some(odd)),
+        case(
+            "cuMemAllocManaged",
+            &["--size", &odd.to_string()],
+            Some(odd),
+        ),
+        case("cuMemAllocAsync", &["--size", &odd.to_string()], Some(odd)),
+        case(
+            "cuMemAllocAsync",
+            &["--size", &odd.to_string(), "--stream", "created"],
+            Some(odd),
+        ),
+        case(
+            "cuMemAllocFromPoolAsync",
+            &["--size", &odd.to_string(), "--pool", "default"],
+            Some(odd),
+        ),
+        case(
+            "cuMemAllocFromPoolAsync",
+            &["--size", &odd.to_string(), "--pool", "created"],
+            Some(odd),
+        ),
+        // cuMemCreate sizes are multiples of the allocation granularity.
+        case(
+            "cuMemCreate",
+            &["--size", &(64 * MIB).to_string()],
+            Some(64 * MIB),
+        ),
+        case(
+            "cuMemCreate",
+            &["--size", &(64 * MIB).to_string(), "--map"],
+            Some(64 * MIB),
+        ),
+        // A width that is not a multiple of the pitch alignment: the driver's pitch is wider.
+        case(
+            "cuMemAllocPitch",
+            &["--width", "1000", "--height", "3000"],
+            None,
+        ),
+        // Arrays: what the descriptor implies (floats, one channel).
+        case(
+            "cuArrayCreate",
+            &["--width", "1000", "--height", "1000"],
+            Some(1000 * 1000 * 4),
+        ),
+        case(
+            "cuArray3DCreate",
+            &["--width", "100", "--height", "100", "--depth", "100"],
+            Some(100 * 100 * 100 * 4),
+        ),
+        case(
+            "cuMipmappedArrayCreate",
+            &["--width", "256", "--height", "256", "--levels", "3"],
+            Some((256 * 256 + 128 * 128 + 64 * 64) * 4),
+        ),
+    ]
+}
+
+fn alloc_result(sandbox: &Sandbox, case: &Case, limit: u64) -> (i64, Outcome) {
+    let args: Vec<&str> = case.args.iter().map(String::as_str).collect();
+    let outcome = sandbox
+        .probe(&sandbox.container(), &args)
+        .env("CUDA_DEVICE_MEMORY_LIMIT", &limit.to_string())
+        .run();
+    let result = outcome.one("alloc")["result"].as_i64().expect("a result");
+    (result, outcome)
+}
+
+#[test]
+fn every_allocation_path_is_refused_at_the_limit_to_the_byte() {
+    let sandbox = Sandbox::new("1x16g:108");
+    for case in cases() {
+        let bytes = case.bytes.unwrap_or_else(|| {
+            // The pitch is the driver's: learn it under a limit that leaves room.
+            let (result, outcome) = alloc_result(&sandbox, &case, 4 * GIB);
+            assert_eq!(result, 0, "{}", outcome.stdout);
+            let line = outcome.one("alloc");
+            let pitch = u(&line["pitch"]);
+            assert!(pitch > 1000, "the stand-in pads the pitch: {line}");
+            pitch * 3000
+        });
+        // The container's context memory (the stand-in's, read by the library from NVML) plus the
+        // allocation: exactly at the limit it succeeds, one byte less and it is refused.
+        let (at_limit, outcome) = alloc_result(&sandbox, &case, CONTEXT + bytes);
+        assert_eq!(
+            at_limit, 0,
+            "{} {:?} at the limit:\n{}\n{}",
+            case.path, case.args, outcome.stdout, outcome.stderr
+        );
+        let (over, outcome) = alloc_result(&sandbox, &case, CONTEXT + bytes - 1);
+        assert_eq!(
+            over, 2,
+            "{} {:?} one byte over: CUDA_ERROR_OUT_OF_MEMORY expected:\n{}",
+            case.path, case.args, outcome.stdout
+        );
+    }
+}
+
+#[test]
+fn frees_give_back_exactly_what_allocations_took() {
+    let sandbox = Sandbox::new("1x16g:108");
+    // 16 MiB each: linear paths by --size, pitch as 4096 x 4096 bytes (an aligned width: pitch ==
+    // width), the array as 4096 x 1024 floats.
+    for (path, width, height) in [
+        ("cuMemAlloc", "4096", "1024"),
+        ("cuMemAllocAsync", "4096", "1024"),
+        ("cuMemAllocFromPoolAsync", "4096", "1024"),
+        ("cuMemCreate", "4096", "1024"),
+        ("cuMemAllocPitch", "4096", "4096"),
+        ("cuArrayCreate", "4096", "1024"),
+    ] {
+        let outcome = sandbox
+            .probe(
+                &sandbox.container(),
+                &[
+                    "alloc", "--path", path, "--size", "16m", "--width", width, "--height", height,
+                    "--count", "3", "--views",
+                ],
+            )
+            .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+            .run();
+        let views = outcome.ops("views");
+        assert_eq!(
+            views.len(),
+            6,
+            "{path}: three allocations and three frees, each followed by views:\n{}",
+            outcome.stdout
+        );
+        let free: Vec<u64> = views.iter().map(|v| free_of(v)).collect();
+        let step = free[0] - free[1];
+        assert_eq!(step, 16 * MIB, "{path}: {free:?}");
+        assert_eq!(
+            free[1] - free[2],
+            step,
+            "{path}: each allocation takes the same: {free:?}"
+        );
+        assert_eq!(
+            free[3] - free[2],
+            step,
+            "{path}: the first free gives back one allocation: {free:?}"
+        );
+        assert_eq!(
+            free[5],
+            GIB - CONTEXT,
+            "{path}: after every free only the context is charged: {free:?}"
+        );
+    }
+}
+
+#[test]
+fn the_views_agree_with_each_other() {
+    let sandbox = Sandbox::new("1x16g:108");
+    let outcome = sandbox
+        .probe(&sandbox.container(), &["views"])
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+        .run();
+    let views = outcome.one("views");
+    let (free, total) = (
+        u(&views["cu_mem_get_info"]["free"]),
+        u(&views["cu_mem_get_info"]["total"]),
+    );
+    assert_eq!(total, GIB);
+    assert_eq!(
+        free,
+        GIB - CONTEXT,
+        "the context is charged, exactly as NVML reports it: {views}"
+    );
+    assert_eq!(u(&views["cu_device_total_mem"]["bytes"]), GIB);
+    for form in ["v1", "v2"] {
+        let nvml = &views["nvml"][form];
+        assert_eq!(nvml["result"], 0, "{views}");
+        assert_eq!(u(&nvml["total"]), total, "{form}: {views}");
+        assert_eq!(u(&nvml["free"]), free, "{form}: {views}");
+        assert_eq!(
+            u(&nvml["used"]) + u(&nvml["free"]),
+            total,
+            "{form}: {views}"
+        );
+    }
+    assert_eq!(u(&views["nvml"]["v2"]["reserved"]), 0);
+}
+
+#[test]
+fn the_views_saturate_when_context_memory_passes_the_limit() {
+    let sandbox = Sandbox::new("1x16g:108");
+    // 200 MiB of limit, 300 MiB of context: more is used than the limit allows.
+    let outcome = sandbox
+        .probe(&sandbox.container(), &["views"])
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "200m")
+        .run();
+    let views = outcome.one("views");
+    assert_eq!(u(&views["cu_mem_get_info"]["free"]), 0, "{views}");
+    assert_eq!(u(&views["cu_mem_get_info"]["total"]), 200 * MIB);
+    assert_eq!(u(&views["cu_device_total_mem"]["bytes"]), 200 * MIB);
+    for form in ["v1", "v2"] {
+        let nvml = &views["nvml"][form];
+        assert_eq!(
+            (u(&nvml["total"]), u(&nvml["free"]), u(&nvml["used"])),
+            (200 * MIB, 0, 200 * MIB),
+            "{form}: {views}"
+        );
+    }
+    // And nothing more can be allocated.
+    let outcome = sandbox
+        .probe(
+            &sandbox.container(),
+            &["alloc", "--path", "cuMemAlloc", "--size", "1"],
+        )
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "200m")
+        .run();
+    assert_eq!(outcome.one("alloc")["result"], 2, "{}", outcome.stdout);
+}
+
+#[test]
+fn without_a_limit_the_real_answers_are_untouched() {
+    let sandbox = Sandbox::new("2x16g:108");
+    let bare = sandbox.bare(&["views", "--device", "1"]).run();
+    let cache = sandbox.container();
+    // A limit on device 0 only: device 1 answers as the driver does.
+    let limited = sandbox
+        .probe(&cache, &["views", "--device", "1"])
+        .env("CUDA_DEVICE_MEMORY_LIMIT_0", "1g")
+        .run();
+    let (b, l) = (bare.one("views"), limited.one("views"));
+    assert_eq!(
+        l["cu_mem_get_info"]["total"], b["cu_mem_get_info"]["total"],
+        "{l}"
+    );
+    assert_eq!(u(&l["cu_mem_get_info"]["total"]), 16 * GIB);
+    assert_eq!(l["cu_device_total_mem"], b["cu_device_total_mem"]);
+    assert_eq!(l["nvml"]["v1"]["total"], b["nvml"]["v1"]["total"]);
+    // No limit at all: the library does not even create its shared file.
+    let cache = sandbox.container();
+    let free = sandbox.probe(&cache, &["views"]).run();
+    assert_eq!(
+        free.one("views")["cu_device_total_mem"],
+        bare.one("views")["cu_device_total_mem"]
+    );
+    assert!(!exists(&cache), "nothing limited, nothing written");
+}
+
+#[test]
+fn the_32_bit_entry_points_are_limited_too() {
+    let sandbox = Sandbox::new("1x16g:108");
+    // cuGetProcAddress at CUDA 3.1 gives the pre-3.2 ABI (32-bit sizes and pointers).
+    for (size, expected) in [(64 * MIB, 0), (64 * MIB + 1, 2)] {
+        let outcome = sandbox
+            .probe(
+                &sandbox.container(),
+                &[
+                    "alloc",
+                    "--lookup",
+                    "proc",
+                    "--cuda-version",
+                    "3010",
+                    "--context",
+                    "create",
+                    "--path",
+                    "cuMemAlloc",
+                    "--size",
+                    &size.to_string(),
+                ],
+            )
+            .env(
+                "CUDA_DEVICE_MEMORY_LIMIT",
+                &(CONTEXT + 64 * MIB).to_string(),
+            )
+            .run();
+        assert_eq!(
+            outcome.one("alloc")["result"],
+            expected,
+            "{size}: {}\n{}",
+            outcome.stdout,
+            outcome.stderr
+        );
+    }
+}
+
+#[test]
+fn a_free_of_a_pointer_we_never_saw_passes_through() {
+    let sandbox = Sandbox::new("1x16g:108");
+    let bare = sandbox.bare(&["free", "--ptr", "0x1234"]).run();
+    let limited = sandbox
+        .probe(&sandbox.container(), &["free", "--ptr", "0x1234"])
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+        .run();
+    assert_eq!(limited.one("free")["result"], bare.one("free")["result"]);
+    assert_ne!(bare.one("free")["result"], 0, "the driver refuses it");
+}
+
+#[test]
+fn without_nvml_memory_limits_hold_with_an_estimated_context() {
+    // A context of 200 MiB on this card; without NVML nothing can measure it, and the library
+    // charges its fixed estimate (300 MiB) instead.
+    let sandbox = Sandbox::without_nvml("1x16g:108").with("GPUPOOL_STANDIN_CONTEXT_MEMORY", "200m");
+    let views = sandbox
+        .probe(&sandbox.container(), &["views"])
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+        .env("LIBCUDA_LOG_LEVEL", "2")
+        .run();
+    let free = free_of(views.one("views"));
+    assert_eq!(free, GIB - 300 * MIB, "{}", views.stdout);
+    assert!(
+        views
+            .library_lines()
+            .iter()
+            .any(|l| l.contains("an estimate (no NVML)")),
+        "{:?}",
+        views.library_lines()
+    );
+    for (size, expected) in [(free, 0), (free + 1, 2)] {
+        let outcome = sandbox
+            .probe(
+                &sandbox.container(),
+                &["alloc", "--path", "cuMemAlloc", "--size", &size.to_string()],
+            )
+            .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+            .run();
+        assert_eq!(
+            outcome.one("alloc")["result"],
+            expected,
+            "{size}: {}",
+            outcome.stdout
+        );
+    }
+}
+
+#[test]
+fn in_a_pid_namespace_the_host_pid_is_found_across_context_creation() {
+    // The stand-in's NVML names every process by its PID plus an offset, as the host does for a
+    // container's processes: our own PID is not NVML's.
+    let sandbox = Sandbox::new("1x16g:108").with("GPUPOOL_STANDIN_HOST_PID_OFFSET", "100000");
+    let outcome = sandbox
+        .probe(&sandbox.container(), &["views"])
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+        .env("LIBCUDA_LOG_LEVEL", "2")
+        .run();
+    let views = outcome.one("views");
+    let pid = u(&views["nvml"]["processes"][0]["pid"]);
+    assert!(
+        outcome
+            .library_lines()
+            .iter()
+            .any(|l| l.contains(&format!("host PID {pid} (the one new process"))),
+        "{:?}",
+        outcome.library_lines()
+    );
+    // With the host PID known, context memory is NVML's per-process figure, exactly.
+    assert_eq!(free_of(views), GIB - CONTEXT, "{views}");
+    assert!(outcome
+        .library_lines()
+        .iter()
+        .any(|l| l.contains("from NVML's per-process figure")));
+}
