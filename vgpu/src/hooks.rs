@@ -1116,3 +1116,130 @@ unsafe fn graph_launch(real: pfn::cuGraphLaunch, exec: CUgraphExec, stream: CUst
     }
     real(exec, stream)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    // These tests run in the test binary, where no libcuda is loaded: no exported symbol can match
+    // a returned address, so `substitute` takes the version/flags route. Each test uses its own
+    // entry points: a wrapper's cuGetProcAddress target is recorded once per process.
+
+    static CALLS: AtomicUsize = AtomicUsize::new(0);
+
+    unsafe extern "C" fn fake_release(handle: CUmemGenericAllocationHandle) -> CUresult {
+        CALLS.fetch_add(handle as usize, Ordering::SeqCst);
+        CUDA_SUCCESS
+    }
+
+    unsafe extern "C" fn fake_launch_ptsz(exec: CUgraphExec, _stream: CUstream) -> CUresult {
+        CALLS.fetch_add(exec as usize, Ordering::SeqCst);
+        CUDA_SUCCESS
+    }
+
+    unsafe extern "C" fn fake_other(_: CUmemGenericAllocationHandle) -> CUresult {
+        CUDA_ERROR_UNKNOWN
+    }
+
+    unsafe fn substituted(symbol: &CStr, returned: usize, version: c_int, flags: u64) -> usize {
+        let mut pfn = returned as *mut c_void;
+        substitute(
+            fake_other as *const () as usize,
+            CUDA_SUCCESS,
+            symbol.as_ptr(),
+            &mut pfn,
+            version,
+            flags,
+        );
+        pfn as usize
+    }
+
+    #[test]
+    fn an_address_matching_no_export_gets_the_wrapper_of_the_abi_the_version_selects() {
+        unsafe {
+            let wrapped = substituted(
+                c"cuMemRelease",
+                fake_release as *const () as usize,
+                12090,
+                0,
+            );
+            assert_eq!(wrapped, Sym::cuMemRelease.procaddr_wrapper());
+            // The wrapper calls the address the driver returned.
+            let before = CALLS.load(Ordering::SeqCst);
+            let call: pfn::cuMemRelease = std::mem::transmute::<usize, pfn::cuMemRelease>(wrapped);
+            assert_eq!(call(5), CUDA_SUCCESS);
+            assert_eq!(CALLS.load(Ordering::SeqCst) - before, 5);
+            // Asked again with another address for the same ABI: never two targets for one wrapper.
+            let other = substituted(c"cuMemRelease", fake_other as *const () as usize, 12090, 0);
+            assert_eq!(
+                other, fake_other as *const () as usize,
+                "passed through unwrapped"
+            );
+        }
+    }
+
+    #[test]
+    fn the_per_thread_flag_selects_the_ptsz_wrapper() {
+        unsafe {
+            let flags = CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM;
+            let wrapped = substituted(
+                c"cuGraphLaunch",
+                fake_launch_ptsz as *const () as usize,
+                12090,
+                flags,
+            );
+            assert_eq!(wrapped, Sym::cuGraphLaunch_ptsz.procaddr_wrapper());
+            let before = CALLS.load(Ordering::SeqCst);
+            let call: pfn::cuGraphLaunch_ptsz =
+                std::mem::transmute::<usize, pfn::cuGraphLaunch_ptsz>(wrapped);
+            assert_eq!(call(7 as CUgraphExec, std::ptr::null_mut()), CUDA_SUCCESS);
+            assert_eq!(CALLS.load(Ordering::SeqCst) - before, 7);
+        }
+    }
+
+    #[test]
+    fn an_unknown_version_or_symbol_is_passed_through_untouched() {
+        unsafe {
+            let address = fake_other as *const () as usize;
+            // cuMemAllocAsync did not exist at CUDA 10.0: no ABI to guess.
+            assert_eq!(substituted(c"cuMemAllocAsync", address, 10000, 0), address);
+            assert_eq!(substituted(c"cuMemcpyHtoD_v2", address, 12090, 0), address);
+        }
+    }
+
+    #[test]
+    fn failed_lookups_are_left_alone() {
+        unsafe {
+            let mut pfn = std::ptr::null_mut();
+            substitute(
+                0,
+                CUDA_ERROR_NOT_FOUND,
+                c"cuMemFree".as_ptr(),
+                &mut pfn,
+                12090,
+                0,
+            );
+            assert!(pfn.is_null());
+        }
+    }
+
+    #[test]
+    fn every_wrapper_is_named_and_found_by_its_name() {
+        for sym in Sym::ALL {
+            assert_eq!(Sym::from_name(sym.name().as_bytes()), Some(*sym));
+            assert_eq!(sym.c_name().to_bytes(), sym.name().as_bytes());
+            assert_ne!(sym.exported_wrapper(), sym.procaddr_wrapper());
+        }
+        // Every variant the cuGetProcAddress tables know has a wrapper.
+        for family in symbols::FAMILIES {
+            for variant in family.variants {
+                assert!(
+                    Sym::from_name(variant.name.as_bytes()).is_some(),
+                    "{}",
+                    variant.name
+                );
+            }
+        }
+    }
+}

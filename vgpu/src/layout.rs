@@ -43,6 +43,9 @@ pub const H_PRIORITY: u64 = 60;
 pub const H_PRIORITY_SET: u64 = 64;
 /// CLOCK_MONOTONIC nanoseconds of the last reap of dead slots (atomic).
 pub const H_LAST_REAP_NS: u64 = 72;
+/// One past the highest slot ever claimed (atomic): scans stop there, so a container of a few
+/// processes sums a few slots, not all of them.
+pub const H_SLOTS_HIGH: u64 = 80;
 /// 16 x { memory limit u64 (0: none), SM limit u32 (0: none), pad u32 }.
 pub const H_LIMITS: u64 = 128;
 const LIMIT_ENTRY: u64 = 16;

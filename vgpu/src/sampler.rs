@@ -17,7 +17,10 @@ use crate::shared::now_ns;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 pub fn ensure_running(process: &'static Process) {
-    if process.sampler_started.swap(true, Ordering::AcqRel) {
+    // A load first: this runs on every throttled launch, and a swap would bounce the cache line.
+    if process.sampler_started.load(Ordering::Relaxed)
+        || process.sampler_started.swap(true, Ordering::AcqRel)
+    {
         return;
     }
     let spawned = std::thread::Builder::new()

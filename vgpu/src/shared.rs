@@ -434,6 +434,11 @@ impl SharedFile {
         (layout::slot(slot), layout::SLOT_SIZE)
     }
 
+    fn slots_high(&self) -> usize {
+        (self.u32_at(layout::H_SLOTS_HIGH).load(Ordering::Acquire) as usize)
+            .min(layout::SLOT_COUNT as usize)
+    }
+
     fn slot_in_use(&self, slot: usize) -> bool {
         self.u32_at(layout::slot(slot) + layout::S_IN_USE)
             .load(Ordering::Acquire)
@@ -466,6 +471,8 @@ impl SharedFile {
                     .store(now_ns(), Ordering::Relaxed);
                 self.u32_at(layout::slot(slot) + layout::S_IN_USE)
                     .store(1, Ordering::Release);
+                self.u32_at(layout::H_SLOTS_HIGH)
+                    .fetch_max(slot as u32 + 1, Ordering::AcqRel);
                 return Ok(slot);
             }
             if attempt == 0 {
@@ -501,7 +508,7 @@ impl SharedFile {
     pub fn host_pids(&self) -> (Vec<u32>, usize) {
         let mut known = Vec::new();
         let mut unknown = 0;
-        for slot in 0..layout::SLOT_COUNT as usize {
+        for slot in 0..self.slots_high() {
             if self.slot_in_use(slot) {
                 match self
                     .u32_at(layout::slot(slot) + layout::S_HOST_PID)
@@ -524,7 +531,7 @@ impl SharedFile {
 
     fn reap_locked(&self, _guard: &HeaderGuard<'_>, own: Option<usize>) -> Vec<Reaped> {
         let mut reaped = Vec::new();
-        for slot in 0..layout::SLOT_COUNT as usize {
+        for slot in 0..self.slots_high() {
             if Some(slot) == own || !self.slot_in_use(slot) {
                 continue;
             }
@@ -572,7 +579,7 @@ impl SharedFile {
     /// What the container's live processes hold on a claim index: allocations plus context memory.
     pub fn charged(&self, device: usize) -> u64 {
         let mut total = 0u64;
-        for slot in 0..layout::SLOT_COUNT as usize {
+        for slot in 0..self.slots_high() {
             if self.slot_in_use(slot) {
                 total = total
                     .saturating_add(
