@@ -14,31 +14,36 @@ pub struct Charged {
     pub bytes: u64,
 }
 
+/// A charge and the context whose destruction frees it (the driver frees a context's pointers
+/// and arrays with it; `cuMemCreate` memory belongs to the process and outlives contexts).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Owned {
+    charge: Charged,
+    context: usize,
+}
+
 #[derive(Default)]
 pub struct Allocations {
     /// `cuMemAlloc*`, `cuMemAllocPitch*`, `cuMemAllocManaged`, `cuMemAllocAsync`,
     /// `cuMemAllocFromPoolAsync`: freed by `cuMemFree*` or `cuMemFreeAsync`.
-    pointers: HashMap<CUdeviceptr, Charged>,
+    pointers: HashMap<CUdeviceptr, Owned>,
     /// `cuMemCreate` handles, released by `cuMemRelease`.
     handles: HashMap<CUmemGenericAllocationHandle, Charged>,
     /// `cuArrayCreate*`, `cuArray3DCreate*`, destroyed by `cuArrayDestroy`.
-    arrays: HashMap<usize, Charged>,
+    arrays: HashMap<usize, Owned>,
     /// `cuMipmappedArrayCreate`, destroyed by `cuMipmappedArrayDestroy`.
-    mipmapped: HashMap<usize, Charged>,
+    mipmapped: HashMap<usize, Owned>,
     /// Memory pools -> the claim index their memory lives on (`None`: a host pool or an
     /// unlimited device: not charged).
     pools: HashMap<usize, Option<usize>>,
 }
 
 impl Allocations {
-    pub fn add_pointer(&mut self, ptr: CUdeviceptr, charge: Charged) {
-        self.pointers.insert(ptr, charge);
-    }
-    pub fn pointer(&self, ptr: CUdeviceptr) -> Option<Charged> {
-        self.pointers.get(&ptr).copied()
+    pub fn add_pointer(&mut self, ptr: CUdeviceptr, charge: Charged, context: usize) {
+        self.pointers.insert(ptr, Owned { charge, context });
     }
     pub fn remove_pointer(&mut self, ptr: CUdeviceptr) -> Option<Charged> {
-        self.pointers.remove(&ptr)
+        self.pointers.remove(&ptr).map(|o| o.charge)
     }
     pub fn add_handle(&mut self, handle: CUmemGenericAllocationHandle, charge: Charged) {
         self.handles.insert(handle, charge);
@@ -46,17 +51,34 @@ impl Allocations {
     pub fn remove_handle(&mut self, handle: CUmemGenericAllocationHandle) -> Option<Charged> {
         self.handles.remove(&handle)
     }
-    pub fn add_array(&mut self, array: usize, charge: Charged) {
-        self.arrays.insert(array, charge);
+    pub fn add_array(&mut self, array: usize, charge: Charged, context: usize) {
+        self.arrays.insert(array, Owned { charge, context });
     }
     pub fn remove_array(&mut self, array: usize) -> Option<Charged> {
-        self.arrays.remove(&array)
+        self.arrays.remove(&array).map(|o| o.charge)
     }
-    pub fn add_mipmapped(&mut self, array: usize, charge: Charged) {
-        self.mipmapped.insert(array, charge);
+    pub fn add_mipmapped(&mut self, array: usize, charge: Charged, context: usize) {
+        self.mipmapped.insert(array, Owned { charge, context });
     }
     pub fn remove_mipmapped(&mut self, array: usize) -> Option<Charged> {
-        self.mipmapped.remove(&array)
+        self.mipmapped.remove(&array).map(|o| o.charge)
+    }
+    /// Everything the driver freed with a context it destroyed (`cuCtxDestroy`, a primary
+    /// context's reset or last release).
+    pub fn remove_context(&mut self, context: usize) -> Vec<Charged> {
+        fn drain<K>(map: &mut HashMap<K, Owned>, context: usize, freed: &mut Vec<Charged>) {
+            map.retain(|_, owned| {
+                if owned.context == context {
+                    freed.push(owned.charge);
+                }
+                owned.context != context
+            });
+        }
+        let mut freed = Vec::new();
+        drain(&mut self.pointers, context, &mut freed);
+        drain(&mut self.arrays, context, &mut freed);
+        drain(&mut self.mipmapped, context, &mut freed);
+        freed
     }
     pub fn set_pool(&mut self, pool: usize, device: Option<usize>) {
         self.pools.insert(pool, device);
@@ -70,12 +92,12 @@ impl Allocations {
     }
     /// Bytes this process holds on a claim index, by our own records.
     pub fn total_on(&self, device: usize) -> u64 {
-        let all = self
+        let owned = self
             .pointers
             .values()
-            .chain(self.handles.values())
             .chain(self.arrays.values())
             .chain(self.mipmapped.values());
+        let all = owned.map(|o| &o.charge).chain(self.handles.values());
         all.filter(|c| c.device == device).map(|c| c.bytes).sum()
     }
 }
@@ -154,6 +176,7 @@ mod tests {
                 device: 1,
                 bytes: 64,
             },
+            0xc,
         );
         a.add_pointer(
             0x2000,
@@ -161,6 +184,7 @@ mod tests {
                 device: 0,
                 bytes: 32,
             },
+            0xc,
         );
         a.add_handle(
             7,
@@ -196,6 +220,27 @@ mod tests {
         );
         assert_eq!(a.total_on(1), 0);
         assert_eq!(a.total_on(0), 32);
+    }
+
+    #[test]
+    fn destroying_a_context_frees_its_pointers_and_arrays_but_not_memcreate_memory() {
+        let mut a = Allocations::default();
+        let c = |bytes| Charged { device: 0, bytes };
+        a.add_pointer(0x1000, c(1), 0xa);
+        a.add_pointer(0x2000, c(2), 0xb);
+        a.add_array(0x3000, c(4), 0xa);
+        a.add_mipmapped(0x4000, c(8), 0xa);
+        a.add_handle(9, c(16));
+        let mut freed: Vec<u64> = a.remove_context(0xa).iter().map(|c| c.bytes).collect();
+        freed.sort();
+        assert_eq!(freed, vec![1, 4, 8]);
+        assert_eq!(a.total_on(0), 2 + 16);
+        assert_eq!(
+            a.remove_pointer(0x1000),
+            None,
+            "already gone with its context"
+        );
+        assert!(a.remove_context(0xa).is_empty());
     }
 
     #[test]

@@ -68,6 +68,7 @@ lazy_fns! {
     CUDA cuDeviceGetCount: fn(count: *mut c_int) -> CUresult;
     CUDA cuDeviceGetUuid: fn(uuid: *mut CUuuid, device: CUdevice) -> CUresult;
     CUDA cuCtxGetDevice: fn(device: *mut CUdevice) -> CUresult;
+    CUDA cuCtxGetCurrent: fn(context: *mut CUcontext) -> CUresult;
     CUDA cuStreamGetDevice: fn(stream: CUstream, device: *mut CUdevice) -> CUresult;
     CUDA cuDevicePrimaryCtxGetState: fn(device: CUdevice, flags: *mut c_uint, active: *mut c_int) -> CUresult;
     CUDA cuArrayGetMemoryRequirements: fn(req: *mut CUDA_ARRAY_MEMORY_REQUIREMENTS, array: CUarray, device: CUdevice) -> CUresult;

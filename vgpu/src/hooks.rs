@@ -161,6 +161,12 @@ entry_points! {
     cuArrayDestroy(array: CUarray) => array_destroy;
     cuMipmappedArrayDestroy(array: CUmipmappedArray) => mipmapped_array_destroy;
     cuDevicePrimaryCtxRetain(ctx: *mut CUcontext, device: CUdevice) => primary_ctx_retain;
+    cuDevicePrimaryCtxRelease(device: CUdevice) => primary_ctx_release;
+    cuDevicePrimaryCtxRelease_v2(device: CUdevice) => primary_ctx_release;
+    cuDevicePrimaryCtxReset(device: CUdevice) => primary_ctx_reset;
+    cuDevicePrimaryCtxReset_v2(device: CUdevice) => primary_ctx_reset;
+    cuCtxDestroy(ctx: CUcontext) => ctx_destroy;
+    cuCtxDestroy_v2(ctx: CUcontext) => ctx_destroy;
     cuCtxCreate(ctx: *mut CUcontext, flags: c_uint, device: CUdevice) => ctx_create;
     cuCtxCreate_v2(ctx: *mut CUcontext, flags: c_uint, device: CUdevice) => ctx_create;
     cuCtxCreate_v3(ctx: *mut CUcontext, params: *mut c_void, count: c_int, flags: c_uint, device: CUdevice) => ctx_create_v3;
@@ -436,7 +442,7 @@ unsafe fn mem_alloc(real: pfn::cuMemAlloc_v2, dptr: *mut CUdeviceptr, bytes: usi
         current_index(p),
         bytes as u64,
         || real(dptr, bytes),
-        |c| p.with_allocations(|a| a.add_pointer(*dptr, c)),
+        |c| p.record_pointer(*dptr, c),
     )
 }
 
@@ -456,7 +462,7 @@ unsafe fn mem_alloc_v1(
         current_index(p),
         bytes as u64,
         || real(dptr, bytes),
-        |c| p.with_allocations(|a| a.add_pointer(*dptr as u64, c)),
+        |c| p.record_pointer(*dptr as u64, c),
     )
 }
 
@@ -479,7 +485,7 @@ unsafe fn mem_alloc_managed(
         current_index(p),
         bytes as u64,
         || real(dptr, bytes, flags),
-        |c| p.with_allocations(|a| a.add_pointer(*dptr, c)),
+        |c| p.record_pointer(*dptr, c),
     )
 }
 
@@ -509,7 +515,7 @@ unsafe fn pitched(
     let (ptr, pitch) = result();
     match p.adjust(charge, pitch.saturating_mul(height)) {
         Ok(exact) => {
-            p.with_allocations(|a| a.add_pointer(ptr, exact));
+            p.record_pointer(ptr, exact);
             rc
         }
         Err(oom) => {
@@ -628,7 +634,7 @@ unsafe fn mem_alloc_async(
         device,
         bytes as u64,
         || real(dptr, bytes, stream),
-        |c| p.with_allocations(|a| a.add_pointer(*dptr, c)),
+        |c| p.record_pointer(*dptr, c),
     )
 }
 
@@ -655,7 +661,7 @@ unsafe fn mem_alloc_from_pool_async(
         device,
         bytes as u64,
         || real(dptr, bytes, pool, stream),
-        |c| p.with_allocations(|a| a.add_pointer(*dptr, c)),
+        |c| p.record_pointer(*dptr, c),
     )
 }
 
@@ -797,9 +803,10 @@ unsafe fn create_array(
     };
     match exact {
         Ok(exact) => {
+            let context = p.current_context();
             p.with_allocations(|a| match kind {
-                ArrayKind::Array => a.add_array(array, exact),
-                ArrayKind::Mipmapped => a.add_mipmapped(array, exact),
+                ArrayKind::Array => a.add_array(array, exact, context),
+                ArrayKind::Mipmapped => a.add_mipmapped(array, exact, context),
             });
             rc
         }
@@ -1018,7 +1025,55 @@ unsafe fn primary_ctx_retain(
     ctx: *mut CUcontext,
     device: CUdevice,
 ) -> CUresult {
-    with_context_probe(device, true, || real(ctx, device))
+    let rc = with_context_probe(device, true, || real(ctx, device));
+    if rc == CUDA_SUCCESS && !ctx.is_null() {
+        if let Some(p) = process::get() {
+            p.remember_primary(device, *ctx as usize);
+        }
+    }
+    rc
+}
+
+/// A primary context's reset destroys it with everything allocated in it.
+unsafe fn primary_ctx_reset(real: pfn::cuDevicePrimaryCtxReset_v2, device: CUdevice) -> CUresult {
+    let Some(p) = process::get() else {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    };
+    let rc = real(device);
+    if rc == CUDA_SUCCESS {
+        p.primary_destroyed(device);
+    }
+    rc
+}
+
+/// The last release of a primary context destroys it (the driver says so through its state).
+unsafe fn primary_ctx_release(
+    real: pfn::cuDevicePrimaryCtxRelease_v2,
+    device: CUdevice,
+) -> CUresult {
+    let Some(p) = process::get() else {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    };
+    let rc = real(device);
+    if rc == CUDA_SUCCESS {
+        let (mut flags, mut active) = (0, 0);
+        let state = unsafe { driver::cuDevicePrimaryCtxGetState(device, &mut flags, &mut active) };
+        if state == Some(CUDA_SUCCESS) && active == 0 {
+            p.primary_destroyed(device);
+        }
+    }
+    rc
+}
+
+unsafe fn ctx_destroy(real: pfn::cuCtxDestroy_v2, ctx: CUcontext) -> CUresult {
+    let Some(p) = process::get() else {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    };
+    let rc = real(ctx);
+    if rc == CUDA_SUCCESS {
+        p.context_destroyed(ctx as usize);
+    }
+    rc
 }
 
 unsafe fn ctx_create(

@@ -64,6 +64,7 @@ const CUDEVICE_CACHE: usize = 64;
 
 struct Inner {
     allocations: Allocations,
+    primaries: std::collections::HashMap<CUdevice, usize>,
     context: [ContextSource; MAX_DEVICES],
     last_refresh_ns: [u64; MAX_DEVICES],
 }
@@ -197,6 +198,7 @@ fn create() -> Option<Process> {
         slot: AtomicUsize::new(NO_SLOT),
         inner: Mutex::new(Inner {
             allocations: Allocations::default(),
+            primaries: std::collections::HashMap::new(),
             context: [ContextSource::Unknown; MAX_DEVICES],
             last_refresh_ns: [0; MAX_DEVICES],
         }),
@@ -552,6 +554,61 @@ impl Process {
             device: charge.device,
             bytes: exact,
         })
+    }
+
+    /// The current context (0 when none or unknown): what frees a pointer if it is destroyed.
+    pub fn current_context(&self) -> usize {
+        let mut context: CUcontext = std::ptr::null_mut();
+        if cuda_ok(unsafe { driver::cuCtxGetCurrent(&mut context) }) {
+            context as usize
+        } else {
+            0
+        }
+    }
+
+    /// Records a pointer allocation made in the current context.
+    pub fn record_pointer(&self, ptr: CUdeviceptr, charge: Charged) {
+        let context = self.current_context();
+        self.with_allocations(|a| a.add_pointer(ptr, charge, context));
+    }
+
+    /// The primary context of a device, as last retained (its handle frees its allocations when
+    /// it is reset or released for the last time).
+    pub fn remember_primary(&self, device: CUdevice, context: usize) {
+        self.inner().primaries.insert(device, context);
+    }
+
+    /// A device's primary context is gone: its allocations with it, and its context memory
+    /// (unless NVML keeps that figure up to date by itself); the next one is measured again.
+    pub fn primary_destroyed(&self, device: CUdevice) {
+        let Some(context) = self.inner().primaries.remove(&device) else {
+            return;
+        };
+        self.context_destroyed(context);
+        let Some(index) = self.device_index(device) else {
+            return;
+        };
+        let mut inner = self.inner();
+        if matches!(
+            inner.context[index],
+            ContextSource::CreationDrop | ContextSource::Estimate
+        ) {
+            inner.context[index] = ContextSource::Unknown;
+            drop(inner);
+            if let (Some(file), Some(slot)) = (self.file.as_ref(), self.slot_if_claimed()) {
+                file.set_context(slot, index, 0);
+            }
+        }
+    }
+
+    /// Releases what the driver freed with a destroyed context.
+    pub fn context_destroyed(&self, context: usize) {
+        if context == 0 {
+            return;
+        }
+        for charge in self.with_allocations(|a| a.remove_context(context)) {
+            self.release(charge);
+        }
     }
 
     pub fn with_allocations<R>(&self, f: impl FnOnce(&mut Allocations) -> R) -> R {

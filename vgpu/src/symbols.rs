@@ -148,6 +148,24 @@ pub const FAMILIES: &[Family] = &[
         variants: &[v("cuDevicePrimaryCtxRetain", 7000)],
     },
     Family {
+        base: "cuDevicePrimaryCtxRelease",
+        variants: &[
+            v("cuDevicePrimaryCtxRelease", 7000),
+            v("cuDevicePrimaryCtxRelease_v2", 11000),
+        ],
+    },
+    Family {
+        base: "cuDevicePrimaryCtxReset",
+        variants: &[
+            v("cuDevicePrimaryCtxReset", 7000),
+            v("cuDevicePrimaryCtxReset_v2", 11000),
+        ],
+    },
+    Family {
+        base: "cuCtxDestroy",
+        variants: &[v("cuCtxDestroy", 2000), v("cuCtxDestroy_v2", 4000)],
+    },
+    Family {
         base: "cuCtxCreate",
         variants: &[
             v("cuCtxCreate", 2000),
