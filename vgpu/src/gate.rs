@@ -38,9 +38,7 @@ fn throttle(_stream: CUstream) {
     let Some(process) = process::get() else {
         return;
     };
-    // The launch's device: the current context's (a stream of another context cannot be
-    // launched on without making that context current).
-    let Some((_, Some(index))) = process.current_device() else {
+    let Some(index) = process.launch_device() else {
         return;
     };
     let Some(target) = process.config.sm_limit[index] else {

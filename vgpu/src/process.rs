@@ -76,6 +76,9 @@ pub struct Process {
     slot: AtomicUsize,
     inner: Mutex<Inner>,
     claim_map: OnceLock<[Option<Uuid>; MAX_DEVICES]>,
+    /// With one visible device, every launch is on it: its claim index (None: several devices,
+    /// or the one visible is not the claim's).
+    only_device: OnceLock<Option<usize>>,
     by_cudevice: [AtomicI32; CUDEVICE_CACHE],
     nvml: OnceLock<Option<Nvml>>,
     nvml_devices: Mutex<[usize; MAX_DEVICES]>,
@@ -203,6 +206,7 @@ fn create() -> Option<Process> {
             last_refresh_ns: [0; MAX_DEVICES],
         }),
         claim_map: OnceLock::new(),
+        only_device: OnceLock::new(),
         by_cudevice: [const { AtomicI32::new(CACHE_UNKNOWN) }; CUDEVICE_CACHE],
         nvml: OnceLock::new(),
         nvml_devices: Mutex::new([0; MAX_DEVICES]),
@@ -375,6 +379,26 @@ impl Process {
             }
         }
         index
+    }
+
+    /// The claim index a launch runs on: the only visible device's when there is one (no driver
+    /// call per launch), else the current context's (a stream of another context cannot be
+    /// launched on without making that context current).
+    pub fn launch_device(&self) -> Option<usize> {
+        if let Some(only) = self.only_device.get() {
+            return only.or_else(|| self.current_device()?.1);
+        }
+        let mut count = 0;
+        if cuda_ok(unsafe { driver::cuDeviceGetCount(&mut count) })
+            && self.claim_map.get().is_some()
+        {
+            let mut device = 0;
+            let only = (count == 1 && cuda_ok(unsafe { driver::cuDeviceGet(&mut device, 0) }))
+                .then(|| self.device_index(device))
+                .flatten();
+            let _ = self.only_device.set(only);
+        }
+        self.current_device()?.1
     }
 
     /// The device of the current context, and its claim index.
