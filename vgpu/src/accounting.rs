@@ -91,6 +91,7 @@ impl Allocations {
         self.pools.remove(&pool);
     }
     /// Bytes this process holds on a claim index, by our own records.
+    #[cfg(test)]
     pub fn total_on(&self, device: usize) -> u64 {
         let owned = self
             .pointers

@@ -353,10 +353,6 @@ impl Library {
         }
         Some(addr)
     }
-
-    pub fn soname(&self) -> &'static CStr {
-        self.soname
-    }
 }
 
 /// The base address of our own shared object.

@@ -114,7 +114,13 @@ fn init_once() -> Option<&'static Process> {
         // SAFETY: as in get().
         (!current.is_null()).then(|| unsafe { &*current })
     } else {
-        match create() {
+        // A panic while creating must not leave the lock held (every later call would spin):
+        // it refuses CUDA like any other failure to obey the environment.
+        let created = std::panic::catch_unwind(create).unwrap_or_else(|_| {
+            log_error!("internal error while reading the limits; CUDA is refused in this process (fail closed)");
+            None
+        });
+        match created {
             Some(process) => {
                 let leaked: &'static Process = Box::leak(Box::new(process));
                 let throttles = leaked.config.throttles();
@@ -425,7 +431,8 @@ impl Process {
         self.claim_map()?.iter().position(|u| *u == Some(uuid))
     }
 
-    fn nvml_device(&self, index: usize) -> Option<nvmlDevice_t> {
+    /// NVML's handle of a claim index's card (cached).
+    pub fn nvml_device(&self, index: usize) -> Option<nvmlDevice_t> {
         let nvml = self.nvml()?;
         let cached = self.nvml_devices.lock().unwrap_or_else(|p| p.into_inner())[index];
         if cached != 0 {
@@ -435,11 +442,6 @@ impl Process {
         let device = nvml.device_by_uuid(uuid)?;
         self.nvml_devices.lock().unwrap_or_else(|p| p.into_inner())[index] = device as usize;
         Some(device)
-    }
-
-    /// NVML's handle of a claim index's card, for the sampler.
-    pub fn nvml_device_of(&self, index: usize) -> Option<nvmlDevice_t> {
-        self.nvml_device(index)
     }
 
     pub fn host_pid(&self) -> Option<u32> {
@@ -793,11 +795,6 @@ impl Process {
             Err(error) => log_error!("{error}"),
         }
         Some(memory_view(limit, file.charged(index), real_free))
-    }
-
-    #[cfg(test)]
-    pub fn context_source(&self, index: usize) -> ContextSource {
-        self.inner().context[index]
     }
 }
 

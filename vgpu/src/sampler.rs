@@ -73,7 +73,7 @@ fn sample_device(process: &Process, index: usize, target: u32) {
     let mut cursor = cursor_field.load(Ordering::Relaxed);
 
     let (mode, measured, next) = 'measure: {
-        let (Some(nvml), Some(device)) = (process.nvml(), process.nvml_device_of(index)) else {
+        let (Some(nvml), Some(device)) = (process.nvml(), process.nvml_device(index)) else {
             if !OPEN_LOOP_WARNED.swap(true, Ordering::Relaxed) {
                 log_warn!("no NVML: the SM limit runs open loop (open {target}% of each period, unmeasured)");
             }
