@@ -46,6 +46,13 @@ fn sample_all(process: &Process) {
 
 static OPEN_LOOP_WARNED: AtomicBool = AtomicBool::new(false);
 
+/// NVML's sample timestamps are the CPU's wall clock in microseconds.
+pub fn wall_clock_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
 fn sample_device(process: &Process, index: usize, target: u32) {
     let Some(file) = process.file() else { return };
     let interval = CONTROL_INTERVAL.as_nanos() as u64;
@@ -92,12 +99,25 @@ fn sample_device(process: &Process, index: usize, target: u32) {
         if !contended {
             break 'measure (Measurement::Uncontended, 0, controller::FULL_DUTY_PPM);
         }
-        // Coming back from "not throttled" (or open loop): start again from the limit.
-        let start = match previous {
-            Some(Measurement::PerProcess | Measurement::DeviceWide) => duty,
-            _ => controller::initial_duty(target),
-        };
-        if unknown == 0 && !known.is_empty() {
+        let per_process = unknown == 0 && !known.is_empty();
+        // Starting (or coming back from "not throttled", or open loop): start again from the
+        // limit, and measure only from now on. Samples of the time before describe a card that
+        // was not throttled; correcting with them overshoots (seen on the stand-in: a first
+        // reading diluted by idle periods before the first launch opened a 30 % duty to 42 %).
+        if !matches!(
+            previous,
+            Some(Measurement::PerProcess | Measurement::DeviceWide)
+        ) {
+            cursor = wall_clock_us();
+            let mode = if per_process {
+                Measurement::PerProcess
+            } else {
+                Measurement::DeviceWide
+            };
+            break 'measure (mode, u32::MAX, controller::initial_duty(target));
+        }
+        let start = duty;
+        if per_process {
             match nvml.process_utilisation(device, cursor) {
                 // No new sample from anyone: nothing to correct with.
                 Ok(samples) if samples.is_empty() => {

@@ -87,7 +87,8 @@ fn launch(sandbox: &Sandbox, env: &[(&str, &str)], seconds: &str) -> Value {
 #[test]
 fn a_blocked_launch_gives_up_within_its_bound() {
     let sandbox = Sandbox::new("1x16g:108");
-    // 5 % of each 100 ms period open: unbounded, a launch in the closed part waits up to 95 ms.
+    // 5 % open: 10 ms every 200 ms. Unbounded, a launch in the closed part waits up to its
+    // default bound, one period (100 ms).
     let throttled = [
         ("CUDA_DEVICE_SM_LIMIT", "5"),
         ("GPU_CORE_UTILIZATION_POLICY", "FORCE"),
@@ -97,24 +98,30 @@ fn a_blocked_launch_gives_up_within_its_bound() {
         unbounded["launch_call_max_ms"].as_f64().unwrap() > 60.0,
         "{unbounded}"
     );
-    let bounded = launch(
-        &sandbox,
-        &[
-            throttled[0],
-            throttled[1],
-            ("GPUPOOL_VGPU_MAX_LAUNCH_WAIT_MS", "5"),
-        ],
-        "1",
-    );
-    // The bound is the wait's; the scheduler may oversleep a little on a busy machine.
-    let max = bounded["launch_call_max_ms"].as_f64().unwrap();
+    // With a 5 ms bound no launch call may take anywhere near that. The machine may deschedule a
+    // process for a while under load, so the best of three short runs is judged: a bound that is
+    // not kept would show ~100 ms in every one of them.
+    let bounded_env = [
+        throttled[0],
+        throttled[1],
+        ("GPUPOOL_VGPU_MAX_LAUNCH_WAIT_MS", "5"),
+    ];
+    let runs: Vec<Value> = (0..3)
+        .map(|_| launch(&sandbox, &bounded_env, "0.5"))
+        .collect();
+    let best = runs
+        .iter()
+        .map(|r| r["launch_call_max_ms"].as_f64().unwrap())
+        .fold(f64::MAX, f64::min);
     assert!(
-        max < 40.0,
-        "a 5 ms bound, yet a launch call took {max} ms: {bounded}"
+        best < 40.0,
+        "a 5 ms bound, yet the longest launch call was at least {best} ms: {runs:?}"
     );
+    // And bounded launches go ahead: many more of them get through.
+    let rate = |r: &Value| u(&r["launches"]) as f64 / r["seconds"].as_f64().unwrap();
     assert!(
-        u(&bounded["launches"]) > u(&unbounded["launches"]),
-        "{bounded} vs {unbounded}"
+        rate(&runs[0]) > 2.0 * rate(&unbounded),
+        "{runs:?} vs {unbounded}"
     );
 }
 
@@ -143,38 +150,37 @@ fn without_nvml_the_limit_runs_open_loop() {
 #[test]
 fn alone_on_its_card_a_container_is_not_throttled_by_default() {
     let sandbox = Sandbox::new("1x16g:108");
-    // DEFAULT throttles only while another container's process uses the card; the first control
-    // interval runs at the limit until the sampler has looked.
-    let alone = launch(&sandbox, &[("CUDA_DEVICE_SM_LIMIT", "30")], "1.5");
-    assert!(alone["busy_fraction"].as_f64().unwrap() > 0.7, "{alone}");
-    let forced = launch(
-        &sandbox,
+    let busy = |env: &[(&str, &str)], seconds: &str| {
+        launch(&sandbox, env, seconds)["busy_fraction"]
+            .as_f64()
+            .unwrap()
+    };
+    let forced = busy(
         &[
             ("CUDA_DEVICE_SM_LIMIT", "30"),
             ("GPU_CORE_UTILIZATION_POLICY", "FORCE"),
         ],
         "1.5",
     );
-    let busy = forced["busy_fraction"].as_f64().unwrap();
     assert!(
-        (0.22..=0.38).contains(&busy),
-        "FORCE holds it alone too: {forced}"
+        (0.22..=0.38).contains(&forced),
+        "FORCE holds a container alone on its card too: {forced}"
     );
-    // DISABLE: as busy as without the library (the stand-in's own gaps between kernels aside).
-    let bare = sandbox
-        .bare(&["launch", "--seconds", "1", "--kernel-us", "1000"])
-        .run();
-    let bare = bare.one("launch")["busy_fraction"].as_f64().unwrap();
-    let disabled = launch(
-        &sandbox,
+    // DEFAULT throttles only while another container's process uses the card (the first control
+    // interval runs at the limit until the sampler has looked); DISABLE never. Unthrottled, the
+    // stand-in keeps its card 80-90 % busy with these launches (less on a loaded machine).
+    let alone = busy(&[("CUDA_DEVICE_SM_LIMIT", "30")], "1.5");
+    let disabled = busy(
         &[
             ("CUDA_DEVICE_SM_LIMIT", "30"),
             ("GPU_CORE_UTILIZATION_POLICY", "DISABLE"),
         ],
         "1",
     );
-    assert!(
-        disabled["busy_fraction"].as_f64().unwrap() > bare - 0.08,
-        "{disabled} vs {bare} without the library"
-    );
+    for (policy, value) in [("DEFAULT", alone), ("DISABLE", disabled)] {
+        assert!(
+            value > 0.5 && value > forced + 0.2,
+            "{policy}: {value} (FORCE: {forced})"
+        );
+    }
 }
