@@ -102,15 +102,12 @@ fn every_launch_path_goes_through_the_gate() {
                     "100",
                 ],
             );
-            let mut run = sandbox
+            let child = sandbox
                 .probe(&cache, &args)
                 .env("CUDA_DEVICE_SM_LIMIT", "1")
                 .env("GPU_CORE_UTILIZATION_POLICY", "FORCE")
-                .env("GPUPOOL_VGPU_MAX_LAUNCH_WAIT_MS", "1");
-            run.command
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped());
-            let child = run.command.spawn().expect("starts");
+                .env("GPUPOOL_VGPU_MAX_LAUNCH_WAIT_MS", "1")
+                .spawn();
             runs.push((mode, lookup, per_thread, version, cache, child));
         }
     }

@@ -2,9 +2,9 @@
 //! driver refuses (or the library's tests would pass against a driver more lenient than any GPU),
 //! share one card between processes, time-slice it, and free a killed process's memory.
 
-mod common;
+mod harness;
 
-use common::*;
+use harness::*;
 use serde_json::Value;
 
 fn result(v: &Value) -> i64 {
@@ -22,38 +22,49 @@ const INVALID_CONTEXT: i64 = 201;
 const NOT_FOUND: i64 = 500;
 const COOPERATIVE_LAUNCH_TOO_LARGE: i64 = 720;
 
+/// The probe on the stand-ins alone (no library); it must run to its end.
+fn run(machine: &Sandbox, args: &[&str]) -> Outcome {
+    machine.bare(args).run_ok()
+}
+
 #[test]
 fn calls_before_cuinit_are_refused() {
-    let m = Machine::new("1x1g");
-    let out = m.run(&["alloc", "--path", "cuMemAlloc", "--size", "1m", "--no-init"]);
-    assert_eq!(result(one(&out, "alloc")), NOT_INITIALIZED);
+    let m = Sandbox::new("1x1g");
+    let out = run(
+        &m,
+        &["alloc", "--path", "cuMemAlloc", "--size", "1m", "--no-init"],
+    );
+    assert_eq!(result(out.one("alloc")), NOT_INITIALIZED);
 }
 
 #[test]
 fn calls_without_a_context_are_refused() {
-    let m = Machine::new("1x1g");
-    let out = m.run(&[
-        "alloc",
-        "--path",
-        "cuMemAlloc",
-        "--size",
-        "1m",
-        "--context",
-        "none",
-        "--views",
-    ]);
-    assert_eq!(result(one(&out, "alloc")), INVALID_CONTEXT);
+    let m = Sandbox::new("1x1g");
+    let out = run(
+        &m,
+        &[
+            "alloc",
+            "--path",
+            "cuMemAlloc",
+            "--size",
+            "1m",
+            "--context",
+            "none",
+            "--views",
+        ],
+    );
+    assert_eq!(result(out.one("alloc")), INVALID_CONTEXT);
     assert_eq!(
-        result(&one(&out, "views")["cu_mem_get_info"]),
+        result(&out.one("views")["cu_mem_get_info"]),
         INVALID_CONTEXT
     );
     // cuDeviceTotalMem needs no context.
-    assert_eq!(one(&out, "views")["cu_device_total_mem"]["bytes"], GIB);
+    assert_eq!(out.one("views")["cu_device_total_mem"]["bytes"], GIB);
 }
 
 #[test]
 fn zero_sizes_bad_pointers_and_bad_shapes_are_refused() {
-    let m = Machine::new("1x1g");
+    let m = Sandbox::new("1x1g");
     for (path, extra) in [
         ("cuMemAlloc", vec![]),
         ("cuMemAllocManaged", vec![]),
@@ -63,76 +74,79 @@ fn zero_sizes_bad_pointers_and_bad_shapes_are_refused() {
         let mut args = vec!["alloc", "--path", path, "--size", "0"];
         args.extend(extra);
         assert_eq!(
-            result(one(&m.run(&args), "alloc")),
+            result(run(&m, &args).one("alloc")),
             INVALID_VALUE,
             "{path} of 0 bytes"
         );
     }
-    let out = m.run(&["free", "--ptr", "0xdead000"]);
-    assert_eq!(result(one(&out, "free")), INVALID_VALUE);
+    let out = run(&m, &["free", "--ptr", "0xdead000"]);
+    assert_eq!(result(out.one("free")), INVALID_VALUE);
     // Pitched memory takes elements of 4, 8 or 16 bytes; cuMemCreate whole granules (2 MiB).
-    let out = m.run(&[
-        "alloc",
-        "--path",
-        "cuMemAllocPitch",
-        "--width",
-        "100",
-        "--height",
-        "2",
-        "--element",
-        "3",
-    ]);
-    assert_eq!(result(one(&out, "alloc")), INVALID_VALUE);
-    let out = m.run(&["alloc", "--path", "cuMemCreate", "--size", "3m"]);
-    assert_eq!(result(one(&out, "alloc")), INVALID_VALUE);
+    let out = run(
+        &m,
+        &[
+            "alloc",
+            "--path",
+            "cuMemAllocPitch",
+            "--width",
+            "100",
+            "--height",
+            "2",
+            "--element",
+            "3",
+        ],
+    );
+    assert_eq!(result(out.one("alloc")), INVALID_VALUE);
+    let out = run(&m, &["alloc", "--path", "cuMemCreate", "--size", "3m"]);
+    assert_eq!(result(out.one("alloc")), INVALID_VALUE);
 }
 
 #[test]
 fn memory_runs_out_at_the_cards_capacity_to_the_byte() {
-    let m = Machine::new("1x1g");
+    let m = Sandbox::new("1x1g");
     let room = (GIB - CONTEXT).to_string();
     let over = (GIB - CONTEXT + 1).to_string();
     assert_eq!(
-        result(one(
-            &m.run(&["alloc", "--path", "cuMemAlloc", "--size", &room]),
-            "alloc"
-        )),
+        result(run(&m, &["alloc", "--path", "cuMemAlloc", "--size", &room]).one("alloc")),
         SUCCESS
     );
     assert_eq!(
-        result(one(
-            &m.run(&["alloc", "--path", "cuMemAlloc", "--size", &over]),
-            "alloc"
-        )),
+        result(run(&m, &["alloc", "--path", "cuMemAlloc", "--size", &over]).one("alloc")),
         OUT_OF_MEMORY
     );
-    let fill = m.run(&["fill", "--path", "cuMemAlloc", "--chunk", "1m"]);
-    let f = one(&fill, "fill");
+    let fill = run(&m, &["fill", "--path", "cuMemAlloc", "--chunk", "1m"]);
+    let f = fill.one("fill");
     assert_eq!(result(f), OUT_OF_MEMORY);
     assert_eq!(f["allocated"], GIB - CONTEXT);
     // Pitched memory is charged pitch x height: 100-byte rows take 512.
-    let out = m.run(&[
-        "alloc",
-        "--path",
-        "cuMemAllocPitch",
-        "--width",
-        "100",
-        "--height",
-        "3",
-    ]);
-    let a = one(&out, "alloc");
+    let out = run(
+        &m,
+        &[
+            "alloc",
+            "--path",
+            "cuMemAllocPitch",
+            "--width",
+            "100",
+            "--height",
+            "3",
+        ],
+    );
+    let a = out.one("alloc");
     assert_eq!(
         (a["pitch"].as_u64(), a["bytes"].as_u64()),
         (Some(512), Some(1536))
     );
     // A context needs its memory too: a card without room for another one refuses the context.
-    let small = Machine::new("1x1g").with_env("GPUPOOL_STANDIN_CONTEXT_MEMORY", "600m");
-    let mut holder = small.spawn(&["hold", "--path", "cuMemAlloc", "--size", "1m"]);
-    assert_eq!(result(&wait_for(&mut holder, "hold")), SUCCESS);
-    let out = small.run(&["views"]);
-    kill9(&mut holder);
+    let small = Sandbox::new("1x1g").with("GPUPOOL_STANDIN_CONTEXT_MEMORY", "600m");
+    let mut holder = small
+        .bare(&["hold", "--path", "cuMemAlloc", "--size", "1m"])
+        .start_until("hold");
+    assert_eq!(result(&holder.line), SUCCESS);
+    let out = run(&small, &["views"]);
+    holder.kill9();
     assert!(
-        out.iter()
+        out.lines
+            .iter()
             .any(|l| l["op"] == "context" && result(l) == OUT_OF_MEMORY),
         "{out:?}"
     );
@@ -140,9 +154,12 @@ fn memory_runs_out_at_the_cards_capacity_to_the_byte() {
 
 #[test]
 fn the_views_agree_on_what_is_used() {
-    let m = Machine::new("1x2g").with_env("GPUPOOL_STANDIN_RESERVED_MEMORY", "100m");
-    let out = m.run(&["alloc", "--path", "cuMemAlloc", "--size", "64m", "--views"]);
-    let v = &ops(&out, "views")[0];
+    let m = Sandbox::new("1x2g").with("GPUPOOL_STANDIN_RESERVED_MEMORY", "100m");
+    let out = run(
+        &m,
+        &["alloc", "--path", "cuMemAlloc", "--size", "64m", "--views"],
+    );
+    let v = &out.ops("views")[0];
     let used = CONTEXT + 64 * MIB;
     let free = 2 * GIB - 100 * MIB - used;
     assert_eq!(v["cu_mem_get_info"]["free"], free);
@@ -166,22 +183,24 @@ fn the_views_agree_on_what_is_used() {
         serde_json::json!({"pid": pid, "used_memory": used})
     );
     // A wrong struct version is refused.
-    let out = m.run(&["views", "--nvml-v2-version", "0x01000028"]);
+    let out = run(&m, &["views", "--nvml-v2-version", "0x01000028"]);
     assert_eq!(
-        one(&out, "views")["nvml"]["v2"]["error"],
+        out.one("views")["nvml"]["v2"]["error"],
         "NVML_ERROR_ARGUMENT_VERSION_MISMATCH"
     );
 }
 
 #[test]
 fn two_processes_share_a_card_and_a_killed_ones_memory_is_freed() {
-    let m = Machine::new("1x2g");
-    let mut holder = m.spawn(&["hold", "--path", "cuMemAlloc", "--size", "600m"]);
-    let held = wait_for(&mut holder, "hold");
+    let m = Sandbox::new("1x2g");
+    let mut holder = m
+        .bare(&["hold", "--path", "cuMemAlloc", "--size", "600m"])
+        .start_until("hold");
+    let held = holder.line.clone();
     assert_eq!(result(&held), SUCCESS);
     let holder_pid = held["pid"].clone();
-    let views = m.run(&["views"]);
-    let v = one(&views, "views");
+    let views = run(&m, &["views"]);
+    let v = views.one("views");
     assert_eq!(
         v["cu_mem_get_info"]["free"],
         2 * GIB - 2 * CONTEXT - 600 * MIB
@@ -191,16 +210,16 @@ fn two_processes_share_a_card_and_a_killed_ones_memory_is_freed() {
         .unwrap()
         .iter()
         .any(|p| p["pid"] == holder_pid));
-    let fill = m.run(&["fill", "--path", "cuMemAlloc", "--chunk", "1m"]);
+    let fill = run(&m, &["fill", "--path", "cuMemAlloc", "--chunk", "1m"]);
     assert_eq!(
-        one(&fill, "fill")["allocated"],
+        fill.one("fill")["allocated"],
         2 * GIB - 2 * CONTEXT - 600 * MIB
     );
 
-    kill9(&mut holder);
+    holder.kill9();
     // The next look at the card finds the dead process's memory released.
-    let v = m.run(&["views"]);
-    let v = one(&v, "views");
+    let v = run(&m, &["views"]);
+    let v = v.one("views");
     assert_eq!(v["cu_mem_get_info"]["free"], 2 * GIB - CONTEXT);
     assert!(!v["nvml"]["processes"]
         .as_array()
@@ -211,51 +230,57 @@ fn two_processes_share_a_card_and_a_killed_ones_memory_is_freed() {
 
 #[test]
 fn get_proc_address_refuses_unknown_symbols_and_old_versions() {
-    let m = Machine::new("1x1g");
-    let out = m.run(&["getproc", "--symbol", "cuNoSuchFunction"]);
-    let g = one(&out, "getproc");
+    let m = Sandbox::new("1x1g");
+    let out = run(&m, &["getproc", "--symbol", "cuNoSuchFunction"]);
+    let g = out.one("getproc");
     assert_eq!(
         (result(g), g["status"].as_i64(), g["address"].as_str()),
         (NOT_FOUND, Some(1), Some("0x0"))
     );
-    let out = m.run(&[
-        "getproc",
-        "--symbol",
-        "cuMemAllocAsync",
-        "--cuda-version",
-        "11010",
-    ]);
-    let g = one(&out, "getproc");
+    let out = run(
+        &m,
+        &[
+            "getproc",
+            "--symbol",
+            "cuMemAllocAsync",
+            "--cuda-version",
+            "11010",
+        ],
+    );
+    let g = out.one("getproc");
     assert_eq!((result(g), g["status"].as_i64()), (NOT_FOUND, Some(2)));
-    let out = m.run(&[
-        "getproc",
-        "--symbol",
-        "cuMemAllocAsync",
-        "--cuda-version",
-        "11020",
-    ]);
+    let out = run(
+        &m,
+        &[
+            "getproc",
+            "--symbol",
+            "cuMemAllocAsync",
+            "--cuda-version",
+            "11020",
+        ],
+    );
     assert_eq!(
-        one(&out, "getproc")["matches"],
+        out.one("getproc")["matches"],
         serde_json::json!(["cuMemAllocAsync"])
     );
-    let out = m.run(&["getproc", "--symbol", "cuInit", "--flags", "4"]);
-    assert_eq!(result(one(&out, "getproc")), INVALID_VALUE);
+    let out = run(&m, &["getproc", "--symbol", "cuInit", "--flags", "4"]);
+    assert_eq!(result(out.one("getproc")), INVALID_VALUE);
 }
 
-fn chosen(m: &Machine, symbol: &str, version: &str, per_thread: bool) -> Value {
+fn chosen(m: &Sandbox, symbol: &str, version: &str, per_thread: bool) -> Value {
     let mut args = vec!["getproc", "--symbol", symbol, "--cuda-version", version];
     if per_thread {
         args.push("--per-thread");
     }
-    let out = m.run(&args);
-    let g = one(&out, "getproc");
+    let out = run(m, &args);
+    let g = out.one("getproc");
     assert_eq!(result(g), SUCCESS, "{g}");
     g["matches"].clone()
 }
 
 #[test]
 fn versions_pick_the_abi_and_only_the_flag_picks_ptsz() {
-    let m = Machine::new("1x1g");
+    let m = Sandbox::new("1x1g");
     let j = |names: &[&str]| serde_json::json!(names);
     assert_eq!(chosen(&m, "cuMemAlloc", "3010", false), j(&["cuMemAlloc"]));
     assert_eq!(
@@ -298,7 +323,7 @@ fn versions_pick_the_abi_and_only_the_flag_picks_ptsz() {
 
 #[test]
 fn every_lookup_path_reaches_the_driver() {
-    let m = Machine::new("1x1g");
+    let m = Sandbox::new("1x1g");
     for lookup in [
         vec!["--lookup", "dlsym"],
         vec!["--lookup", "global"],
@@ -317,14 +342,14 @@ fn every_lookup_path_reaches_the_driver() {
     ] {
         let mut args = vec!["alloc", "--path", "cuMemAlloc", "--size", "3m", "--views"];
         args.extend(&lookup);
-        let out = m.run(&args);
-        assert_eq!(result(one(&out, "alloc")), SUCCESS, "{lookup:?}");
-        assert_eq!(result(one(&out, "free")), SUCCESS, "{lookup:?}");
-        let free = ops(&out, "views")[0]["cu_mem_get_info"]["free"]
+        let out = run(&m, &args);
+        assert_eq!(result(out.one("alloc")), SUCCESS, "{lookup:?}");
+        assert_eq!(result(out.one("free")), SUCCESS, "{lookup:?}");
+        let free = out.ops("views")[0]["cu_mem_get_info"]["free"]
             .as_u64()
             .unwrap();
         assert_eq!(free, GIB - CONTEXT - 3 * MIB, "{lookup:?}");
-        let found = &one(&out, "resolved")["entry_points"]["cuMemAlloc"]["matches"];
+        let found = &out.one("resolved")["entry_points"]["cuMemAlloc"]["matches"];
         let expected = if lookup.contains(&"3010") {
             "cuMemAlloc"
         } else {
@@ -336,17 +361,19 @@ fn every_lookup_path_reaches_the_driver() {
 
 #[test]
 fn cuda_visible_devices_orders_and_narrows_like_the_real_driver() {
-    let m = Machine::new("3x1g");
-    let all: Vec<Value> = ops(&m.run(&["devices"]), "device")
+    let m = Sandbox::new("3x1g");
+    let all: Vec<Value> = run(&m, &["devices"])
+        .ops("device")
         .iter()
         .map(|d| d["uuid"].clone())
         .collect();
     assert_eq!(all.len(), 3);
     let seen = |visible: &str| -> Vec<Value> {
-        let out = m.run_with(&["devices"], |c| {
-            c.env("CUDA_VISIBLE_DEVICES", visible);
-        });
-        ops(&out, "device")
+        let out = m
+            .bare(&["devices"])
+            .env("CUDA_VISIBLE_DEVICES", visible)
+            .run_ok();
+        out.ops("device")
             .iter()
             .map(|d| d["uuid"].clone())
             .collect()
@@ -362,13 +389,14 @@ fn cuda_visible_devices_orders_and_narrows_like_the_real_driver() {
         vec![all[2].clone(), all[0].clone()]
     );
     assert_eq!(seen("1,7,0"), vec![all[1].clone()]);
-    let out = m.run_with(&["devices"], |c| {
-        c.env("CUDA_VISIBLE_DEVICES", "");
-    });
-    assert_eq!(result(one(&out, "init")), NO_DEVICE);
+    let out = m
+        .bare(&["devices"])
+        .env("CUDA_VISIBLE_DEVICES", "")
+        .run_ok();
+    assert_eq!(result(out.one("init")), NO_DEVICE);
     // Memory is charged to the card the ordinal names.
-    let out = m.run_with(
-        &[
+    let out = m
+        .bare(&[
             "alloc",
             "--path",
             "cuMemAlloc",
@@ -376,32 +404,33 @@ fn cuda_visible_devices_orders_and_narrows_like_the_real_driver() {
             "5m",
             "--no-free",
             "--views",
-        ],
-        |c| {
-            c.env("CUDA_VISIBLE_DEVICES", "2");
-        },
-    );
-    let nv = &one(&out, "views")["nvml"];
-    assert_eq!(one(&out, "views")["uuid"], all[2]);
+        ])
+        .env("CUDA_VISIBLE_DEVICES", "2")
+        .run_ok();
+    let nv = &out.one("views")["nvml"];
+    assert_eq!(out.one("views")["uuid"], all[2]);
     assert_eq!(nv["v1"]["used"], CONTEXT + 5 * MIB);
 }
 
 #[test]
 fn arrays_report_their_size_only_when_deferred() {
-    let m = Machine::new("1x1g");
-    let out = m.run(&[
-        "alloc",
-        "--path",
-        "cuArray3DCreate",
-        "--width",
-        "1000",
-        "--height",
-        "1000",
-        "--format",
-        "1",
-        "--views",
-    ]);
-    let a = one(&out, "alloc");
+    let m = Sandbox::new("1x1g");
+    let out = run(
+        &m,
+        &[
+            "alloc",
+            "--path",
+            "cuArray3DCreate",
+            "--width",
+            "1000",
+            "--height",
+            "1000",
+            "--format",
+            "1",
+            "--views",
+        ],
+    );
+    let a = out.one("alloc");
     assert_eq!(result(a), SUCCESS);
     assert_eq!(
         result(&a["requirements"]),
@@ -410,148 +439,175 @@ fn arrays_report_their_size_only_when_deferred() {
     );
     // 1000 x 1000 bytes in 64-byte rows and 8-row tiles, whole 64 KiB pages: 16 pages.
     assert_eq!(
-        ops(&out, "views")[0]["cu_mem_get_info"]["free"],
+        out.ops("views")[0]["cu_mem_get_info"]["free"],
         GIB - CONTEXT - 16 * 65536
     );
-    let out = m.run(&[
-        "alloc",
-        "--path",
-        "cuArray3DCreate",
-        "--width",
-        "1000",
-        "--height",
-        "1000",
-        "--format",
-        "1",
-        "--flags",
-        "0x80",
-        "--views",
-    ]);
-    let a = one(&out, "alloc");
+    let out = run(
+        &m,
+        &[
+            "alloc",
+            "--path",
+            "cuArray3DCreate",
+            "--width",
+            "1000",
+            "--height",
+            "1000",
+            "--format",
+            "1",
+            "--flags",
+            "0x80",
+            "--views",
+        ],
+    );
+    let a = out.one("alloc");
     assert_eq!(a["requirements"]["size"], 16 * 65536);
     assert_eq!(
-        ops(&out, "views")[0]["cu_mem_get_info"]["free"],
+        out.ops("views")[0]["cu_mem_get_info"]["free"],
         GIB - CONTEXT
     );
-    let out = m.run(&[
-        "alloc",
-        "--path",
-        "cuArrayCreate",
-        "--width",
-        "100",
-        "--height",
-        "10",
-        "--channels",
-        "3",
-    ]);
-    assert_eq!(result(one(&out, "alloc")), INVALID_VALUE);
+    let out = run(
+        &m,
+        &[
+            "alloc",
+            "--path",
+            "cuArrayCreate",
+            "--width",
+            "100",
+            "--height",
+            "10",
+            "--channels",
+            "3",
+        ],
+    );
+    assert_eq!(result(out.one("alloc")), INVALID_VALUE);
 }
 
 #[test]
 fn pools_grow_in_granules_and_give_back_at_synchronisation() {
-    let m = Machine::new("1x1g");
-    let out = m.run(&[
-        "alloc",
-        "--path",
-        "cuMemAllocAsync",
-        "--size",
-        "3m",
-        "--views",
-    ]);
-    assert_eq!(result(one(&out, "alloc")), SUCCESS);
-    let v = ops(&out, "views");
+    let m = Sandbox::new("1x1g");
+    let out = run(
+        &m,
+        &[
+            "alloc",
+            "--path",
+            "cuMemAllocAsync",
+            "--size",
+            "3m",
+            "--views",
+        ],
+    );
+    assert_eq!(result(out.one("alloc")), SUCCESS);
+    let v = out.ops("views");
     assert_eq!(v[0]["cu_mem_get_info"]["free"], GIB - CONTEXT - 4 * MIB);
     // cuMemFreeAsync and a synchronisation: the pool keeps nothing above its threshold (0).
-    assert_eq!(result(one(&out, "free")), SUCCESS);
+    assert_eq!(result(out.one("free")), SUCCESS);
     assert_eq!(v[1]["cu_mem_get_info"]["free"], GIB - CONTEXT);
-    let out = m.run(&[
-        "alloc",
-        "--path",
-        "cuMemAllocFromPoolAsync",
-        "--pool",
-        "created",
-        "--size",
-        "1m",
-        "--per-thread",
-        "--lookup",
-        "proc",
-    ]);
-    assert_eq!(result(one(&out, "alloc")), SUCCESS);
+    let out = run(
+        &m,
+        &[
+            "alloc",
+            "--path",
+            "cuMemAllocFromPoolAsync",
+            "--pool",
+            "created",
+            "--size",
+            "1m",
+            "--per-thread",
+            "--lookup",
+            "proc",
+        ],
+    );
+    assert_eq!(result(out.one("alloc")), SUCCESS);
 }
 
 #[test]
 fn launches_follow_the_launch_rules() {
-    let m = Machine::new("1x1g:10");
+    let m = Sandbox::new("1x1g:10");
     // 10 SMs x 2 resident blocks of 1024 threads: 20 blocks fit a cooperative launch, 21 do not.
-    let ok = m.run(&[
-        "launch",
-        "--mode",
-        "cooperative",
-        "--grid",
-        "20",
-        "--block",
-        "1024",
-        "--seconds",
-        "0.1",
-        "--kernel-us",
-        "100",
-    ]);
-    assert_eq!(result(one(&ok, "launch")), SUCCESS);
-    let too = m.run(&[
-        "launch",
-        "--mode",
-        "cooperative",
-        "--grid",
-        "21",
-        "--block",
-        "1024",
-        "--seconds",
-        "0.1",
-    ]);
-    assert_eq!(result(one(&too, "launch")), COOPERATIVE_LAUNCH_TOO_LARGE);
-    let too = m.run(&["launch", "--block", "2048", "--seconds", "0.1"]);
-    assert_eq!(result(one(&too, "launch")), INVALID_VALUE);
+    let ok = run(
+        &m,
+        &[
+            "launch",
+            "--mode",
+            "cooperative",
+            "--grid",
+            "20",
+            "--block",
+            "1024",
+            "--seconds",
+            "0.1",
+            "--kernel-us",
+            "100",
+        ],
+    );
+    assert_eq!(result(ok.one("launch")), SUCCESS);
+    let too = run(
+        &m,
+        &[
+            "launch",
+            "--mode",
+            "cooperative",
+            "--grid",
+            "21",
+            "--block",
+            "1024",
+            "--seconds",
+            "0.1",
+        ],
+    );
+    assert_eq!(result(too.one("launch")), COOPERATIVE_LAUNCH_TOO_LARGE);
+    let too = run(&m, &["launch", "--block", "2048", "--seconds", "0.1"]);
+    assert_eq!(result(too.one("launch")), INVALID_VALUE);
     // A kernel runs for its parameter: 20 ms kernels over 0.3 s keep the card busy.
-    let busy = m.run(&[
-        "launch",
-        "--kernel-us",
-        "20000",
-        "--seconds",
-        "0.3",
-        "--mode",
-        "capture",
-        "--graph-nodes",
-        "2",
-    ]);
-    let l = one(&busy, "launch");
+    let busy = run(
+        &m,
+        &[
+            "launch",
+            "--kernel-us",
+            "20000",
+            "--seconds",
+            "0.3",
+            "--mode",
+            "capture",
+            "--graph-nodes",
+            "2",
+        ],
+    );
+    let l = busy.one("launch");
     assert!(l["busy_fraction"].as_f64().unwrap() > 0.7, "{l}");
 }
 
 #[test]
 fn two_busy_processes_share_the_card_half_and_half_in_nvml() {
-    let m = Machine::new("1x1g");
-    let a = m.spawn(&["launch", "--seconds", "2.2", "--kernel-us", "2000"]);
-    let b = m.spawn(&[
-        "launch",
-        "--seconds",
-        "2.2",
-        "--kernel-us",
-        "2000",
-        "--mode",
-        "graph",
-        "--lookup",
-        "proc",
-        "--per-thread",
-    ]);
+    let m = Sandbox::new("1x1g");
+    let a = m
+        .bare(&["launch", "--seconds", "2.2", "--kernel-us", "2000"])
+        .spawn();
+    let b = m
+        .bare(&[
+            "launch",
+            "--seconds",
+            "2.2",
+            "--kernel-us",
+            "2000",
+            "--mode",
+            "graph",
+            "--lookup",
+            "proc",
+            "--per-thread",
+        ])
+        .spawn();
     std::thread::sleep(std::time::Duration::from_millis(400));
-    let out = m.run(&["nvml-util", "--seconds", "1.4", "--interval-ms", "200"]);
+    let out = run(
+        &m,
+        &["nvml-util", "--seconds", "1.4", "--interval-ms", "200"],
+    );
     let pids: Vec<String> = [&a, &b].iter().map(|c| c.id().to_string()).collect();
     for child in [a, b] {
-        let out = child.wait_with_output().unwrap();
-        let runs = parse(&String::from_utf8_lossy(&out.stdout));
-        assert_eq!(result(one(&runs, "launch")), SUCCESS);
+        let runs = Outcome::from(child.wait_with_output().expect("the probe ends"));
+        assert_eq!(result(runs.one("launch")), SUCCESS);
     }
-    let u = one(&out, "nvml_util");
+    let u = out.one("nvml_util");
     for pid in &pids {
         let share = u["per_pid"][pid]["mean_sm_util"]
             .as_f64()
@@ -566,19 +622,20 @@ fn two_busy_processes_share_the_card_half_and_half_in_nvml() {
 
 #[test]
 fn a_process_killed_mid_kernel_does_not_keep_the_card() {
-    let m = Machine::new("1x1g");
-    let mut a = m.spawn(&[
-        "launch",
-        "--seconds",
-        "30",
-        "--kernel-us",
-        "50000",
-        "--report-ms",
-        "100",
-    ]);
-    wait_for(&mut a, "progress");
-    kill9(&mut a);
-    let out = m.run(&["launch", "--seconds", "0.5", "--kernel-us", "5000"]);
-    let l = one(&out, "launch");
+    let m = Sandbox::new("1x1g");
+    let mut a = m
+        .bare(&[
+            "launch",
+            "--seconds",
+            "30",
+            "--kernel-us",
+            "50000",
+            "--report-ms",
+            "100",
+        ])
+        .start_until("progress");
+    a.kill9();
+    let out = run(&m, &["launch", "--seconds", "0.5", "--kernel-us", "5000"]);
+    let l = out.one("launch");
     assert!(l["busy_fraction"].as_f64().unwrap() > 0.7, "{l}");
 }

@@ -1,6 +1,7 @@
-//! What the library's integration tests share: a sandbox with the stand-in driver and NVML behind
-//! real `dlopen`, the probe run as a real process with the library preloaded, its JSON lines read
-//! back. Each test file includes this with `mod harness;` (not every file uses every helper).
+//! What the probe's tests share (the stand-ins' own tests and the library's): a sandbox with the
+//! stand-in driver and NVML behind real `dlopen`, the probe run as a real process (bare, or with the
+//! library preloaded), its JSON lines read back. Each test file includes this with `mod harness;`
+//! (not every file uses every helper).
 
 #![allow(dead_code)]
 
@@ -156,6 +157,30 @@ impl Run {
     pub fn run(mut self) -> Outcome {
         let output = self.command.output().expect("the probe runs");
         Outcome::from(output)
+    }
+
+    /// Runs it to its end and checks it ran (exit status 0: CUDA errors are results, not failures
+    /// of the probe).
+    pub fn run_ok(self) -> Outcome {
+        let outcome = self.run();
+        assert_eq!(
+            outcome.code,
+            Some(0),
+            "the probe failed:\n{}\n{}",
+            outcome.stdout,
+            outcome.stderr
+        );
+        outcome
+    }
+
+    /// Starts it in the background, stdout and stderr piped: `Outcome::from(child.wait_with_output())`
+    /// reads it once it ends.
+    pub fn spawn(mut self) -> Child {
+        self.command
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("the probe starts")
     }
 
     /// Starts it in the background and waits for a line with `op` (e.g. "hold"). Its stderr is
