@@ -22,28 +22,35 @@ pub fn probe_path() -> PathBuf {
 }
 
 /// A shared library cargo built next to the probe (`target/<profile>/`, or `deps/` with or
-/// without a hash).
+/// without a hash). The newest copy wins: `cargo test -p gpupool-vgpu-probe` rebuilds the one in
+/// `deps/` but leaves a copy an earlier `cargo build -p <package>` put in `target/<profile>/` as it
+/// was, and testing that stale copy would test old code.
 pub fn built_library(stem: &str, package: &str) -> PathBuf {
     let probe = probe_path();
     let dir = probe.parent().expect("the probe is in a folder");
     let plain = format!("lib{stem}.so");
-    for candidate in [dir.join(&plain), dir.join("deps").join(&plain)] {
-        if candidate.exists() {
-            return candidate;
-        }
-    }
+    let hashed = format!("lib{stem}-");
+    let mut candidates = vec![dir.join(&plain), dir.join("deps").join(&plain)];
     if let Ok(entries) = std::fs::read_dir(dir.join("deps")) {
         for entry in entries.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
-            if name.starts_with(&format!("lib{stem}-")) && name.ends_with(".so") {
-                return entry.path();
+            if name.starts_with(&hashed) && name.ends_with(".so") {
+                candidates.push(entry.path());
             }
         }
     }
-    panic!(
-        "lib{stem}.so is not next to {} (nor in deps/): run `cargo build -p {package}` first",
-        probe.display()
-    );
+    let modified = |path: &PathBuf| std::fs::metadata(path).and_then(|m| m.modified()).ok();
+    candidates
+        .into_iter()
+        .filter_map(|path| Some((modified(&path)?, path)))
+        .max_by_key(|(time, _)| *time)
+        .map(|(_, path)| path)
+        .unwrap_or_else(|| {
+            panic!(
+                "lib{stem}.so is not next to {} (nor in deps/): run `cargo build -p {package}` first",
+                probe.display()
+            )
+        })
 }
 
 pub fn vgpu_library() -> PathBuf {
