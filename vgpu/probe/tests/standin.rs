@@ -267,6 +267,110 @@ fn get_proc_address_refuses_unknown_symbols_and_old_versions() {
     assert_eq!(result(out.one("getproc")), INVALID_VALUE);
 }
 
+#[test]
+fn get_proc_address_can_answer_as_cuda_h_says_for_unknown_symbols() {
+    // GPUPOOL_STANDIN_PROC_NOT_FOUND=success: CUDA_SUCCESS with a NULL pointer, the status saying
+    // why (cuda.h's comment; drivers answer CUDA_ERROR_NOT_FOUND, the default above).
+    let m = Sandbox::new("1x1g").with("GPUPOOL_STANDIN_PROC_NOT_FOUND", "success");
+    let out = run(&m, &["getproc", "--symbol", "cuNoSuchFunction"]);
+    let g = out.one("getproc");
+    assert_eq!(
+        (result(g), g["status"].as_i64(), g["address"].as_str()),
+        (SUCCESS, Some(1), Some("0x0"))
+    );
+    let out = run(
+        &m,
+        &[
+            "getproc",
+            "--symbol",
+            "cuMemAllocAsync",
+            "--cuda-version",
+            "11010",
+        ],
+    );
+    let g = out.one("getproc");
+    assert_eq!(
+        (result(g), g["status"].as_i64(), g["address"].as_str()),
+        (SUCCESS, Some(2), Some("0x0"))
+    );
+    // A value that is neither choice is refused, naming the variable.
+    let typo = Sandbox::new("1x1g").with("GPUPOOL_STANDIN_PROC_NOT_FOUND", "nul");
+    let out = typo.bare(&["getproc", "--symbol", "cuInit"]).run_ok();
+    assert_eq!(result(out.one("getproc")), INVALID_VALUE);
+    assert!(
+        out.stderr.contains("GPUPOOL_STANDIN_PROC_NOT_FOUND"),
+        "{}",
+        out.stderr
+    );
+}
+
+#[test]
+fn get_proc_address_can_hand_out_internal_addresses() {
+    // GPUPOOL_STANDIN_PROC_ADDRESS=internal: each variant comes back as an address that is none of
+    // the exported symbols (a thunk that jumps to it), as a driver may return internal entry
+    // points; dlsym still finds the exports.
+    let m = Sandbox::new("1x1g").with("GPUPOOL_STANDIN_PROC_ADDRESS", "internal");
+    for (symbol, version) in [("cuMemAlloc", "12090"), ("cuLaunchKernel", "12090")] {
+        let out = run(
+            &m,
+            &["getproc", "--symbol", symbol, "--cuda-version", version],
+        );
+        let g = out.one("getproc");
+        assert_eq!(result(g), SUCCESS, "{g}");
+        assert_ne!(g["address"], "0x0", "{g}");
+        assert_eq!(g["matches"], serde_json::json!([]), "{g}");
+    }
+    // The internal addresses are the driver's functions: every ABI works through them.
+    for version in ["12090", "3010"] {
+        let out = run(
+            &m,
+            &[
+                "alloc",
+                "--path",
+                "cuMemAlloc",
+                "--size",
+                "3m",
+                "--views",
+                "--lookup",
+                "proc",
+                "--cuda-version",
+                version,
+                "--context",
+                "create",
+            ],
+        );
+        assert_eq!(result(out.one("alloc")), SUCCESS, "{version}");
+        assert_eq!(
+            out.ops("views")[0]["cu_mem_get_info"]["free"],
+            GIB - CONTEXT - 3 * MIB,
+            "{version}"
+        );
+        assert_eq!(result(out.one("free")), SUCCESS, "{version}");
+        assert_eq!(
+            out.one("resolved")["entry_points"]["cuMemAlloc"]["matches"],
+            serde_json::json!([]),
+            "{version}"
+        );
+    }
+    let out = run(
+        &m,
+        &[
+            "launch",
+            "--mode",
+            "graph",
+            "--seconds",
+            "0.2",
+            "--kernel-us",
+            "1000",
+            "--lookup",
+            "proc",
+            "--per-thread",
+        ],
+    );
+    assert_eq!(result(out.one("launch")), SUCCESS);
+    assert!(out.one("launch")["kernels"].as_u64().unwrap() > 0);
+}
+
 fn chosen(m: &Sandbox, symbol: &str, version: &str, per_thread: bool) -> Value {
     let mut args = vec!["getproc", "--symbol", symbol, "--cuda-version", version];
     if per_thread {

@@ -53,6 +53,36 @@ pub mod symbols {
 
             /// Every exported entry point's name.
             pub const NAMES: &[&str] = &[$(stringify!($name),)*];
+
+            /// One private function per entry point that jumps to it: the addresses
+            /// `cuGetProcAddress` hands out with `GPUPOOL_STANDIN_PROC_ADDRESS=internal`, as a
+            /// driver may hand out internal entry points rather than its exported symbols. A jump,
+            /// not a call, so one thunk serves whatever the entry point's arguments are.
+            pub mod thunks {
+                $(
+                    #[allow(non_snake_case)]
+                    pub mod $name {
+                        #[cfg(target_arch = "x86_64")]
+                        #[unsafe(naked)]
+                        pub(super) unsafe extern "C" fn thunk() {
+                            core::arch::naked_asm!("jmp {f}", f = sym super::super::$name)
+                        }
+
+                        #[cfg(target_arch = "aarch64")]
+                        #[unsafe(naked)]
+                        pub(super) unsafe extern "C" fn thunk() {
+                            core::arch::naked_asm!("b {f}", f = sym super::super::$name)
+                        }
+                    }
+                )*
+
+                pub fn address_of(symbol: &str) -> Option<*mut std::ffi::c_void> {
+                    match symbol {
+                        $(stringify!($name) => Some($name::thunk as *mut std::ffi::c_void),)*
+                        _ => None,
+                    }
+                }
+            }
         };
     }
 

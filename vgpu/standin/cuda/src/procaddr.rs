@@ -377,6 +377,60 @@ pub fn choose(symbol: &str, version: i32, per_thread: bool) -> Choice {
     Choice::Symbol(legacy.symbol)
 }
 
+/// How `cuGetProcAddress` answers, from the process's environment (both settings are real drivers'
+/// latitude, so that the library is tested against either answer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Answers {
+    /// `GPUPOOL_STANDIN_PROC_ADDRESS=internal`: addresses that are not the exported symbols (a
+    /// thunk per symbol), as a driver may return its internal entry points. Default `exported`.
+    pub internal_addresses: bool,
+    /// `GPUPOOL_STANDIN_PROC_NOT_FOUND=success`: a symbol not given (unknown, or a version too
+    /// old) answers `CUDA_SUCCESS` with a NULL pointer, as cuda.h's comment says. Default `error`:
+    /// `CUDA_ERROR_NOT_FOUND`, as drivers answer.
+    pub not_found_success: bool,
+}
+
+pub const PROC_ADDRESS: &str = "GPUPOOL_STANDIN_PROC_ADDRESS";
+pub const PROC_NOT_FOUND: &str = "GPUPOOL_STANDIN_PROC_NOT_FOUND";
+
+/// Reads the two settings; a value that is neither choice is an error naming the variable (a test
+/// with a typo must not silently run the default).
+pub fn answers(address: Option<&str>, not_found: Option<&str>) -> Result<Answers, String> {
+    let internal_addresses = match address {
+        None | Some("exported") => false,
+        Some("internal") => true,
+        Some(other) => {
+            return Err(format!(
+                "{PROC_ADDRESS}={other:?}: expected exported or internal"
+            ))
+        }
+    };
+    let not_found_success = match not_found {
+        None | Some("error") => false,
+        Some("success") => true,
+        Some(other) => {
+            return Err(format!(
+                "{PROC_NOT_FOUND}={other:?}: expected error or success"
+            ))
+        }
+    };
+    Ok(Answers {
+        internal_addresses,
+        not_found_success,
+    })
+}
+
+fn process_answers() -> Result<Answers, CUresult> {
+    static ANSWERS: std::sync::OnceLock<Result<Answers, CUresult>> = std::sync::OnceLock::new();
+    *ANSWERS.get_or_init(|| {
+        let var = |name| std::env::var(name).ok();
+        answers(var(PROC_ADDRESS).as_deref(), var(PROC_NOT_FOUND).as_deref()).map_err(|e| {
+            eprintln!("gpupool-standin-cuda: {e}");
+            CUDA_ERROR_INVALID_VALUE
+        })
+    })
+}
+
 unsafe fn lookup(
     symbol: *const c_char,
     pfn: *mut *mut c_void,
@@ -392,6 +446,7 @@ unsafe fn lookup(
     {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
+    let answers = process_answers()?;
     let name = CStr::from_ptr(symbol).to_str().unwrap_or("");
     let choice = choose(
         name,
@@ -399,6 +454,10 @@ unsafe fn lookup(
         flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM != 0,
     );
     let (addr, code) = match choice {
+        Choice::Symbol(s) if answers.internal_addresses => (
+            crate::symbols::thunks::address_of(s),
+            CU_GET_PROC_ADDRESS_SUCCESS,
+        ),
         Choice::Symbol(s) => (crate::symbols::address_of(s), CU_GET_PROC_ADDRESS_SUCCESS),
         Choice::NotFound => (None, CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND),
         Choice::VersionNotSufficient => (None, CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT),
@@ -408,9 +467,11 @@ unsafe fn lookup(
         *status = code;
     }
     // cuda.h documents CUDA_SUCCESS with a NULL pointer here; drivers answer CUDA_ERROR_NOT_FOUND
-    // (ZLUDA, which reproduces the driver's behaviour, does the same). The stricter answer wins.
+    // (ZLUDA, which reproduces the driver's behaviour, does the same). The stricter answer is the
+    // default; GPUPOOL_STANDIN_PROC_NOT_FOUND=success gives cuda.h's.
     match addr {
         Some(_) => Ok(()),
+        None if answers.not_found_success => Ok(()),
         None => Err(CUDA_ERROR_NOT_FOUND),
     }
 }
@@ -496,15 +557,45 @@ mod tests {
     }
 
     #[test]
-    fn every_variant_is_exported() {
+    fn every_variant_is_exported_and_has_its_own_thunk() {
+        // symbol -> its thunk; a symbol may be a variant of two bases (cuGraphInstantiateWithFlags).
+        let mut thunks = std::collections::HashMap::new();
         for (base, variants) in TABLE {
             for x in *variants {
-                assert!(
-                    crate::symbols::address_of(x.symbol).is_some(),
-                    "{base}: {} is not exported",
-                    x.symbol
-                );
+                let exported = crate::symbols::address_of(x.symbol);
+                assert!(exported.is_some(), "{base}: {} is not exported", x.symbol);
+                let thunk = crate::symbols::thunks::address_of(x.symbol).expect("a thunk");
+                assert_ne!(Some(thunk), exported, "{}", x.symbol);
+                thunks.insert(x.symbol, thunk as usize);
             }
         }
+        let distinct: std::collections::HashSet<usize> = thunks.values().copied().collect();
+        assert_eq!(distinct.len(), thunks.len(), "every symbol its own thunk");
+    }
+
+    #[test]
+    fn the_answers_are_read_strictly() {
+        assert_eq!(
+            answers(None, None),
+            Ok(Answers {
+                internal_addresses: false,
+                not_found_success: false
+            })
+        );
+        assert_eq!(
+            answers(Some("internal"), Some("success")),
+            Ok(Answers {
+                internal_addresses: true,
+                not_found_success: true
+            })
+        );
+        let err = answers(Some("inside"), None).unwrap_err();
+        assert!(
+            err.contains(PROC_ADDRESS) && err.contains("inside"),
+            "{err}"
+        );
+        assert!(answers(None, Some("null"))
+            .unwrap_err()
+            .contains(PROC_NOT_FOUND));
     }
 }
