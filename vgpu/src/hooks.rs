@@ -1265,17 +1265,15 @@ mod tests {
 
     #[test]
     fn failed_lookups_are_left_alone() {
-        unsafe {
-            let mut pfn = std::ptr::null_mut();
-            substitute(
-                0,
-                CUDA_ERROR_NOT_FOUND,
-                c"cuMemFree".as_ptr(),
-                &mut pfn,
-                12090,
-                0,
-            );
-            assert!(pfn.is_null());
+        // Drivers answer CUDA_ERROR_NOT_FOUND; cuda.h's comment says CUDA_SUCCESS with NULL.
+        for rc in [CUDA_ERROR_NOT_FOUND, CUDA_SUCCESS] {
+            unsafe {
+                let mut pfn = std::ptr::null_mut();
+                substitute(0, rc, c"cuMemFree".as_ptr(), &mut pfn, 12090, 0);
+                assert!(pfn.is_null(), "{rc}");
+                substitute(0, rc, c"cuMemAllocAsync".as_ptr(), &mut pfn, 11010, 0);
+                assert!(pfn.is_null(), "{rc}");
+            }
         }
     }
 

@@ -35,32 +35,85 @@ fn lookup_args<'a>(
     all
 }
 
+/// A stand-in whose `cuGetProcAddress` returns the exported symbols (as the library's first choice
+/// recognises them), and one that returns internal addresses (the library must then pick the ABI
+/// from the version and flags itself).
+fn drivers() -> [(&'static str, Sandbox); 2] {
+    [
+        ("exported", Sandbox::new("1x16g:108")),
+        (
+            "internal",
+            Sandbox::new("1x16g:108").with("GPUPOOL_STANDIN_PROC_ADDRESS", "internal"),
+        ),
+    ]
+}
+
+/// The lookups whose answer depends on the driver's addresses: `dlsym` finds the exports whatever
+/// `cuGetProcAddress` returns, so the internal driver only changes the proc lookups.
+fn lookups_for(driver: &str) -> impl Iterator<Item = &'static (&'static str, bool, &'static str)> {
+    let internal = driver == "internal";
+    LOOKUPS
+        .iter()
+        .filter(move |(lookup, _, _)| !internal || lookup.starts_with("proc"))
+}
+
+/// The variant the library says it wrapped an internal address as (`LIBCUDA_LOG_LEVEL=3`).
+fn wrapped_as<'a>(outcome: &'a Outcome, base: &str) -> Vec<&'a str> {
+    outcome
+        .library_lines()
+        .into_iter()
+        .filter(|l| l.contains(&format!("cuGetProcAddress({base},")))
+        .filter_map(|l| l.split("wrapped as ").nth(1))
+        .collect()
+}
+
 #[test]
 fn allocations_are_limited_through_every_lookup() {
-    let sandbox = Sandbox::new("1x16g:108");
     let limit = CONTEXT + 64 * MIB;
-    for &(lookup, per_thread, version) in LOOKUPS {
-        // cuMemAllocAsync has a per-thread (_ptsz) form; cuMemAlloc has not.
-        for path in ["cuMemAllocAsync", "cuMemAlloc"] {
-            for (size, expected) in [(64 * MIB, 0), (64 * MIB + 1, 2)] {
-                let size = size.to_string();
-                let args = lookup_args(
-                    lookup,
-                    per_thread,
-                    version,
-                    &["alloc", "--path", path, "--size", &size],
-                );
-                let outcome = sandbox
-                    .probe(&sandbox.container(), &args)
-                    .env("CUDA_DEVICE_MEMORY_LIMIT", &limit.to_string())
-                    .run();
-                assert_eq!(
-                    outcome.one("alloc")["result"],
-                    expected,
-                    "{path} of {size} bytes through {lookup} (per-thread {per_thread}, version {version}):\n{}\n{}",
-                    outcome.stdout,
-                    outcome.stderr
-                );
+    for (driver, sandbox) in drivers() {
+        for &(lookup, per_thread, version) in lookups_for(driver) {
+            // cuMemAllocAsync has a per-thread (_ptsz) form; cuMemAlloc has not.
+            for path in ["cuMemAllocAsync", "cuMemAlloc"] {
+                for (size, expected) in [(64 * MIB, 0), (64 * MIB + 1, 2)] {
+                    let size = size.to_string();
+                    let args = lookup_args(
+                        lookup,
+                        per_thread,
+                        version,
+                        &["alloc", "--path", path, "--size", &size],
+                    );
+                    let outcome = sandbox
+                        .probe(&sandbox.container(), &args)
+                        .env("CUDA_DEVICE_MEMORY_LIMIT", &limit.to_string())
+                        .env("LIBCUDA_LOG_LEVEL", "3")
+                        .run();
+                    let what = format!("{path} of {size} bytes through {lookup} (per-thread {per_thread}, version {version}, {driver} addresses)");
+                    assert_eq!(
+                        outcome.one("alloc")["result"],
+                        expected,
+                        "{what}:\n{}\n{}",
+                        outcome.stdout,
+                        outcome.stderr
+                    );
+                    // Internal addresses match no export: the ABI is the one the version and the
+                    // flag select, as the driver chose it.
+                    let variant = match (path, per_thread) {
+                        ("cuMemAlloc", _) => "cuMemAlloc_v2",
+                        (_, true) => "cuMemAllocAsync_ptsz",
+                        (_, false) => "cuMemAllocAsync",
+                    };
+                    let expected_wraps: Vec<&str> = if driver == "internal" {
+                        vec![variant]
+                    } else {
+                        vec![]
+                    };
+                    assert_eq!(
+                        wrapped_as(&outcome, path),
+                        expected_wraps,
+                        "{what}: {:?}",
+                        outcome.library_lines()
+                    );
+                }
             }
         }
     }
@@ -78,42 +131,44 @@ fn bounded_waits(cache: &str) -> u64 {
 
 #[test]
 fn every_launch_path_goes_through_the_gate() {
-    let sandbox = Sandbox::new("1x16g:108");
+    let drivers = drivers();
     // 1 % of each period open and a 1 ms bound: almost every launch waits its bound and is
     // counted, which only happens if the launch went through our gate.
     let mut runs = Vec::new();
-    for mode in ["eager", "ex", "cooperative", "graph", "capture"] {
-        for &(lookup, per_thread, version) in LOOKUPS {
-            if mode == "ex" && version.parse::<u32>().unwrap() < 11060 {
-                continue; // cuLaunchKernelEx appeared in CUDA 11.6
+    for (driver, sandbox) in &drivers {
+        for mode in ["eager", "ex", "cooperative", "graph", "capture"] {
+            for &(lookup, per_thread, version) in lookups_for(driver) {
+                if mode == "ex" && version.parse::<u32>().unwrap() < 11060 {
+                    continue; // cuLaunchKernelEx appeared in CUDA 11.6
+                }
+                let cache = sandbox.container();
+                let args = lookup_args(
+                    lookup,
+                    per_thread,
+                    version,
+                    &[
+                        "launch",
+                        "--mode",
+                        mode,
+                        "--seconds",
+                        "0.3",
+                        "--kernel-us",
+                        "100",
+                    ],
+                );
+                let child = sandbox
+                    .probe(&cache, &args)
+                    .env("CUDA_DEVICE_SM_LIMIT", "1")
+                    .env("GPU_CORE_UTILIZATION_POLICY", "FORCE")
+                    .env("GPUPOOL_VGPU_MAX_LAUNCH_WAIT_MS", "1")
+                    .spawn();
+                let what = format!("{mode} through {lookup} (per-thread {per_thread}, version {version}, {driver} addresses)");
+                runs.push((what, cache, child));
             }
-            let cache = sandbox.container();
-            let args = lookup_args(
-                lookup,
-                per_thread,
-                version,
-                &[
-                    "launch",
-                    "--mode",
-                    mode,
-                    "--seconds",
-                    "0.3",
-                    "--kernel-us",
-                    "100",
-                ],
-            );
-            let child = sandbox
-                .probe(&cache, &args)
-                .env("CUDA_DEVICE_SM_LIMIT", "1")
-                .env("GPU_CORE_UTILIZATION_POLICY", "FORCE")
-                .env("GPUPOOL_VGPU_MAX_LAUNCH_WAIT_MS", "1")
-                .spawn();
-            runs.push((mode, lookup, per_thread, version, cache, child));
         }
     }
-    for (mode, lookup, per_thread, version, cache, child) in runs {
+    for (what, cache, child) in runs {
         let outcome = Outcome::from(child.wait_with_output().expect("ends"));
-        let what = format!("{mode} through {lookup} (per-thread {per_thread}, version {version})");
         assert_eq!(
             outcome.one("launch")["result"],
             0,
@@ -131,24 +186,42 @@ fn every_launch_path_goes_through_the_gate() {
 
 #[test]
 fn symbols_we_do_not_wrap_come_back_untouched() {
-    let sandbox = Sandbox::new("1x16g:108");
-    let cache = sandbox.container();
-    for symbol in ["cuStreamSynchronize", "cuCtxSetCurrent", "cuNoSuchFunction"] {
-        for per_thread in [false, true] {
-            let mut args = vec!["getproc", "--symbol", symbol];
-            if per_thread {
-                args.push("--per-thread");
-            }
-            let bare = sandbox.bare(&args).run();
-            let ours = sandbox
-                .probe(&cache, &args)
-                .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
-                .run();
-            let (bare, ours) = (bare.one("getproc"), ours.one("getproc"));
-            for field in ["result", "status", "matches"] {
+    // A symbol the driver does not give is answered CUDA_ERROR_NOT_FOUND by drivers and
+    // CUDA_SUCCESS with NULL by cuda.h's comment: either answer passes through as it is.
+    for not_found in ["error", "success"] {
+        let sandbox = Sandbox::new("1x16g:108").with("GPUPOOL_STANDIN_PROC_NOT_FOUND", not_found);
+        let cache = sandbox.container();
+        for (symbol, version) in [
+            ("cuStreamSynchronize", "12090"),
+            ("cuCtxSetCurrent", "12090"),
+            ("cuNoSuchFunction", "12090"),
+            // Too old a version for a function we wrap: nothing to wrap.
+            ("cuMemAllocAsync", "11010"),
+            // From CUDA 12.0 the driver gives cuGraphInstantiateWithFlags (3 arguments) for it.
+            ("cuGraphInstantiate", "12000"),
+            ("cuGraphInstantiate", "11000"),
+        ] {
+            for per_thread in [false, true] {
+                let mut args = vec!["getproc", "--symbol", symbol, "--cuda-version", version];
+                if per_thread {
+                    args.push("--per-thread");
+                }
+                let bare = sandbox.bare(&args).run();
+                let ours = sandbox
+                    .probe(&cache, &args)
+                    .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+                    .run();
+                let (bare, ours) = (bare.one("getproc"), ours.one("getproc"));
+                for field in ["result", "status", "matches"] {
+                    assert_eq!(
+                        ours[field], bare[field],
+                        "{symbol} at {version} (per-thread {per_thread}, not found: {not_found}): {ours} vs {bare}"
+                    );
+                }
                 assert_eq!(
-                    ours[field], bare[field],
-                    "{symbol} (per-thread {per_thread}): {ours} vs {bare}"
+                    ours["address"] == "0x0",
+                    bare["address"] == "0x0",
+                    "{symbol}: {ours} vs {bare}"
                 );
             }
         }

@@ -271,8 +271,16 @@ fn without_a_limit_the_real_answers_are_untouched() {
 
 #[test]
 fn the_32_bit_entry_points_are_limited_too() {
-    let sandbox = Sandbox::new("1x16g:108");
-    // cuGetProcAddress at CUDA 3.1 gives the pre-3.2 ABI (32-bit sizes and pointers).
+    // cuGetProcAddress at CUDA 3.1 gives the pre-3.2 ABI (32-bit sizes and pointers), as the
+    // exported cuMemAlloc or, from a driver that hands out internal addresses, as an address the
+    // library must recognise as that ABI by the version alone.
+    for driver in ["exported", "internal"] {
+        let sandbox = Sandbox::new("1x16g:108").with("GPUPOOL_STANDIN_PROC_ADDRESS", driver);
+        the_32_bit_cu_mem_alloc_is_limited(&sandbox, driver);
+    }
+}
+
+fn the_32_bit_cu_mem_alloc_is_limited(sandbox: &Sandbox, driver: &str) {
     for (size, expected) in [(64 * MIB, 0), (64 * MIB + 1, 2)] {
         let outcome = sandbox
             .probe(
@@ -295,15 +303,83 @@ fn the_32_bit_entry_points_are_limited_too() {
                 "CUDA_DEVICE_MEMORY_LIMIT",
                 &(CONTEXT + 64 * MIB).to_string(),
             )
+            .env("LIBCUDA_LOG_LEVEL", "3")
             .run();
         assert_eq!(
             outcome.one("alloc")["result"],
             expected,
-            "{size}: {}\n{}",
+            "{size} ({driver} addresses): {}\n{}",
             outcome.stdout,
             outcome.stderr
         );
+        let fallback = outcome.library_lines().iter().any(|l| {
+            l.contains("cuGetProcAddress(cuMemAlloc, 3010, 1)")
+                && l.ends_with("wrapped as cuMemAlloc")
+        });
+        assert_eq!(
+            fallback,
+            driver == "internal",
+            "{driver}: {:?}",
+            outcome.library_lines()
+        );
     }
+}
+
+#[test]
+fn deferred_mapping_arrays_are_not_charged_and_ordinary_ones_need_no_driver_figure() {
+    let sandbox = Sandbox::new("1x16g:108");
+    let limit = (CONTEXT + 16 * MIB).to_string();
+    // 4000 x 4000 floats: 61 MiB by the descriptor, more than the limit leaves.
+    let array = |path: &str, flags: &str| {
+        let outcome = sandbox
+            .probe(
+                &sandbox.container(),
+                &[
+                    "alloc", "--path", path, "--width", "4000", "--height", "4000", "--flags",
+                    flags, "--views",
+                ],
+            )
+            .env("CUDA_DEVICE_MEMORY_LIMIT", &limit)
+            .run();
+        let alloc = outcome.one("alloc").clone();
+        let views = outcome.ops("views").first().map(|v| free_of(v));
+        (alloc, views, outcome)
+    };
+    for path in ["cuArray3DCreate", "cuMipmappedArrayCreate"] {
+        // CUDA_ARRAY3D_DEFERRED_MAPPING: no memory of its own (it is mapped onto cuMemCreate
+        // memory, charged there), whatever size the driver reports for it.
+        let (alloc, free, outcome) = array(path, "0x80");
+        assert_eq!(alloc["result"], 0, "{path}: {}", outcome.stdout);
+        assert_eq!(alloc["requirements"]["result"], 0, "{alloc}");
+        assert!(u(&alloc["requirements"]["size"]) > 16 * MIB, "{alloc}");
+        assert_eq!(free, Some(16 * MIB), "{path}: nothing charged");
+        // An ordinary array of that size is refused before the driver is asked.
+        let (alloc, _, outcome) = array(path, "0");
+        assert_eq!(alloc["result"], 2, "{path}: {}", outcome.stdout);
+    }
+    // An ordinary array that fits is charged what its descriptor implies: the driver answers no
+    // memory requirements for it (cuda.h: only deferred-mapping arrays), and the library does not
+    // need them.
+    let outcome = sandbox
+        .probe(
+            &sandbox.container(),
+            &[
+                "alloc",
+                "--path",
+                "cuArray3DCreate",
+                "--width",
+                "1024",
+                "--height",
+                "1024",
+                "--views",
+            ],
+        )
+        .env("CUDA_DEVICE_MEMORY_LIMIT", &limit)
+        .run();
+    let alloc = outcome.one("alloc");
+    assert_eq!(alloc["result"], 0, "{}", outcome.stdout);
+    assert_eq!(alloc["requirements"]["result"], 1, "{alloc}");
+    assert_eq!(free_of(outcome.ops("views")[0]), 12 * MIB, "4 MiB charged");
 }
 
 #[test]
