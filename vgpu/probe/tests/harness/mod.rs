@@ -193,7 +193,6 @@ impl Run {
     /// Starts it in the background and waits for a line with `op` (e.g. "hold"). Its stderr is
     /// dropped: nobody reads it while it runs, and a full pipe would block it.
     pub fn start_until(mut self, op: &str) -> Started {
-        use std::io::BufRead;
         let mut child = self
             .command
             .stdout(Stdio::piped())
@@ -201,26 +200,21 @@ impl Run {
             .spawn()
             .expect("the probe starts");
         let stdout = child.stdout.take().expect("piped");
-        let mut reader = std::io::BufReader::new(stdout);
-        let mut seen = Vec::new();
-        let found = loop {
-            let mut line = String::new();
-            if reader.read_line(&mut line).unwrap_or(0) == 0 {
-                break None;
-            }
-            let value: Value = serde_json::from_str(line.trim()).unwrap_or(Value::Null);
-            seen.push(value.clone());
-            if value["op"] == op {
-                break Some(value);
-            }
+        let mut started = Started {
+            child,
+            line: Value::Null,
+            reader: std::io::BufReader::new(stdout),
+            before: Vec::new(),
         };
-        match found {
-            Some(line) => Started { child, line },
-            None => {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!("the probe ended before printing {op:?}: {seen:?}");
+        match started.next_line(op) {
+            Some(line) => {
+                started.line = line;
+                started
             }
+            None => panic!(
+                "the probe ended before printing {op:?}: {:?}",
+                started.before
+            ),
         }
     }
 }
@@ -228,13 +222,45 @@ impl Run {
 /// A probe running in the background; killed (SIGKILL) when dropped.
 pub struct Started {
     pub child: Child,
+    /// The line `start_until` waited for.
     pub line: Value,
+    reader: std::io::BufReader<std::process::ChildStdout>,
+    /// Every line read so far.
+    pub before: Vec<Value>,
 }
 
 impl Started {
+    /// Reads on until a line with `op`; None if the probe ends first.
+    pub fn next_line(&mut self, op: &str) -> Option<Value> {
+        use std::io::BufRead;
+        loop {
+            let mut line = String::new();
+            if self.reader.read_line(&mut line).unwrap_or(0) == 0 {
+                return None;
+            }
+            let value: Value = serde_json::from_str(line.trim()).unwrap_or(Value::Null);
+            self.before.push(value.clone());
+            if value["op"] == op {
+                return Some(value);
+            }
+        }
+    }
+
+    /// Waits for the probe to end; every line it printed, those read before included.
+    pub fn finish(mut self) -> Vec<Value> {
+        use std::io::Read;
+        let mut rest = String::new();
+        let _ = self.reader.read_to_string(&mut rest);
+        let _ = self.child.wait();
+        let mut lines = std::mem::take(&mut self.before);
+        lines.extend(rest.lines().filter_map(|l| serde_json::from_str(l).ok()));
+        lines
+    }
+
     pub fn kill9(&mut self) {
-        // SAFETY: signals our own child.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGKILL) };
+        // Child::kill sends SIGKILL, and nothing once the child was reaped (its PID may belong to
+        // another process by then).
+        let _ = self.child.kill();
         let _ = self.child.wait();
     }
 }
