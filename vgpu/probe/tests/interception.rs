@@ -227,3 +227,53 @@ fn symbols_we_do_not_wrap_come_back_untouched() {
         }
     }
 }
+
+#[test]
+fn dlsym_of_names_we_do_not_wrap_answers_as_without_us() {
+    let sandbox = Sandbox::new("1x16g:108");
+    let cache = sandbox.container();
+    let lookup = |library: &str, symbol: &str, preloaded: bool| {
+        let args = ["dlsym", "--library", library, "--symbol", symbol];
+        let run = if preloaded {
+            sandbox
+                .probe(&cache, &args)
+                .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+        } else {
+            sandbox.bare(&args)
+        };
+        run.run_ok().one("dlsym").clone()
+    };
+    for (library, symbol) in [
+        // The driver's, not wrapped: the driver's own function.
+        ("cuda", "cuStreamSynchronize"),
+        ("cuda", "cuLaunchHostFunc"),
+        ("nvml", "nvmlDeviceGetCount_v2"),
+        ("nvml", "nvmlDeviceGetUUID"),
+        // cu/nv names the library has none of: NULL, with the loader's own message.
+        ("cuda", "cuNoSuchFunction"),
+        ("cuda", "cudaMalloc"),
+        ("nvml", "nvmlNoSuchFunction"),
+        ("nvml", "nvNoSuchFunction"),
+    ] {
+        let (bare, ours) = (
+            lookup(library, symbol, false),
+            lookup(library, symbol, true),
+        );
+        for field in ["object", "object_symbol", "error"] {
+            assert_eq!(ours[field], bare[field], "{symbol}: {ours} vs {bare}");
+        }
+        assert_eq!(
+            ours["address"] == "0x0",
+            bare["address"] == "0x0",
+            "{symbol}"
+        );
+    }
+    // A name we wrap comes back as our wrapper.
+    let ours = lookup("cuda", "cuMemAlloc_v2", true);
+    assert_eq!(ours["object_symbol"], "cuMemAlloc_v2", "{ours}");
+    assert_ne!(
+        ours["object"],
+        lookup("cuda", "cuMemAlloc_v2", false)["object"],
+        "{ours}"
+    );
+}

@@ -458,3 +458,139 @@ fn in_a_pid_namespace_the_host_pid_is_found_across_context_creation() {
         .iter()
         .any(|l| l.contains("from NVML's per-process figure")));
 }
+
+/// The `nvml_views` line of NVML device `index`.
+fn nvml_views(outcome: &Outcome, index: u64) -> &serde_json::Value {
+    outcome
+        .ops("nvml_views")
+        .into_iter()
+        .find(|l| l["index"] == index)
+        .unwrap_or_else(|| panic!("no views of NVML device {index}:\n{}", outcome.stdout))
+}
+
+#[test]
+fn a_process_that_only_uses_nvml_sees_the_limit_without_loading_cuda() {
+    let sandbox = Sandbox::new("2x16g:108");
+    let ids: Vec<String> = sandbox
+        .bare(&["nvml-views"])
+        .run_ok()
+        .ops("nvml_views")
+        .iter()
+        .map(|l| l["uuid"].as_str().expect("uuid").to_string())
+        .collect();
+    let cache = sandbox.container();
+    // The container's first CUDA process records claim index 0 -> card 0 and holds memory there.
+    let _holder = sandbox
+        .probe(&cache, &["hold", "--path", "cuMemAlloc", "--size", "256m"])
+        .env("CUDA_DEVICE_MEMORY_LIMIT_0", "1g")
+        .start_until("hold");
+    let monitor = sandbox
+        .probe(&cache, &["nvml-views"])
+        .env("CUDA_DEVICE_MEMORY_LIMIT_0", "1g")
+        .run_ok();
+    assert_eq!(monitor.one("libraries")["libcuda_loaded"], false);
+    let card0 = nvml_views(&monitor, 0);
+    let free = GIB - 256 * MIB - CONTEXT;
+    for form in ["v1", "v2"] {
+        let v = &card0[form];
+        assert_eq!(
+            (u(&v["total"]), u(&v["free"]), u(&v["used"])),
+            (GIB, free, GIB - free),
+            "{form}: {card0}"
+        );
+    }
+    assert_eq!(u(&nvml_views(&monitor, 1)["v1"]["total"]), 16 * GIB);
+
+    // In a container where no CUDA process ran yet, the driver's GPUPOOL_DEVICE_UUID_<i> says
+    // which card claim index 0 is.
+    let monitor = sandbox
+        .probe(&sandbox.container(), &["nvml-views"])
+        .env("CUDA_DEVICE_MEMORY_LIMIT_0", "2g")
+        .env("GPUPOOL_DEVICE_UUID_0", &ids[1])
+        .run_ok();
+    assert_eq!(u(&nvml_views(&monitor, 1)["v2"]["total"]), 2 * GIB);
+    assert_eq!(u(&nvml_views(&monitor, 0)["v2"]["total"]), 16 * GIB);
+    assert_eq!(monitor.one("libraries")["libcuda_loaded"], false);
+}
+
+#[test]
+fn a_malformed_limit_makes_nvml_refuse_memory_queries() {
+    let sandbox = Sandbox::new("2x16g:108");
+    let monitor = sandbox
+        .probe(&sandbox.container(), &["nvml-views"])
+        .env("CUDA_DEVICE_MEMORY_LIMIT_0", "12q")
+        .run_ok();
+    for index in [0, 1] {
+        let views = nvml_views(&monitor, index);
+        for form in ["v1", "v2"] {
+            assert_eq!(
+                views[form]["error"], "NVML_ERROR_UNINITIALIZED",
+                "{form} of device {index}: {views}"
+            );
+        }
+        // Only memory is refused: the card itself is still listed.
+        assert!(views["uuid"].is_string(), "{views}");
+    }
+    let lines = monitor.library_lines();
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(lines[0].contains("CUDA_DEVICE_MEMORY_LIMIT_0") && lines[0].contains("12q"));
+    assert_eq!(monitor.one("libraries")["libcuda_loaded"], false);
+}
+
+#[test]
+fn ending_a_context_gives_back_what_was_allocated_in_it() {
+    let sandbox = Sandbox::new("1x16g:108");
+    // (how the context was made, how it ends, allocation path, height of 16 MiB at a width of
+    // 4096): cudaDeviceReset resets the primary context; a framework's teardown releases it; a
+    // context of one's own is destroyed.
+    for (context, end, path, height) in [
+        ("primary", "reset", "cuMemAlloc", "1024"),
+        ("primary", "release", "cuMemAlloc", "1024"),
+        ("create", "destroy", "cuMemAlloc", "1024"),
+        ("primary", "reset", "cuMemAllocPitch", "4096"),
+        ("primary", "reset", "cuArrayCreate", "1024"),
+    ] {
+        let outcome = sandbox
+            .probe(
+                &sandbox.container(),
+                &[
+                    "alloc",
+                    "--path",
+                    path,
+                    "--size",
+                    "16m",
+                    "--width",
+                    "4096",
+                    "--height",
+                    height,
+                    "--count",
+                    "2",
+                    "--views",
+                    "--context",
+                    context,
+                    "--end-context",
+                    end,
+                ],
+            )
+            .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+            .run_ok();
+        let what = format!("{path} in a {context} context, then {end}");
+        assert_eq!(
+            outcome.one("end_context")["result"],
+            0,
+            "{what}: {}",
+            outcome.stdout
+        );
+        let free: Vec<u64> = outcome.ops("views").iter().map(|v| free_of(v)).collect();
+        assert_eq!(
+            free,
+            vec![
+                GIB - CONTEXT - 16 * MIB,
+                GIB - CONTEXT - 32 * MIB,
+                GIB - CONTEXT
+            ],
+            "{what}: after the end only the new context is charged\n{}",
+            outcome.stderr
+        );
+    }
+}

@@ -212,3 +212,150 @@ fn the_drivers_device_uuids_win_over_a_narrowed_first_process() {
     assert_eq!(total_seen(&sandbox, &cache, Some("1"), "0", &env), 2 * GIB);
     assert_eq!(total_seen(&sandbox, &cache, None, "0", &env), GIB);
 }
+
+/// The in-use slots of a container's shared file: (PID, bytes allocated on claim index 0).
+fn slots(cache: &str) -> Vec<(u32, u64)> {
+    use gpupool_vgpu::layout;
+    let bytes = std::fs::read(cache).expect("the shared file");
+    let u32_at =
+        |at: u64| u32::from_ne_bytes(bytes[at as usize..at as usize + 4].try_into().unwrap());
+    let u64_at =
+        |at: u64| u64::from_ne_bytes(bytes[at as usize..at as usize + 8].try_into().unwrap());
+    (0..layout::SLOT_COUNT as usize)
+        .filter(|&s| u32_at(layout::slot(s) + layout::S_IN_USE) == 1)
+        .map(|s| {
+            (
+                u32_at(layout::slot(s) + layout::S_PID),
+                u64_at(layout::slot_tracked(s, 0)),
+            )
+        })
+        .collect()
+}
+
+fn child_lines(lines: &[serde_json::Value]) -> Vec<&serde_json::Value> {
+    lines.iter().filter(|l| l["who"] == "child").collect()
+}
+
+fn parent_lines<'a>(lines: &'a [serde_json::Value], op: &str) -> Vec<&'a serde_json::Value> {
+    lines
+        .iter()
+        .filter(|l| l["who"].is_null() && l["op"] == op)
+        .collect()
+}
+
+#[test]
+fn a_forked_child_that_exits_leaves_its_parents_charges_alone() {
+    let sandbox = Sandbox::new("1x16g:108");
+    let cache = sandbox.container();
+    // The parent allocates, then forks; the child cannot use the driver its parent initialised
+    // (the real driver refuses it too), tries anyway and exits normally, running its atexit
+    // handlers, which give back only what is the child's own.
+    let outcome = sandbox
+        .probe(
+            &cache,
+            &[
+                "fork",
+                "--path",
+                "cuMemAlloc",
+                "--size",
+                "256m",
+                "--child-size",
+                "1m",
+            ],
+        )
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+        .run_ok();
+    let child = child_lines(&outcome.lines);
+    let init = child
+        .iter()
+        .find(|l| l["op"] == "init")
+        .expect("the child's init");
+    assert_eq!(
+        init["error"], "CUDA_ERROR_NOT_INITIALIZED",
+        "{}",
+        outcome.stdout
+    );
+    assert_eq!(parent_lines(&outcome.lines, "child_exit")[0]["code"], 0);
+    let views = parent_lines(&outcome.lines, "views");
+    assert_eq!(views.len(), 2, "{}", outcome.stdout);
+    let before = free_of(views[0]);
+    assert_eq!(before, GIB - CONTEXT - 256 * MIB);
+    assert_eq!(
+        free_of(views[1]),
+        before,
+        "the parent's 256 MiB are still charged after its child exited:\n{}",
+        outcome.stdout
+    );
+}
+
+#[test]
+fn a_forked_child_gets_its_own_slot_and_its_memory_back_when_killed() {
+    let sandbox = Sandbox::new("1x16g:108");
+    let cache = sandbox.container();
+    let uuid = sandbox.bare(&["devices"]).run_ok().ops("device")[0]["uuid"]
+        .as_str()
+        .expect("uuid")
+        .to_string();
+    // A parent that never initialised CUDA (it looked at NVML: the library's state exists) forks
+    // a child that does, allocates and holds.
+    let mut parent = sandbox
+        .probe(
+            &cache,
+            &[
+                "fork",
+                "--no-init",
+                "--context",
+                "none",
+                "--child-size",
+                "256m",
+                "--child-hold",
+                // The parent lives on a while after its child's end.
+                "--after-ms",
+                "1500",
+            ],
+        )
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+        .env("GPUPOOL_DEVICE_UUID_0", &uuid)
+        .start_until("hold");
+    let child_pid = u(&parent.line["pid"]) as u32;
+    let alloc = parent
+        .before
+        .iter()
+        .find(|l| l["who"] == "child" && l["op"] == "alloc")
+        .expect("the child's allocation")
+        .clone();
+    assert_eq!(alloc["result"], 0, "{alloc}");
+    // Its own slot, under its own PID, holding its own allocation; the parent has none (it
+    // allocated nothing).
+    assert_eq!(slots(&cache), vec![(child_pid, 256 * MIB)]);
+    // Killed, the child's description closes and its slot's lock with it: the container's next
+    // look releases the memory while the parent lives on. (Had the child locked its slot through
+    // the description it inherited, the lock would stay with the parent, and the memory charged
+    // for the parent's whole life.)
+    // SAFETY: signals the child the probe forked, by the PID it printed.
+    unsafe { libc::kill(child_pid as i32, libc::SIGKILL) };
+    let exit = parent
+        .next_line("child_exit")
+        .expect("the parent saw its child end");
+    assert_eq!(exit["signal"], 9);
+    let released = eventually(Duration::from_secs(1), || {
+        let views = sandbox
+            .probe(&cache, &["nvml-views", "--index", "0"])
+            .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+            .env("GPUPOOL_DEVICE_UUID_0", &uuid)
+            .run_ok();
+        u(&views.one("nvml_views")["v1"]["free"]) == GIB
+    });
+    assert!(
+        released.is_some(),
+        "the killed child's 256 MiB stay charged"
+    );
+    assert_eq!(
+        parent.child.try_wait().ok().flatten(),
+        None,
+        "the parent still runs"
+    );
+    let lines = parent.finish();
+    let after = parent_lines(&lines, "nvml_views");
+    assert_eq!(u(&after[1]["v1"]["free"]), GIB, "{:?}", after[1]);
+}

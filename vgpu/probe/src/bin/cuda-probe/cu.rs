@@ -107,6 +107,7 @@ entry_points! {
     device_get_attribute: "cuDeviceGetAttribute" => sig!(*mut i32, i32, i32);
     primary_ctx_retain: "cuDevicePrimaryCtxRetain" => sig!(*mut Handle, i32);
     primary_ctx_release: "cuDevicePrimaryCtxRelease" => sig!(i32);
+    primary_ctx_reset: "cuDevicePrimaryCtxReset" => sig!(i32);
     ctx_set_current: "cuCtxSetCurrent" => sig!(Handle);
     ctx_create_v2: "cuCtxCreate" => sig!(*mut Handle, u32, i32);
     ctx_create_v3: "cuCtxCreate" => sig!(*mut Handle, *mut c_void, i32, u32, i32);

@@ -5,6 +5,7 @@
 mod cu;
 mod loader;
 mod nvml;
+mod nvml_only;
 mod run;
 
 use loader::{Lookup, HEADER_VERSION};
@@ -46,7 +47,11 @@ Subcommands (each prints one JSON object per line; "result" is the CUresult, "er
            takes on the card when the probe can tell: size, pitch x height, the array's requirements),
       with --views an {"op":"views",...} line after each, then {"op":"free","path","index","result",
       "error"} per allocation (unless --no-free); --hold prints {"op":"hold","pid"} and sleeps until
-      killed instead of freeing. Pitch: --width (default --size) x --height (default 1), --element
+      killed instead of freeing. --end-context destroy|reset|release ends the context instead of
+      freeing (cuCtxDestroy of a --context create one, cuDevicePrimaryCtxReset or
+      cuDevicePrimaryCtxRelease of the primary: the driver frees what was allocated in it),
+      prints {"op":"end_context","how","result","error"}, makes a new context as --context says
+      and, with --views, shows the views. Pitch: --width (default --size) x --height (default 1), --element
       (default 4). Arrays: --width (default --size), --height, --depth (default 0), --format (default
       0x20 float), --channels (default 1), --flags, --levels (mipmapped, default 1). cuMemCreate
       --map also reserves, maps and sets access. Async paths free with cuMemFreeAsync and synchronise.
@@ -62,6 +67,21 @@ Subcommands (each prints one JSON object per line; "result" is the CUresult, "er
        "processes_v1":[...]}} ("nvml":null without libnvidia-ml.so.1)
   hold --path P --size N
       allocates, prints {"op":"hold","pid","result","error"} and sleeps until killed
+  fork [--path P --size N] [--child-path P] [--child-size N] [--child-context C] [--child-hold]
+       [--after-ms M]
+      the parent (set up as the options say; allocates by --path and --size when given) prints its
+      views (the driver's, or with --no-init NVML's of device 0: an nvml_views line) and forks.
+      The child, whose lines carry "who":"child", prints {"op":"child","pid"}, calls cuInit and
+      makes a --child-context (default primary) context whatever --no-init says (its
+      {"op":"init"} line gives the driver's answer), allocates --child-size by --child-path
+      (default cuMemAlloc), prints views and nvml_views and exits normally, or with --child-hold
+      prints {"op":"hold","pid"} and sleeps until killed. The parent prints
+      {"op":"forked","child"}, waits, prints {"op":"child_exit","code","signal"} and, M ms
+      later (default 0), its views again.
+  dlsym --symbol NAME [--library cuda|nvml]
+      dlsym(handle, NAME) on libcuda.so.1's (or libnvidia-ml.so.1's) handle: {"op":"dlsym",
+      "library","symbol","address","object" (the file the address lies in),"object_symbol" (the
+      symbol dladdr names there),"error" (dlerror when NULL)}
   getproc --symbol NAME [--flags N]
       cuGetProcAddress_v2(NAME, --cuda-version, flags (default: from --per-thread)):
       {"op":"getproc","symbol","version","flags","result","error","status","address",
@@ -75,13 +95,6 @@ Subcommands (each prints one JSON object per line; "result" is the CUresult, "er
       "elapsed_ms","kernels"} every R ms; then {"op":"launch","mode","seconds","kernel_us",
       "launches","kernels","throughput" (kernels/s),"busy_fraction" (kernels x D / time),
       "launch_call_max_ms","launch_call_mean_us","result","error"}
-  nvml-util [--seconds T] [--interval-ms I] [--index N]
-      polls nvmlDeviceGetProcessUtilization (lastSeenTimeStamp = the newest sample seen) and
-      nvmlDeviceGetUtilizationRates every I ms (default 200) for T seconds (default 2) on NVML
-      device N (default 0): {"op":"nvml_util","polls","per_pid":{"<pid>":{"samples","mean_sm_util"}},
-      "device_util_mean","samples":[{"pid","timestamp","sm_util"}...]}
-  nvml-procs [--index N]
-      {"op":"nvml_procs","v1":{...},"v3":{...}} from both process-list forms
   bench-launch [--count N] [--mode eager|graph]
       time of each launch call of an empty kernel (synchronising every 256, not timed):
       {"op":"bench_launch","mode","count","ns_per_launch_mean","ns_per_launch_median","ns_p99"}
@@ -89,8 +102,22 @@ Subcommands (each prints one JSON object per line; "result" is the CUresult, "er
       alloc/free pairs: {"op":"bench_alloc","path","count","size","ns_alloc_mean",
       "ns_alloc_median","ns_free_mean","ns_free_median"}
 
-Every run ends with {"op":"resolved","entry_points":{base:{"symbol","address","lookup_result",
-"lookup_status"}}}. Exit status 0 when the probe ran (CUDA errors are results), 2 on a usage
+NVML only (libcuda.so.1 is never opened; each run ends with {"op":"libraries","libcuda_loaded"},
+whether anything in the process loaded it):
+  nvml-views [--index N] [--nvml-v2-version V]
+      {"op":"nvml_views","index","uuid","v1":{"result","total","free","used"},"v2":{"result",
+       "version","total","reserved","free","used"},"processes":[{"pid","used_memory",...}]} for NVML
+      device N, or for every device
+  nvml-util [--seconds T] [--interval-ms I] [--index N]
+      polls nvmlDeviceGetProcessUtilization (lastSeenTimeStamp = the newest sample seen) and
+      nvmlDeviceGetUtilizationRates every I ms (default 200) for T seconds (default 2) on NVML
+      device N (default 0): {"op":"nvml_util","polls","per_pid":{"<pid>":{"samples","mean_sm_util"}},
+      "device_util_mean","samples":[{"pid","timestamp","sm_util"}...]}
+  nvml-procs [--index N]
+      {"op":"nvml_procs","v1":{...},"v3":{...}} from both process-list forms
+
+Every other run ends with {"op":"resolved","entry_points":{base:{"symbol","address",
+"lookup_result","lookup_status"}}}. Exit status 0 when the probe ran (CUDA errors are results), 2 on a usage
 error, 3 when libcuda.so.1 cannot be opened or a needed entry point is missing.
 "#;
 
@@ -108,6 +135,7 @@ const FLAGS: &[&str] = &[
     "no-free",
     "map",
     "sync",
+    "child-hold",
 ];
 
 impl Opts {
@@ -191,6 +219,9 @@ fn main() {
         Err(e) => {
             run::emit(serde_json::json!({"op": "usage_error", "message": e}));
             2
+        }
+        Ok(opts) if nvml_only::SUBCOMMANDS.contains(&args[0].as_str()) => {
+            nvml_only::run(&args[0], &opts)
         }
         Ok(opts) => {
             let lookup = match opts.str("lookup").unwrap_or("dlsym") {

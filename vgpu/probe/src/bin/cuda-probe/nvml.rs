@@ -127,6 +127,15 @@ impl Nvml {
         }
     }
 
+    pub fn device_count(&self) -> Result<u32, NvmlReturn> {
+        let mut count: u32 = 0;
+        match call!(self, "nvmlDeviceGetCount_v2", (*mut u32), (&mut count)) {
+            Some(0) => Ok(count),
+            Some(e) => Err(e),
+            None => Err(13),
+        }
+    }
+
     pub fn device_by_index(&self, index: u32) -> Result<NvmlDevice, NvmlReturn> {
         let mut dev: NvmlDevice = std::ptr::null_mut();
         match call!(

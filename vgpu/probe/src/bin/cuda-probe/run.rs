@@ -5,7 +5,6 @@ use crate::nvml::{nvml_error, Nvml, MEMORY_V2};
 use crate::Opts;
 use serde_json::{json, Value};
 use std::cell::OnceCell;
-use std::collections::BTreeMap;
 use std::ffi::{c_void, CString};
 use std::io::Write;
 use std::time::{Duration, Instant};
@@ -36,7 +35,13 @@ $L__BB0_1:
 
 const CU_STREAM_PER_THREAD: usize = 0x2;
 
-pub fn emit(v: Value) {
+/// Set in the child of `fork`: its lines say so.
+static FORKED_CHILD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+pub fn emit(mut v: Value) {
+    if FORKED_CHILD.load(std::sync::atomic::Ordering::Relaxed) {
+        v["who"] = json!("child");
+    }
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{v}");
     let _ = out.flush();
@@ -67,6 +72,8 @@ struct Session<'a> {
     cu: &'a Cu,
     opts: &'a Opts,
     device: i32,
+    /// The context `setup` made (primary or created), for `--end-context`.
+    context: std::cell::Cell<Handle>,
     stream: OnceCell<Handle>,
     pool: OnceCell<Handle>,
     nvml: OnceCell<Option<Nvml>>,
@@ -81,6 +88,7 @@ pub fn run(sub: &str, opts: &Opts, cu: Cu) -> i32 {
         cu: &cu,
         opts,
         device,
+        context: std::cell::Cell::new(std::ptr::null_mut()),
         stream: OnceCell::new(),
         pool: OnceCell::new(),
         nvml: OnceCell::new(),
@@ -94,16 +102,16 @@ pub fn run(sub: &str, opts: &Opts, cu: Cu) -> i32 {
         "hold",
         "getproc",
         "launch",
-        "nvml-util",
-        "nvml-procs",
+        "fork",
+        "dlsym",
         "bench-launch",
         "bench-alloc",
     ];
     if !known.contains(&sub) {
         return usage(format!("unknown subcommand {sub:?} (see --help)"));
     }
-    // The NVML-only subcommands touch no CUDA entry point.
-    if !sub.starts_with("nvml-") && sub != "getproc" {
+    // Lookups alone need no driver state.
+    if sub != "getproc" && sub != "dlsym" {
         s.setup(sub == "devices");
     }
     let code = match sub {
@@ -118,8 +126,8 @@ pub fn run(sub: &str, opts: &Opts, cu: Cu) -> i32 {
         "hold" => s.hold(),
         "getproc" => s.getproc(),
         "launch" => s.launch(),
-        "nvml-util" => s.nvml_util(),
-        "nvml-procs" => s.nvml_procs(),
+        "fork" => s.fork(),
+        "dlsym" => s.dlsym(),
         "bench-launch" => s.bench_launch(),
         "bench-alloc" => s.bench_alloc(),
         _ => unreachable!(),
@@ -131,7 +139,7 @@ pub fn run(sub: &str, opts: &Opts, cu: Cu) -> i32 {
     }
 }
 
-fn usage(message: String) -> i32 {
+pub fn usage(message: String) -> i32 {
     emit(json!({"op": "usage_error", "message": message}));
     2
 }
@@ -155,6 +163,10 @@ impl Session<'_> {
         if self.opts.flag("no-init") {
             return;
         }
+        self.init_and_context(always_report, self.opts.str("context").unwrap_or("primary"));
+    }
+
+    fn init_and_context(&self, always_report: bool, context: &str) {
         // SAFETY: cuInit(0).
         let r = unsafe { need!(self.cu.init())(0) };
         if r != 0 || always_report {
@@ -177,8 +189,13 @@ impl Session<'_> {
         if r != 0 {
             return;
         }
+        self.make_context(context);
+    }
+
+    /// A context made current: `primary`, `create` or `none` (failures reported as a `context`
+    /// line).
+    fn make_context(&self, how: &str) {
         let mut ctx: Handle = std::ptr::null_mut();
-        let how = self.opts.str("context").unwrap_or("primary");
         // SAFETY: the ABIs follow the lookup (see Cu::abi); out-pointers are valid.
         let r = unsafe {
             match how {
@@ -217,9 +234,25 @@ impl Session<'_> {
                 }
             }
         };
+        self.context.set(ctx);
         if r != 0 {
             emit(with_result(json!({"op": "context", "how": how}), r));
         }
+    }
+
+    /// `--end-context destroy|reset|release`: ends the context `setup` made, as `cudaDeviceReset`
+    /// or a framework's teardown does; the driver frees everything allocated in it.
+    fn end_context(&self, how: &str) -> Result<CUresult, String> {
+        let cu = self.cu;
+        // SAFETY: the context this session made; the ABIs follow the lookup.
+        Ok(unsafe {
+            match how {
+                "destroy" => need!(cu.ctx_destroy())(self.context.get()),
+                "reset" => need!(cu.primary_ctx_reset())(self.device),
+                "release" => need!(cu.primary_ctx_release())(self.device),
+                other => return Err(format!("unknown --end-context {other}")),
+            }
+        })
     }
 
     fn devices(&self) -> Result<(), String> {
@@ -662,6 +695,17 @@ impl Session<'_> {
             emit(json!({"op": "hold", "pid": std::process::id()}));
             hold_forever();
         }
+        if let Some(how) = self.opts.str("end-context") {
+            // Nothing is freed: ending the context frees it. A new context (as --context says)
+            // then shows what is left charged.
+            let r = self.end_context(how)?;
+            emit(with_result(json!({"op": "end_context", "how": how}), r));
+            self.make_context(self.opts.str("context").unwrap_or("primary"));
+            if self.opts.flag("views") {
+                emit(self.views());
+            }
+            return Ok(());
+        }
         if !self.opts.flag("no-free") {
             for (index, h) in held {
                 let r = self.release(&h);
@@ -783,6 +827,119 @@ impl Session<'_> {
             }),
             r,
         ));
+        Ok(())
+    }
+
+    /// The views a process can take: the driver's when it initialised CUDA, NVML's by index
+    /// otherwise (a process that never touched CUDA).
+    fn any_views(&self) -> Value {
+        if self.opts.flag("no-init") {
+            match self.nvml() {
+                Some(n) if n.init_result == 0 => crate::nvml_only::views_of(n, 0, MEMORY_V2),
+                _ => json!({"op": "nvml_views", "error": "no NVML"}),
+            }
+        } else {
+            self.views()
+        }
+    }
+
+    /// `fork`: the parent (set up as the options say, with an allocation by --path and --size if
+    /// given) takes its views and forks. The child (its lines carry "who": "child") sets CUDA up
+    /// again, allocates --child-size by --child-path, takes its views (the driver's and NVML's)
+    /// and exits, or with --child-hold prints a hold line and sleeps until killed. The parent
+    /// waits for it, says how it ended, and takes its views again.
+    fn fork(&self) -> Result<(), String> {
+        let mut held = None;
+        if let Some(size) = self.opts.num("size")? {
+            let (line, h) = self.allocate(self.path()?, size, 0)?;
+            emit(line);
+            held = h;
+        }
+        emit(self.any_views());
+        // SAFETY: fork(2); the child runs on in this single Rust thread and ends with exit(2).
+        let pid = unsafe { libc::fork() };
+        if pid < 0 {
+            return Err(format!("fork: {}", std::io::Error::last_os_error()));
+        }
+        if pid == 0 {
+            self.forked_child();
+        }
+        emit(json!({"op": "forked", "child": pid}));
+        let mut status = 0;
+        // SAFETY: waits for our own child.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        emit(json!({
+            "op": "child_exit",
+            "code": libc::WIFEXITED(status).then(|| libc::WEXITSTATUS(status)),
+            "signal": libc::WIFSIGNALED(status).then(|| libc::WTERMSIG(status)),
+        }));
+        std::thread::sleep(Duration::from_millis(self.opts.num_or("after-ms", 0)?));
+        emit(self.any_views());
+        if let Some(h) = held {
+            emit(with_result(
+                json!({"op": "free", "index": 0}),
+                self.release(&h),
+            ));
+        }
+        Ok(())
+    }
+
+    fn forked_child(&self) -> ! {
+        FORKED_CHILD.store(true, std::sync::atomic::Ordering::Relaxed);
+        emit(json!({"op": "child", "pid": std::process::id()}));
+        // What the driver says to a forked child (a real driver refuses one whose parent
+        // initialised it), with a context as --child-context says (default primary).
+        self.init_and_context(true, self.opts.str("child-context").unwrap_or("primary"));
+        let code = match self.opts.num("child-size") {
+            Ok(Some(size)) => {
+                let path = self.opts.str("child-path").unwrap_or("cuMemAlloc");
+                match self.allocate(path, size, 0) {
+                    Ok((line, _)) => {
+                        emit(line);
+                        0
+                    }
+                    Err(e) => usage(e),
+                }
+            }
+            Ok(None) => 0,
+            Err(e) => usage(e),
+        };
+        emit(self.views());
+        if let Some(n) = self.nvml().filter(|n| n.init_result == 0) {
+            emit(crate::nvml_only::views_of(n, 0, MEMORY_V2));
+        }
+        if self.opts.flag("child-hold") {
+            emit(json!({"op": "hold", "pid": std::process::id()}));
+            hold_forever();
+        }
+        // exit(3), not _exit: the child's atexit handlers run, as a program's would.
+        std::process::exit(code);
+    }
+
+    /// `dlsym --symbol NAME [--library cuda|nvml]`: `dlsym` on the library's handle, as a program
+    /// resolving one entry point does, and where the address lies (`dladdr`).
+    fn dlsym(&self) -> Result<(), String> {
+        let symbol = self.opts.str("symbol").ok_or("--symbol is required")?;
+        let library = self.opts.str("library").unwrap_or("cuda");
+        let handle = match library {
+            "cuda" => self.cu.loader.handle,
+            "nvml" => crate::loader::open_nvml().ok_or("libnvidia-ml.so.1 is not there")?,
+            other => return Err(format!("unknown --library {other}")),
+        };
+        // SAFETY: clears a pending error so that the one read below is dlsym's.
+        unsafe { libc::dlerror() };
+        let addr = crate::loader::dlsym(handle, symbol);
+        let error = addr.is_null().then(crate::loader::dlerror_text);
+        let (object, object_symbol) = where_is(addr);
+        emit(json!({
+            "op": "dlsym",
+            "library": library,
+            "symbol": symbol,
+            "address": format!("{:#x}", addr as usize),
+            "object": object,
+            "object_symbol": object_symbol,
+            "error": error,
+        }));
         Ok(())
     }
 
@@ -1068,81 +1225,6 @@ impl Session<'_> {
         Ok(())
     }
 
-    fn nvml_device(&self) -> Result<(&Nvml, *mut c_void), String> {
-        let n = self.nvml().ok_or("libnvidia-ml.so.1 is not there")?;
-        if n.init_result != 0 {
-            return Err(format!("nvmlInit_v2: {}", nvml_error(n.init_result)));
-        }
-        let index = self.opts.num_or("index", 0)? as u32;
-        let dev = n
-            .device_by_index(index)
-            .map_err(|e| format!("nvmlDeviceGetHandleByIndex_v2: {}", nvml_error(e)))?;
-        Ok((n, dev))
-    }
-
-    fn nvml_util(&self) -> Result<(), String> {
-        let (n, dev) = self.nvml_device()?;
-        let seconds = self
-            .opts
-            .str("seconds")
-            .map(|s| s.parse::<f64>().map_err(|_| "--seconds: a number"))
-            .transpose()?
-            .unwrap_or(2.0);
-        let interval = Duration::from_millis(self.opts.num_or("interval-ms", 200)?);
-        // Only samples of periods ending after we start: older ones describe the past.
-        let mut last_seen = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_micros() as u64);
-        let deadline = Instant::now() + Duration::from_secs_f64(seconds);
-        let mut per_pid: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
-        let mut all = Vec::new();
-        let (mut polls, mut device_sum, mut device_n) = (0u64, 0u64, 0u64);
-        while Instant::now() < deadline {
-            std::thread::sleep(interval);
-            polls += 1;
-            if let Ok(samples) = n.process_utilization(dev, last_seen) {
-                for s in samples {
-                    let e = per_pid.entry(s.pid).or_default();
-                    e.0 += 1;
-                    e.1 += s.sm_util as u64;
-                    last_seen = last_seen.max(s.time_stamp);
-                    all.push(
-                        json!({"pid": s.pid, "timestamp": s.time_stamp, "sm_util": s.sm_util}),
-                    );
-                }
-            }
-            if let Ok(u) = n.utilization(dev) {
-                device_sum += u as u64;
-                device_n += 1;
-            }
-        }
-        let per_pid: serde_json::Map<String, Value> = per_pid
-            .into_iter()
-            .map(|(pid, (k, sum))| {
-                (
-                    pid.to_string(),
-                    json!({"samples": k, "mean_sm_util": sum as f64 / k as f64}),
-                )
-            })
-            .collect();
-        emit(json!({
-            "op": "nvml_util",
-            "polls": polls,
-            "per_pid": per_pid,
-            "device_util_mean": if device_n > 0 { device_sum as f64 / device_n as f64 } else { 0.0 },
-            "samples": all,
-        }));
-        Ok(())
-    }
-
-    fn nvml_procs(&self) -> Result<(), String> {
-        let (n, dev) = self.nvml_device()?;
-        emit(
-            json!({"op": "nvml_procs", "uuid": n.uuid(dev), "v1": n.processes(dev, true), "v3": n.processes(dev, false)}),
-        );
-        Ok(())
-    }
-
     fn bench_launch(&self) -> Result<(), String> {
         let count = self.opts.num_or("count", 10000)?;
         let mode = self.opts.str("mode").unwrap_or("eager");
@@ -1268,6 +1350,27 @@ fn stats(v: &mut [u64]) -> (f64, u64, u64) {
         v[v.len() / 2],
         v[(v.len() * 99 / 100).min(v.len() - 1)],
     )
+}
+
+/// The file name of the object an address lies in, and the symbol `dladdr` names for it.
+fn where_is(addr: *mut c_void) -> (Option<String>, Option<String>) {
+    if addr.is_null() {
+        return (None, None);
+    }
+    // SAFETY: dladdr fills a Dl_info we own; its strings belong to the loader.
+    unsafe {
+        let mut info: libc::Dl_info = std::mem::zeroed();
+        if libc::dladdr(addr, &mut info) == 0 {
+            return (None, None);
+        }
+        let text = |p: *const std::ffi::c_char| {
+            (!p.is_null()).then(|| {
+                let full = std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned();
+                full.rsplit('/').next().unwrap_or(&full).to_string()
+            })
+        };
+        (text(info.dli_fname), text(info.dli_sname))
+    }
 }
 
 fn hold_forever() -> ! {
