@@ -236,7 +236,7 @@ unsafe fn substitute(
     if rc != CUDA_SUCCESS || symbol.is_null() || pfn.is_null() || (*pfn).is_null() {
         return;
     }
-    CUDA.remember_containing(real_gpa);
+    CUDA.keep_containing(real_gpa);
     let Some(family) = symbols::family_of(CStr::from_ptr(symbol).to_bytes()) else {
         return;
     };

@@ -169,11 +169,11 @@ unsafe extern "C" fn dlsym_hook(handle: *mut c_void, symbol: *const c_char) -> *
         return found;
     }
     // Anything going wrong in here leaves the caller with the real symbol.
-    std::panic::catch_unwind(|| unsafe { wrap_found(handle, CStr::from_ptr(symbol), found) })
+    std::panic::catch_unwind(|| unsafe { wrap_found(CStr::from_ptr(symbol), found) })
         .unwrap_or(found)
 }
 
-unsafe fn wrap_found(handle: *mut c_void, symbol: &CStr, found: *mut c_void) -> *mut c_void {
+unsafe fn wrap_found(symbol: &CStr, found: *mut c_void) -> *mut c_void {
     let Some(sym) = Sym::from_name(symbol.to_bytes()) else {
         return found; // not a function we wrap: untouched
     };
@@ -186,9 +186,8 @@ unsafe fn wrap_found(handle: *mut c_void, symbol: &CStr, found: *mut c_void) -> 
         }
         return found;
     }
-    if !handle.is_null() {
-        library_of(sym).remember(handle);
-    }
+    // The wrapper will call `found` for the rest of the process's life: the library must stay.
+    library_of(sym).keep_containing(found as usize);
     match EXPORT_REAL[sym as usize].compare_exchange(
         0,
         found as usize,
@@ -286,20 +285,25 @@ pub fn library_of(sym: Sym) -> &'static Library {
 }
 
 impl Library {
-    /// Keeps the handle the program itself used (it may have opened the library by another name).
-    pub fn remember(&self, handle: *mut c_void) {
-        if handle != libc::RTLD_DEFAULT && handle != libc::RTLD_NEXT {
-            let _ = self.handle.compare_exchange(
-                std::ptr::null_mut(),
-                handle,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            );
-        }
+    /// Our own handle of the library: taken by us, never closed.
+    fn store(&self, handle: *mut c_void) {
+        let _ = self.handle.compare_exchange(
+            std::ptr::null_mut(),
+            handle,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
     }
 
-    /// Remembers the library that contains `addr` (a function the driver handed out).
-    pub fn remember_containing(&self, addr: usize) {
+    /// Keeps the library that contains `addr` (a function the driver handed out, or the program
+    /// found) loaded for good, and its handle for our own lookups. Wrappers and our own calls
+    /// keep pointers into it for the life of the process: a program that `dlclose`s the library
+    /// when it is done (go-nvml's Shutdown does) must not unload it under them, or a later
+    /// `dlopen` could put it elsewhere, leaving those pointers to unmapped memory and the new
+    /// copy's functions unwrapped. The handle is ours (a reference of our own, the object marked
+    /// never to be unloaded), not the program's, which it may close. The program opened it by
+    /// whatever name: the file the address lies in is what we open.
+    pub fn keep_containing(&self, addr: usize) {
         if !self.handle.load(Ordering::Acquire).is_null() {
             return;
         }
@@ -307,9 +311,12 @@ impl Library {
         unsafe {
             let mut info: libc::Dl_info = std::mem::zeroed();
             if libc::dladdr(addr as *const c_void, &mut info) != 0 && !info.dli_fname.is_null() {
-                let handle = libc::dlopen(info.dli_fname, libc::RTLD_LAZY | libc::RTLD_NOLOAD);
+                let handle = libc::dlopen(
+                    info.dli_fname,
+                    libc::RTLD_LAZY | libc::RTLD_NOLOAD | libc::RTLD_NODELETE,
+                );
                 if !handle.is_null() {
-                    self.remember(handle);
+                    self.store(handle);
                 }
             }
         }
@@ -322,16 +329,17 @@ impl Library {
         if !handle.is_null() {
             return Some(handle);
         }
-        // SAFETY: dlopen with a valid soname.
-        let mut opened =
-            unsafe { libc::dlopen(self.soname.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
+        // SAFETY: dlopen with a valid soname. The handle is ours and never closed; NODELETE as
+        // in keep_containing (the program may close its own reference).
+        let flags = libc::RTLD_LAZY | libc::RTLD_NODELETE;
+        let mut opened = unsafe { libc::dlopen(self.soname.as_ptr(), flags | libc::RTLD_NOLOAD) };
         if opened.is_null() && load {
-            opened = unsafe { libc::dlopen(self.soname.as_ptr(), libc::RTLD_LAZY) };
+            opened = unsafe { libc::dlopen(self.soname.as_ptr(), flags) };
         }
         if opened.is_null() {
             return None;
         }
-        self.remember(opened);
+        self.store(opened);
         Some(self.handle.load(Ordering::Acquire))
     }
 

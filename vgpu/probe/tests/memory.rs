@@ -594,3 +594,32 @@ fn ending_a_context_gives_back_what_was_allocated_in_it() {
         );
     }
 }
+
+#[test]
+fn a_monitor_that_closes_and_reopens_nvml_stays_limited() {
+    // Monitoring agents open NVML, read, shut it down and dlclose it, again and again. Unloaded
+    // under the library, a new copy could land elsewhere: its functions unwrapped (the views
+    // unlimited) and the library's pointers into the old copy left dangling.
+    let sandbox = Sandbox::new("1x16g:108");
+    let uuid = sandbox.bare(&["nvml-views"]).run_ok().ops("nvml_views")[0]["uuid"]
+        .as_str()
+        .expect("uuid")
+        .to_string();
+    let monitor = sandbox
+        .probe(&sandbox.container(), &["nvml-views", "--reopen", "2"])
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+        .env("GPUPOOL_DEVICE_UUID_0", &uuid)
+        .run_ok();
+    let views = monitor.ops("nvml_views");
+    assert_eq!(views.len(), 3, "{}", monitor.stdout);
+    for (round, v) in views.iter().enumerate() {
+        for form in ["v1", "v2"] {
+            assert_eq!(u(&v[form]["total"]), GIB, "round {round}, {form}: {v}");
+        }
+    }
+    assert!(
+        monitor.library_lines().is_empty(),
+        "{:?}",
+        monitor.library_lines()
+    );
+}

@@ -103,7 +103,10 @@ Subcommands (each prints one JSON object per line; "result" is the CUresult, "er
       "ns_alloc_median","ns_free_mean","ns_free_median"}
 
 NVML only (libcuda.so.1 is never opened; each run ends with {"op":"libraries","libcuda_loaded"},
-whether anything in the process loaded it):
+whether anything in the process loaded it; --reopen N runs the subcommand N more times, each
+after nvmlShutdown, dlclose ({"op":"closed","unloaded"}: whether that unloaded the library; if it
+did, its old addresses are kept from reuse so the next copy lands elsewhere) and a new dlopen +
+nvmlInit_v2):
   nvml-views [--index N] [--nvml-v2-version V]
       {"op":"nvml_views","index","uuid","v1":{"result","total","free","used"},"v2":{"result",
        "version","total","reserved","free","used"},"processes":[{"pid","used_memory",...}]} for NVML

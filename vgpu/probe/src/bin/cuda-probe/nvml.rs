@@ -127,6 +127,46 @@ impl Nvml {
         }
     }
 
+    /// `nvmlShutdown` and `dlclose`, as NVML users that finish with it do (go-nvml's Shutdown).
+    /// If that unloaded the library, its old address range is then kept from reuse, so that a
+    /// new `dlopen` puts it elsewhere, as it may in a long-lived process: whoever kept a pointer
+    /// into the old copy would call unmapped memory. Returns whether it was unloaded.
+    pub fn close(self) -> bool {
+        let init = dlsym(self.handle, "nvmlInit_v2");
+        // SAFETY: dladdr fills a Dl_info we own.
+        let path = unsafe {
+            let mut info: libc::Dl_info = std::mem::zeroed();
+            libc::dladdr(init, &mut info);
+            CStr::from_ptr(info.dli_fname).to_owned()
+        };
+        // /proc/self/maps names the file itself, not the link it was opened through.
+        let file = std::fs::canonicalize(path.to_string_lossy().as_ref()).unwrap_or_default();
+        let ranges = mapped_ranges(&file.to_string_lossy());
+        call!(self, "nvmlShutdown", (), ());
+        // SAFETY: the handle open() got; nothing of this library is used after this.
+        unsafe { libc::dlclose(self.handle) };
+        // SAFETY: only looks whether the library is still there (the reference it may take is
+        // dropped at once); the reservation is fresh anonymous memory, never touched.
+        unsafe {
+            let still = libc::dlopen(path.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD);
+            if !still.is_null() {
+                libc::dlclose(still);
+                return false;
+            }
+            for (start, end) in ranges {
+                libc::mmap(
+                    start as *mut c_void,
+                    end - start,
+                    libc::PROT_NONE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
+                    -1,
+                    0,
+                );
+            }
+        }
+        true
+    }
+
     pub fn device_count(&self) -> Result<u32, NvmlReturn> {
         let mut count: u32 = 0;
         match call!(self, "nvmlDeviceGetCount_v2", (*mut u32), (&mut count)) {
@@ -309,4 +349,19 @@ impl Nvml {
             e => Err(e),
         }
     }
+}
+
+/// The address ranges a loaded file is mapped at (`/proc/self/maps`).
+fn mapped_ranges(path: &str) -> Vec<(usize, usize)> {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    maps.lines()
+        .filter(|l| l.ends_with(path))
+        .filter_map(|l| {
+            let (start, end) = l.split_whitespace().next()?.split_once('-')?;
+            Some((
+                usize::from_str_radix(start, 16).ok()?,
+                usize::from_str_radix(end, 16).ok()?,
+            ))
+        })
+        .collect()
 }

@@ -13,19 +13,34 @@ use std::time::{Duration, Instant};
 pub const SUBCOMMANDS: &[&str] = &["nvml-views", "nvml-util", "nvml-procs"];
 
 pub fn run(sub: &str, opts: &Opts) -> i32 {
-    let outcome = Nvml::open()
-        .ok_or_else(|| "libnvidia-ml.so.1 is not there".to_string())
-        .and_then(|nvml| {
-            if nvml.init_result != 0 {
-                return Err(format!("nvmlInit_v2: {}", nvml_error(nvml.init_result)));
-            }
-            match sub {
-                "nvml-views" => nvml_views(opts, &nvml),
-                "nvml-util" => nvml_util(opts, &nvml),
-                "nvml-procs" => nvml_procs(opts, &nvml),
-                other => Err(format!("unknown subcommand {other:?} (see --help)")),
-            }
-        });
+    // --reopen N: after the subcommand, nvmlShutdown and dlclose, then open and run it again, N
+    // times (monitoring agents open NVML for each scrape).
+    let rounds = match opts.num_or("reopen", 0) {
+        Ok(n) => n + 1,
+        Err(e) => return usage(e),
+    };
+    let mut outcome = Ok(());
+    for _ in 0..rounds {
+        outcome = Nvml::open()
+            .ok_or_else(|| "libnvidia-ml.so.1 is not there".to_string())
+            .and_then(|nvml| {
+                if nvml.init_result != 0 {
+                    return Err(format!("nvmlInit_v2: {}", nvml_error(nvml.init_result)));
+                }
+                let done = match sub {
+                    "nvml-views" => nvml_views(opts, &nvml),
+                    "nvml-util" => nvml_util(opts, &nvml),
+                    "nvml-procs" => nvml_procs(opts, &nvml),
+                    other => Err(format!("unknown subcommand {other:?} (see --help)")),
+                };
+                let unloaded = nvml.close();
+                emit(json!({"op": "closed", "unloaded": unloaded}));
+                done
+            });
+        if outcome.is_err() {
+            break;
+        }
+    }
     // Whether anything (the program, or a library preloaded into it) loaded the CUDA driver.
     emit(json!({"op": "libraries", "libcuda_loaded": loaded(c"libcuda.so.1")}));
     match outcome {
