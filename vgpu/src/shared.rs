@@ -269,14 +269,27 @@ impl SharedFile {
         self.fd
     }
 
-    /// Takes the header lock, waiting at most [`LOCK_TIMEOUT`].
+    /// Takes the header lock, waiting at most [`LOCK_TIMEOUT`] in all: for this process's mutex
+    /// and for the OFD lock together. (Waiting on the mutex without bound would queue threads
+    /// behind one that waits for a stopped process: the n-th would wait n times the timeout.)
     pub fn lock_header(&self) -> Result<HeaderGuard<'_>, SharedError> {
-        let mutex = self
-            .header_mutex
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let (start, len) = layout::HEADER_LOCK;
         let deadline = Instant::now() + LOCK_TIMEOUT;
+        let mut pause = Duration::from_micros(20);
+        let timeout = || SharedError::LockTimeout {
+            path: self.path.clone(),
+        };
+        let mutex = loop {
+            match self.header_mutex.try_lock() {
+                Ok(guard) => break guard,
+                Err(std::sync::TryLockError::Poisoned(poisoned)) => break poisoned.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) if Instant::now() < deadline => {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_millis(1));
+                }
+                Err(std::sync::TryLockError::WouldBlock) => return Err(timeout()),
+            }
+        };
+        let (start, len) = layout::HEADER_LOCK;
         let mut pause = Duration::from_micros(20);
         loop {
             match ofd_lock(self.fd, libc::F_OFD_SETLK, libc::F_WRLCK, start, len) {
@@ -290,11 +303,7 @@ impl SharedFile {
                     std::thread::sleep(pause);
                     pause = (pause * 2).min(Duration::from_millis(1));
                 }
-                Err(libc::EAGAIN | libc::EACCES | libc::EINTR) => {
-                    return Err(SharedError::LockTimeout {
-                        path: self.path.clone(),
-                    })
-                }
+                Err(libc::EAGAIN | libc::EACCES | libc::EINTR) => return Err(timeout()),
                 Err(errno) => {
                     return Err(SharedError::Lock {
                         path: self.path.clone(),
@@ -1028,5 +1037,28 @@ mod tests {
             waited >= LOCK_TIMEOUT && waited < LOCK_TIMEOUT + Duration::from_secs(1),
             "{waited:?}"
         );
+    }
+
+    #[test]
+    fn threads_queued_behind_a_stopped_holder_all_give_up_within_the_timeout() {
+        let path = TempPath::new("x.cache");
+        let stopped = SharedFile::open(&path.0).expect("open");
+        let ours = SharedFile::open(&path.0).expect("open");
+        let _held = stopped.lock_header().expect("lock");
+        let started = Instant::now();
+        std::thread::scope(|scope| {
+            let waiters: Vec<_> = (0..4)
+                .map(|_| scope.spawn(|| ours.lock_header().map(|_| ())))
+                .collect();
+            for waiter in waiters {
+                assert!(matches!(
+                    waiter.join().expect("no panic"),
+                    Err(SharedError::LockTimeout { .. })
+                ));
+            }
+        });
+        // Each thread waited at most the timeout, not its place in the queue times the timeout.
+        let waited = started.elapsed();
+        assert!(waited < LOCK_TIMEOUT + Duration::from_secs(1), "{waited:?}");
     }
 }
