@@ -17,7 +17,7 @@ use crate::gate;
 use crate::interpose::{library_of, real, set_procaddr_real, warn_once, Origin, CUDA, NVML};
 use crate::process::{self, Process};
 use crate::symbols;
-use crate::view::clamp_u32;
+use crate::view::{clamp_u32, MemoryView};
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::panic::AssertUnwindSafe;
 
@@ -130,15 +130,15 @@ entry_points! {
     cuInit(flags: c_uint) => init;
     cuGetProcAddress(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, flags: u64) => get_proc_address;
     cuGetProcAddress_v2(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, flags: u64, status: *mut c_int) => get_proc_address_v2;
-    cuDeviceTotalMem(bytes: *mut c_uint, device: CUdevice) => device_total_mem_v1;
+    cuDeviceTotalMem(bytes: *mut c_uint, device: CUdevice) => device_total_mem;
     cuDeviceTotalMem_v2(bytes: *mut usize, device: CUdevice) => device_total_mem;
-    cuMemGetInfo(free: *mut c_uint, total: *mut c_uint) => mem_get_info_v1;
+    cuMemGetInfo(free: *mut c_uint, total: *mut c_uint) => mem_get_info;
     cuMemGetInfo_v2(free: *mut usize, total: *mut usize) => mem_get_info;
-    cuMemAlloc(dptr: *mut CUdeviceptr_v1, bytes: c_uint) => mem_alloc_v1;
+    cuMemAlloc(dptr: *mut CUdeviceptr_v1, bytes: c_uint) => mem_alloc;
     cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytes: usize) => mem_alloc;
     cuMemAllocPitch(dptr: *mut CUdeviceptr_v1, pitch: *mut c_uint, width: c_uint, height: c_uint, element: c_uint) => mem_alloc_pitch_v1;
     cuMemAllocPitch_v2(dptr: *mut CUdeviceptr, pitch: *mut usize, width: usize, height: usize, element: c_uint) => mem_alloc_pitch;
-    cuMemFree(dptr: CUdeviceptr_v1) => mem_free_v1;
+    cuMemFree(dptr: CUdeviceptr_v1) => mem_free;
     cuMemFree_v2(dptr: CUdeviceptr) => mem_free;
     cuMemAllocManaged(dptr: *mut CUdeviceptr, bytes: usize, flags: c_uint) => mem_alloc_managed;
     cuMemCreate(handle: *mut CUmemGenericAllocationHandle, size: usize, prop: *const CUmemAllocationPropHead, flags: u64) => mem_create;
@@ -153,10 +153,10 @@ entry_points! {
     cuMemPoolDestroy(pool: CUmemoryPool) => mem_pool_destroy;
     cuDeviceGetDefaultMemPool(pool: *mut CUmemoryPool, device: CUdevice) => device_get_mem_pool;
     cuDeviceGetMemPool(pool: *mut CUmemoryPool, device: CUdevice) => device_get_mem_pool;
-    cuArrayCreate(handle: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR_v1) => array_create_v1;
-    cuArrayCreate_v2(handle: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR) => array_create;
-    cuArray3DCreate(handle: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR_v1) => array_3d_create_v1;
-    cuArray3DCreate_v2(handle: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR) => array_3d_create;
+    cuArrayCreate(handle: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR_v1) => any_array_create;
+    cuArrayCreate_v2(handle: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR) => any_array_create;
+    cuArray3DCreate(handle: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR_v1) => any_array_create;
+    cuArray3DCreate_v2(handle: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR) => any_array_create;
     cuMipmappedArrayCreate(handle: *mut CUmipmappedArray, desc: *const CUDA_ARRAY3D_DESCRIPTOR, levels: c_uint) => mipmapped_array_create;
     cuArrayDestroy(array: CUarray) => array_destroy;
     cuMipmappedArrayDestroy(array: CUmipmappedArray) => mipmapped_array_destroy;
@@ -180,7 +180,7 @@ entry_points! {
     cuGraphLaunch(exec: CUgraphExec, stream: CUstream) => graph_launch;
     cuGraphLaunch_ptsz(exec: CUgraphExec, stream: CUstream) => graph_launch;
     nvmlDeviceGetMemoryInfo(device: nvmlDevice_t, memory: *mut nvmlMemory_t) => nvml_memory_info;
-    nvmlDeviceGetMemoryInfo_v2(device: nvmlDevice_t, memory: *mut nvmlMemory_v2_t) => nvml_memory_info_v2;
+    nvmlDeviceGetMemoryInfo_v2(device: nvmlDevice_t, memory: *mut nvmlMemory_v2_t) => nvml_memory_info;
 }
 
 // ---- initialisation and lookup -------------------------------------------------------------
@@ -272,10 +272,36 @@ unsafe fn substitute(
 
 // ---- memory views ---------------------------------------------------------------------------
 
-unsafe fn mem_get_info(
-    real: pfn::cuMemGetInfo_v2,
-    free: *mut usize,
-    total: *mut usize,
+/// A byte count as an entry point writes it: `size_t`, or 32 bits in the pre-3.2 forms (the view
+/// is clamped there, never wrapped).
+trait Bytes: Copy {
+    fn get(self) -> u64;
+    fn put(bytes: u64) -> Self;
+}
+
+impl Bytes for usize {
+    fn get(self) -> u64 {
+        self as u64
+    }
+    fn put(bytes: u64) -> usize {
+        bytes as usize
+    }
+}
+
+impl Bytes for c_uint {
+    fn get(self) -> u64 {
+        self as u64
+    }
+    fn put(bytes: u64) -> c_uint {
+        clamp_u32(bytes)
+    }
+}
+
+/// `cuMemGetInfo[_v2]`: the current device's view under its limit.
+unsafe fn mem_get_info<T: Bytes>(
+    real: unsafe extern "C" fn(*mut T, *mut T) -> CUresult,
+    free: *mut T,
+    total: *mut T,
 ) -> CUresult {
     let Some(p) = process::get() else {
         return CUDA_ERROR_NOT_INITIALIZED;
@@ -284,39 +310,19 @@ unsafe fn mem_get_info(
     if rc == CUDA_SUCCESS && p.limits_memory() && !free.is_null() && !total.is_null() {
         if let Some(view) = p
             .current_device()
-            .and_then(|(_, i)| p.view(i?, *free as u64))
+            .and_then(|(_, i)| p.view(i?, (*free).get()))
         {
-            *free = view.free as usize;
-            *total = view.total as usize;
+            *free = T::put(view.free);
+            *total = T::put(view.total);
         }
     }
     rc
 }
 
-unsafe fn mem_get_info_v1(
-    real: pfn::cuMemGetInfo,
-    free: *mut c_uint,
-    total: *mut c_uint,
-) -> CUresult {
-    let Some(p) = process::get() else {
-        return CUDA_ERROR_NOT_INITIALIZED;
-    };
-    let rc = real(free, total);
-    if rc == CUDA_SUCCESS && p.limits_memory() && !free.is_null() && !total.is_null() {
-        if let Some(view) = p
-            .current_device()
-            .and_then(|(_, i)| p.view(i?, *free as u64))
-        {
-            *free = clamp_u32(view.free);
-            *total = clamp_u32(view.total);
-        }
-    }
-    rc
-}
-
-unsafe fn device_total_mem(
-    real: pfn::cuDeviceTotalMem_v2,
-    bytes: *mut usize,
+/// `cuDeviceTotalMem[_v2]`: the limit.
+unsafe fn device_total_mem<T: Bytes>(
+    real: unsafe extern "C" fn(*mut T, CUdevice) -> CUresult,
+    bytes: *mut T,
     device: CUdevice,
 ) -> CUresult {
     let Some(p) = process::get() else {
@@ -325,33 +331,44 @@ unsafe fn device_total_mem(
     let rc = real(bytes, device);
     if rc == CUDA_SUCCESS && p.limits_memory() && !bytes.is_null() {
         if let Some(limit) = p.device_index(device).and_then(|i| p.memory_limit(i)) {
-            *bytes = limit as usize;
+            *bytes = T::put(limit);
         }
     }
     rc
 }
 
-unsafe fn device_total_mem_v1(
-    real: pfn::cuDeviceTotalMem,
-    bytes: *mut c_uint,
-    device: CUdevice,
-) -> CUresult {
-    let Some(p) = process::get() else {
-        return CUDA_ERROR_NOT_INITIALIZED;
-    };
-    let rc = real(bytes, device);
-    if rc == CUDA_SUCCESS && p.limits_memory() && !bytes.is_null() {
-        if let Some(limit) = p.device_index(device).and_then(|i| p.memory_limit(i)) {
-            *bytes = clamp_u32(limit);
-        }
-    }
-    rc
+/// NVML's memory structs, v1 and v2.
+trait NvmlMemory {
+    fn free(&self) -> u64;
+    fn show(&mut self, view: MemoryView);
 }
 
-unsafe fn nvml_memory_info(
-    real: pfn::nvmlDeviceGetMemoryInfo,
+impl NvmlMemory for nvmlMemory_t {
+    fn free(&self) -> u64 {
+        self.free
+    }
+    fn show(&mut self, view: MemoryView) {
+        (self.total, self.free, self.used) = (view.total, view.free, view.used);
+    }
+}
+
+impl NvmlMemory for nvmlMemory_v2_t {
+    fn free(&self) -> u64 {
+        self.free
+    }
+    fn show(&mut self, view: MemoryView) {
+        (self.total, self.free, self.used) = (view.total, view.free, view.used);
+        // The driver's reservation is part of the card, not of the limit: with total set to the
+        // limit, used + free must add up to it.
+        self.reserved = 0;
+    }
+}
+
+/// `nvmlDeviceGetMemoryInfo[_v2]`: the device's view under its limit.
+unsafe fn nvml_memory_info<M: NvmlMemory>(
+    real: unsafe extern "C" fn(nvmlDevice_t, *mut M) -> nvmlReturn_t,
     device: nvmlDevice_t,
-    memory: *mut nvmlMemory_t,
+    memory: *mut M,
 ) -> nvmlReturn_t {
     let Some(p) = process::get() else {
         return NVML_ERROR_UNINITIALIZED;
@@ -360,36 +377,9 @@ unsafe fn nvml_memory_info(
     if rc == NVML_SUCCESS && p.limits_memory() && !memory.is_null() {
         if let Some(view) = p
             .nvml_device_index(device)
-            .and_then(|i| p.view(i, (*memory).free))
+            .and_then(|i| p.view(i, (*memory).free()))
         {
-            (*memory).total = view.total;
-            (*memory).free = view.free;
-            (*memory).used = view.used;
-        }
-    }
-    rc
-}
-
-unsafe fn nvml_memory_info_v2(
-    real: pfn::nvmlDeviceGetMemoryInfo_v2,
-    device: nvmlDevice_t,
-    memory: *mut nvmlMemory_v2_t,
-) -> nvmlReturn_t {
-    let Some(p) = process::get() else {
-        return NVML_ERROR_UNINITIALIZED;
-    };
-    let rc = real(device, memory);
-    if rc == NVML_SUCCESS && p.limits_memory() && !memory.is_null() {
-        if let Some(view) = p
-            .nvml_device_index(device)
-            .and_then(|i| p.view(i, (*memory).free))
-        {
-            (*memory).total = view.total;
-            (*memory).free = view.free;
-            (*memory).used = view.used;
-            // The driver's reservation is part of the card, not of the limit: with total set to
-            // the limit, used + free must add up to it.
-            (*memory).reserved = 0;
+            (*memory).show(view);
         }
     }
     rc
@@ -430,26 +420,11 @@ unsafe fn free_real(ptr: CUdeviceptr) {
     }
 }
 
-unsafe fn mem_alloc(real: pfn::cuMemAlloc_v2, dptr: *mut CUdeviceptr, bytes: usize) -> CUresult {
-    let Some(p) = process::get() else {
-        return CUDA_ERROR_NOT_INITIALIZED;
-    };
-    if !p.limits_memory() {
-        return real(dptr, bytes);
-    }
-    allocate(
-        p,
-        current_index(p),
-        bytes as u64,
-        || real(dptr, bytes),
-        |c| p.record_pointer(*dptr, c),
-    )
-}
-
-unsafe fn mem_alloc_v1(
-    real: pfn::cuMemAlloc,
-    dptr: *mut CUdeviceptr_v1,
-    bytes: c_uint,
+/// `cuMemAlloc[_v2]`.
+unsafe fn mem_alloc<P: Copy + Into<u64>, S: Bytes>(
+    real: unsafe extern "C" fn(*mut P, S) -> CUresult,
+    dptr: *mut P,
+    bytes: S,
 ) -> CUresult {
     let Some(p) = process::get() else {
         return CUDA_ERROR_NOT_INITIALIZED;
@@ -460,9 +435,9 @@ unsafe fn mem_alloc_v1(
     allocate(
         p,
         current_index(p),
-        bytes as u64,
+        bytes.get(),
         || real(dptr, bytes),
-        |c| p.record_pointer(*dptr as u64, c),
+        |c| p.record_pointer((*dptr).into(), c),
     )
 }
 
@@ -590,18 +565,15 @@ fn uncharge_pointer(p: &Process, rc: CUresult, ptr: CUdeviceptr) -> CUresult {
     rc
 }
 
-unsafe fn mem_free(real: pfn::cuMemFree_v2, ptr: CUdeviceptr) -> CUresult {
+/// `cuMemFree[_v2]`.
+unsafe fn mem_free<P: Copy + Into<u64>>(
+    real: unsafe extern "C" fn(P) -> CUresult,
+    ptr: P,
+) -> CUresult {
     let Some(p) = process::get() else {
         return CUDA_ERROR_NOT_INITIALIZED;
     };
-    uncharge_pointer(p, real(ptr), ptr)
-}
-
-unsafe fn mem_free_v1(real: pfn::cuMemFree, ptr: CUdeviceptr_v1) -> CUresult {
-    let Some(p) = process::get() else {
-        return CUDA_ERROR_NOT_INITIALIZED;
-    };
-    uncharge_pointer(p, real(ptr), ptr as u64)
+    uncharge_pointer(p, real(ptr), ptr.into())
 }
 
 unsafe fn mem_free_async(
@@ -826,112 +798,73 @@ unsafe fn create_array(
     }
 }
 
-unsafe fn array_create(
-    real: pfn::cuArrayCreate_v2,
+/// What an array descriptor says, whatever its ABI (`CUDA_ARRAY_DESCRIPTOR`, the 3-D one, and
+/// their 32-bit `_v1` forms): width, height, depth, format, channels, flags.
+trait Descriptor {
+    fn shape(&self) -> (u64, u64, u64, c_uint, c_uint, c_uint);
+}
+
+impl Descriptor for CUDA_ARRAY_DESCRIPTOR {
+    fn shape(&self) -> (u64, u64, u64, c_uint, c_uint, c_uint) {
+        let (w, h) = (self.width as u64, self.height as u64);
+        (w, h, 0, self.format, self.num_channels, 0)
+    }
+}
+
+impl Descriptor for CUDA_ARRAY_DESCRIPTOR_v1 {
+    fn shape(&self) -> (u64, u64, u64, c_uint, c_uint, c_uint) {
+        let (w, h) = (self.width as u64, self.height as u64);
+        (w, h, 0, self.format, self.num_channels, 0)
+    }
+}
+
+impl Descriptor for CUDA_ARRAY3D_DESCRIPTOR {
+    fn shape(&self) -> (u64, u64, u64, c_uint, c_uint, c_uint) {
+        let (w, h, d) = (self.width as u64, self.height as u64, self.depth as u64);
+        (w, h, d, self.format, self.num_channels, self.flags)
+    }
+}
+
+impl Descriptor for CUDA_ARRAY3D_DESCRIPTOR_v1 {
+    fn shape(&self) -> (u64, u64, u64, c_uint, c_uint, c_uint) {
+        let (w, h, d) = (self.width as u64, self.height as u64, self.depth as u64);
+        (w, h, d, self.format, self.num_channels, self.flags)
+    }
+}
+
+/// Every array creation: `levels` is a mipmapped array's. Deferred-mapping arrays have no memory
+/// of their own (it is `cuMemCreate` memory mapped onto them, charged there): passed through.
+unsafe fn array_create<D: Descriptor>(
+    kind: ArrayKind,
     handle: *mut CUarray,
-    desc: *const CUDA_ARRAY_DESCRIPTOR,
+    desc: *const D,
+    levels: Option<c_uint>,
+    call: impl FnOnce() -> CUresult,
 ) -> CUresult {
     let Some(p) = process::get() else {
         return CUDA_ERROR_NOT_INITIALIZED;
     };
     if !p.limits_memory() || desc.is_null() || handle.is_null() {
-        return real(handle, desc);
+        return call();
     }
-    let d = &*desc;
-    let estimate = array_bytes(d.width as u64, d.height as u64, 0, d.format, d.num_channels);
-    create_array(
-        p,
-        ArrayKind::Array,
-        estimate,
-        || real(handle, desc),
-        || *handle as usize,
-    )
+    let (width, height, depth, format, channels, flags) = (*desc).shape();
+    if flags & CUDA_ARRAY3D_DEFERRED_MAPPING != 0 {
+        return call();
+    }
+    let estimate = match levels {
+        Some(levels) => mipmapped_bytes(width, height, depth, format, channels, levels),
+        None => array_bytes(width, height, depth, format, channels),
+    };
+    create_array(p, kind, estimate, call, || *handle as usize)
 }
 
-unsafe fn array_create_v1(
-    real: pfn::cuArrayCreate,
+/// `cuArrayCreate[_v2]` and `cuArray3DCreate[_v2]`.
+unsafe fn any_array_create<D: Descriptor>(
+    real: unsafe extern "C" fn(*mut CUarray, *const D) -> CUresult,
     handle: *mut CUarray,
-    desc: *const CUDA_ARRAY_DESCRIPTOR_v1,
+    desc: *const D,
 ) -> CUresult {
-    let Some(p) = process::get() else {
-        return CUDA_ERROR_NOT_INITIALIZED;
-    };
-    if !p.limits_memory() || desc.is_null() || handle.is_null() {
-        return real(handle, desc);
-    }
-    let d = &*desc;
-    let estimate = array_bytes(d.width as u64, d.height as u64, 0, d.format, d.num_channels);
-    create_array(
-        p,
-        ArrayKind::Array,
-        estimate,
-        || real(handle, desc),
-        || *handle as usize,
-    )
-}
-
-unsafe fn array_3d_create(
-    real: pfn::cuArray3DCreate_v2,
-    handle: *mut CUarray,
-    desc: *const CUDA_ARRAY3D_DESCRIPTOR,
-) -> CUresult {
-    let Some(p) = process::get() else {
-        return CUDA_ERROR_NOT_INITIALIZED;
-    };
-    if !p.limits_memory()
-        || desc.is_null()
-        || handle.is_null()
-        || (*desc).flags & CUDA_ARRAY3D_DEFERRED_MAPPING != 0
-    {
-        return real(handle, desc);
-    }
-    let d = &*desc;
-    let estimate = array_bytes(
-        d.width as u64,
-        d.height as u64,
-        d.depth as u64,
-        d.format,
-        d.num_channels,
-    );
-    create_array(
-        p,
-        ArrayKind::Array,
-        estimate,
-        || real(handle, desc),
-        || *handle as usize,
-    )
-}
-
-unsafe fn array_3d_create_v1(
-    real: pfn::cuArray3DCreate,
-    handle: *mut CUarray,
-    desc: *const CUDA_ARRAY3D_DESCRIPTOR_v1,
-) -> CUresult {
-    let Some(p) = process::get() else {
-        return CUDA_ERROR_NOT_INITIALIZED;
-    };
-    if !p.limits_memory()
-        || desc.is_null()
-        || handle.is_null()
-        || (*desc).flags & CUDA_ARRAY3D_DEFERRED_MAPPING != 0
-    {
-        return real(handle, desc);
-    }
-    let d = &*desc;
-    let estimate = array_bytes(
-        d.width as u64,
-        d.height as u64,
-        d.depth as u64,
-        d.format,
-        d.num_channels,
-    );
-    create_array(
-        p,
-        ArrayKind::Array,
-        estimate,
-        || real(handle, desc),
-        || *handle as usize,
-    )
+    array_create(ArrayKind::Array, handle, desc, None, || real(handle, desc))
 }
 
 unsafe fn mipmapped_array_create(
@@ -940,61 +873,42 @@ unsafe fn mipmapped_array_create(
     desc: *const CUDA_ARRAY3D_DESCRIPTOR,
     levels: c_uint,
 ) -> CUresult {
-    let Some(p) = process::get() else {
-        return CUDA_ERROR_NOT_INITIALIZED;
-    };
-    if !p.limits_memory()
-        || desc.is_null()
-        || handle.is_null()
-        || (*desc).flags & CUDA_ARRAY3D_DEFERRED_MAPPING != 0
-    {
-        return real(handle, desc, levels);
-    }
-    let d = &*desc;
-    let estimate = mipmapped_bytes(
-        d.width as u64,
-        d.height as u64,
-        d.depth as u64,
-        d.format,
-        d.num_channels,
-        levels,
-    );
-    create_array(
-        p,
-        ArrayKind::Mipmapped,
-        estimate,
-        || real(handle, desc, levels),
-        || *handle as usize,
-    )
+    array_create(ArrayKind::Mipmapped, handle, desc, Some(levels), || {
+        real(handle, desc, levels)
+    })
 }
 
-unsafe fn array_destroy(real: pfn::cuArrayDestroy, array: CUarray) -> CUresult {
-    let Some(p) = process::get() else {
-        return CUDA_ERROR_NOT_INITIALIZED;
-    };
-    let rc = real(array);
-    if rc == CUDA_SUCCESS {
-        if let Some(charge) = p.with_allocations(|a| a.remove_array(array as usize)) {
-            p.release(charge);
-        }
-    }
-    rc
-}
-
-unsafe fn mipmapped_array_destroy(
-    real: pfn::cuMipmappedArrayDestroy,
-    array: CUmipmappedArray,
+/// `cuArrayDestroy` and `cuMipmappedArrayDestroy`: uncharges what the driver destroyed.
+unsafe fn any_array_destroy(
+    real: unsafe extern "C" fn(*mut c_void) -> CUresult,
+    array: *mut c_void,
+    kind: ArrayKind,
 ) -> CUresult {
     let Some(p) = process::get() else {
         return CUDA_ERROR_NOT_INITIALIZED;
     };
     let rc = real(array);
     if rc == CUDA_SUCCESS {
-        if let Some(charge) = p.with_allocations(|a| a.remove_mipmapped(array as usize)) {
+        let charge = p.with_allocations(|a| match kind {
+            ArrayKind::Array => a.remove_array(array as usize),
+            ArrayKind::Mipmapped => a.remove_mipmapped(array as usize),
+        });
+        if let Some(charge) = charge {
             p.release(charge);
         }
     }
     rc
+}
+
+unsafe fn array_destroy(real: pfn::cuArrayDestroy, array: CUarray) -> CUresult {
+    any_array_destroy(real, array, ArrayKind::Array)
+}
+
+unsafe fn mipmapped_array_destroy(
+    real: pfn::cuMipmappedArrayDestroy,
+    array: CUmipmappedArray,
+) -> CUresult {
+    any_array_destroy(real, array, ArrayKind::Mipmapped)
 }
 
 // ---- contexts (context memory, host PID) ----------------------------------------------------
