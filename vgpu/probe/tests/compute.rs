@@ -135,8 +135,10 @@ fn without_nvml_the_limit_runs_open_loop() {
     run = run.env("CUDA_DEVICE_SM_LIMIT", "30");
     let outcome = run.run();
     let busy = outcome.one("launch")["busy_fraction"].as_f64().unwrap();
-    // Open 30 % of each period; the kernel in flight at the close overruns it a little.
-    assert!((0.22..=0.38).contains(&busy), "{busy}");
+    // Open 30 % of each period; the kernel in flight at the close overruns it a little. A loaded
+    // machine lowers the figure (the stand-in's worker threads wait for a core between kernels:
+    // 0.21 seen at a load average of 10 on two cores), never raises it; unthrottled it is 0.8+.
+    assert!((0.15..=0.38).contains(&busy), "{busy}");
     assert!(
         outcome
             .library_lines()
