@@ -611,7 +611,7 @@ impl SharedFile {
 
     /// Records `bytes` on `slot` if the container stays within `limit`. Dead processes are reaped
     /// first when due, and always before a refusal, so a killed process never causes an OOM.
-    /// `Ok(Err(reaped))` is a refusal; the outer error is the file failing.
+    /// `Ok(Charge::Refused { .. })` is a refusal; `Err` is the file failing.
     pub fn charge(
         &self,
         slot: usize,
