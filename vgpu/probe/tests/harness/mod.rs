@@ -130,10 +130,17 @@ impl Sandbox {
 
     /// Any program, with the library preloaded and the stand-ins in reach.
     pub fn program(&self, program: &str, args: &[&str]) -> Run {
+        let mut run = self.unpreloaded(program, args);
+        run.command.env("LD_PRELOAD", vgpu_library());
+        run
+    }
+
+    /// Any program with the stand-ins in reach, the library not preloaded (a program that
+    /// preloads it into the processes it starts itself).
+    pub fn unpreloaded(&self, program: &str, args: &[&str]) -> Run {
         let mut command = Command::new(program);
         command.args(args);
         self.prepare(&mut command);
-        command.env("LD_PRELOAD", vgpu_library());
         Run { command }
     }
 
