@@ -637,7 +637,13 @@ impl Process {
         }
     }
 
-    pub fn with_allocations<R>(&self, f: impl FnOnce(&mut Allocations) -> R) -> R {
+    /// This process's records of what it allocated. Nothing is recorded without a memory limit,
+    /// so then a free, a destroy or a release asks nothing and takes no lock (the default
+    /// answer: not one of ours).
+    pub fn with_allocations<R: Default>(&self, f: impl FnOnce(&mut Allocations) -> R) -> R {
+        if !self.limits_memory() {
+            return R::default();
+        }
         f(&mut self.inner().allocations)
     }
 
