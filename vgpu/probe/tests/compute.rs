@@ -180,8 +180,9 @@ fn alone_on_its_card_a_container_is_not_throttled_by_default() {
         ],
         "1.5",
     );
+    // As without NVML above: load lowers the figure, never raises it.
     assert!(
-        (0.22..=0.38).contains(&forced),
+        (0.15..=0.38).contains(&forced),
         "FORCE holds a container alone on its card too: {forced}"
     );
     // DEFAULT throttles only while another container's process uses the card (the first control
