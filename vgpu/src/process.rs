@@ -604,8 +604,10 @@ impl Process {
         self.inner().primaries.insert(device, context);
     }
 
-    /// A device's primary context is gone: its allocations with it, and its context memory
-    /// (unless NVML keeps that figure up to date by itself); the next one is measured again.
+    /// A device's primary context is gone: its allocations with it, and its context memory,
+    /// whatever measured it (NVML's per-process figure too: it is only read again when this
+    /// process allocates or asks for a view, and a process idle after `cudaDeviceReset` would stay
+    /// charged a context it no longer has). The next context is measured again.
     pub fn primary_destroyed(&self, device: CUdevice) {
         let Some(context) = self.inner().primaries.remove(&device) else {
             return;
@@ -614,16 +616,9 @@ impl Process {
         let Some(index) = self.device_index(device) else {
             return;
         };
-        let mut inner = self.inner();
-        if matches!(
-            inner.context[index],
-            ContextSource::CreationDrop | ContextSource::Estimate
-        ) {
-            inner.context[index] = ContextSource::Unknown;
-            drop(inner);
-            if let (Some(file), Some(slot)) = (self.file.as_ref(), self.slot_if_claimed()) {
-                file.set_context(slot, index, 0);
-            }
+        self.inner().context[index] = ContextSource::Unknown;
+        if let (Some(file), Some(slot)) = (self.file.as_ref(), self.slot_if_claimed()) {
+            file.set_context(slot, index, 0);
         }
     }
 

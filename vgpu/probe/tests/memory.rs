@@ -623,3 +623,41 @@ fn a_monitor_that_closes_and_reopens_nvml_stays_limited() {
         monitor.library_lines()
     );
 }
+
+#[test]
+fn a_process_idle_after_a_device_reset_is_charged_nothing() {
+    let sandbox = Sandbox::new("1x16g:108");
+    let cache = sandbox.container();
+    // cudaDeviceReset, then no more CUDA: no context, no memory on the card.
+    let _idle = sandbox
+        .probe(
+            &cache,
+            &[
+                "alloc",
+                "--path",
+                "cuMemAlloc",
+                "--size",
+                "64m",
+                "--end-context",
+                "reset",
+                "--hold",
+            ],
+        )
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+        .start_until("hold");
+    let views = sandbox
+        .probe(&cache, &["views"])
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+        .run_ok();
+    let v = views.one("views");
+    assert_eq!(
+        v["nvml"]["processes"].as_array().map(Vec::len),
+        Some(1),
+        "only this process is on the card: {v}"
+    );
+    assert_eq!(
+        free_of(v),
+        GIB - CONTEXT,
+        "only this process's own context is charged: {v}"
+    );
+}

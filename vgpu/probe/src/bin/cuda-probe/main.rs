@@ -51,7 +51,7 @@ Subcommands (each prints one JSON object per line; "result" is the CUresult, "er
       freeing (cuCtxDestroy of a --context create one, cuDevicePrimaryCtxReset or
       cuDevicePrimaryCtxRelease of the primary: the driver frees what was allocated in it),
       prints {"op":"end_context","how","result","error"}, makes a new context as --context says
-      and, with --views, shows the views. Pitch: --width (default --size) x --height (default 1), --element
+      and, with --views, shows the views (with --hold it holds instead, without a context). Pitch: --width (default --size) x --height (default 1), --element
       (default 4). Arrays: --width (default --size), --height, --depth (default 0), --format (default
       0x20 float), --channels (default 1), --flags, --levels (mipmapped, default 1). cuMemCreate
       --map also reserves, maps and sets access. Async paths free with cuMemFreeAsync and synchronise.

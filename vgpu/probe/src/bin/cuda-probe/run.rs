@@ -691,20 +691,25 @@ impl Session<'_> {
                 index += 1;
             }
         }
-        if self.opts.flag("hold") {
-            emit(json!({"op": "hold", "pid": std::process::id()}));
-            hold_forever();
-        }
         if let Some(how) = self.opts.str("end-context") {
-            // Nothing is freed: ending the context frees it. A new context (as --context says)
-            // then shows what is left charged.
+            // Nothing is freed: ending the context frees it. With --hold the process then idles
+            // without a context; otherwise a new context (as --context says) shows what is left
+            // charged.
             let r = self.end_context(how)?;
             emit(with_result(json!({"op": "end_context", "how": how}), r));
+            if self.opts.flag("hold") {
+                emit(json!({"op": "hold", "pid": std::process::id()}));
+                hold_forever();
+            }
             self.make_context(self.opts.str("context").unwrap_or("primary"));
             if self.opts.flag("views") {
                 emit(self.views());
             }
             return Ok(());
+        }
+        if self.opts.flag("hold") {
+            emit(json!({"op": "hold", "pid": std::process::id()}));
+            hold_forever();
         }
         if !self.opts.flag("no-free") {
             for (index, h) in held {
