@@ -21,7 +21,7 @@ use gpupool_driver::mig::nvml::NvmlMig;
 use gpupool_driver::mig::MigManager;
 use gpupool_driver::node_state::{MigCards, NodeLayout};
 use gpupool_driver::plugin::health::HealthService;
-use gpupool_driver::plugin::registration::RegistrationService;
+use gpupool_driver::plugin::registration::{RegistrationOutcome, RegistrationService};
 use gpupool_driver::plugin::{server, stale, Preparer};
 use gpupool_driver::prepare::{ClaimPreparer, PrepareOptions};
 use gpupool_driver::publisher::SlicePublisher;
@@ -194,34 +194,47 @@ impl ShutdownSignals {
     }
 }
 
-/// Binds the health endpoint, so that a taken port fails the start rather than going unnoticed.
+/// Binds the health endpoints, so that a taken port fails the start rather than going unnoticed.
 async fn bind_healthz(addr: std::net::SocketAddr) -> anyhow::Result<tokio::net::TcpListener> {
     tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("binding the health endpoint {addr}"))
 }
 
-/// GET /healthz: 200 once the kubelet sockets are served and the slices were published, else 503.
-async fn serve_healthz(
+/// GET /healthz: 200 once the kubelet sockets are served and the slices were published (alive).
+/// GET /readyz: 200 once, besides, the kubelet has confirmed the registration
+/// (NotifyRegistrationStatus): a DaemonSet removes the old pod of a rolling update as soon as the
+/// new one is ready, and a kubelet that has not registered the new one yet would have no plugin
+/// to call in between (0.32 s seen on a real node, when readiness meant /healthz).
+async fn serve_health_endpoints(
     listener: tokio::net::TcpListener,
+    live: watch::Receiver<bool>,
     ready: watch::Receiver<bool>,
     stop: CancellationToken,
 ) -> anyhow::Result<()> {
     use axum::http::StatusCode;
-    let app = axum::Router::new().route(
-        "/healthz",
-        axum::routing::get(move || {
-            let ready = *ready.borrow();
+    let answer = |flag: watch::Receiver<bool>, not: &'static str| {
+        move || {
+            let ok = *flag.borrow();
             async move {
-                if ready {
+                if ok {
                     (StatusCode::OK, "ok\n")
                 } else {
-                    (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+                    (StatusCode::SERVICE_UNAVAILABLE, not)
                 }
             }
-        }),
-    );
-    tracing::info!(addr = ?listener.local_addr().ok(), "serving GET /healthz");
+        }
+    };
+    let app = axum::Router::new()
+        .route(
+            "/healthz",
+            axum::routing::get(answer(live, "not serving yet\n")),
+        )
+        .route(
+            "/readyz",
+            axum::routing::get(answer(ready, "not registered with the kubelet yet\n")),
+        );
+    tracing::info!(addr = ?listener.local_addr().ok(), "serving GET /healthz and /readyz");
     axum::serve(listener, app)
         .with_graceful_shutdown(stop.cancelled_owned())
         .await
@@ -336,7 +349,12 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     );
     let (reports_tx, reports_rx) = health_monitor::channel();
     let monitor_task = tokio::spawn(monitor.run(reports_rx, stop.clone()));
-    let inject_task = health_inject::serve(&args.run_dir, reports_tx.clone(), stop.clone())?;
+    let inject_task = health_inject::serve(
+        &args.run_dir,
+        args.pod_uid.as_deref(),
+        reports_tx.clone(),
+        stop.clone(),
+    )?;
     let nvml_watch = match args.fake_gpus {
         Some(_) => None,
         None => Some(
@@ -378,10 +396,18 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     });
 
     if args.pod_uid.is_some() {
-        let (registry, plugin) = (args.registry_dir.clone(), args.plugin_dir.clone());
-        let own = vec![args.registration_socket(), args.dra_socket()];
+        let (registry, plugin, run) = (
+            args.registry_dir.clone(),
+            args.plugin_dir.clone(),
+            args.run_dir.clone(),
+        );
+        let own = vec![
+            args.registration_socket(),
+            args.dra_socket(),
+            health_inject::socket_path(&args.run_dir, args.pod_uid.as_deref()),
+        ];
         let removed = tokio::task::spawn_blocking(move || {
-            stale::remove_dead_sockets(&registry, &plugin, &own)
+            stale::remove_dead_sockets(&registry, &plugin, &run, &own)
         })
         .await
         .unwrap_or_default();
@@ -414,25 +440,44 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         }
     });
 
-    let (outcome_tx, _outcome_rx) = watch::channel(None);
+    let (outcome_tx, mut outcome_rx) = watch::channel(None);
     let registration = server::serve_registration(
         &args.registration_socket(),
         RegistrationService::new(args.dra_socket().to_string_lossy(), outcome_tx),
         stop.clone(),
     )?;
 
+    let (live_tx, live_rx) = watch::channel(false);
     let (ready_tx, ready_rx) = watch::channel(false);
     let readiness = tokio::spawn({
         let stop = stop.clone();
         async move {
+            let published = async {
+                let _ = published_rx.wait_for(|p| *p).await;
+                live_tx.send_replace(true);
+            };
+            let registered = async {
+                let _ = outcome_rx
+                    .wait_for(|o| o == &Some(RegistrationOutcome::Registered))
+                    .await;
+            };
             tokio::select! {
                 _ = stop.cancelled() => {}
-                _ = published_rx.wait_for(|p| *p) => { ready_tx.send_replace(true); }
+                _ = async { tokio::join!(published, registered) } => {
+                    tracing::info!("ready: slices published and registered with the kubelet");
+                    ready_tx.send_replace(true);
+                }
             }
         }
     });
-    let healthz = healthz_listener
-        .map(|listener| tokio::spawn(serve_healthz(listener, ready_rx, stop.clone())));
+    let healthz = healthz_listener.map(|listener| {
+        tokio::spawn(serve_health_endpoints(
+            listener,
+            live_rx,
+            ready_rx,
+            stop.clone(),
+        ))
+    });
 
     let signal = signals.recv().await;
     tracing::info!(

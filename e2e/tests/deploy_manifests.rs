@@ -325,11 +325,10 @@ fn driver_daemonset_mounts_exactly_what_it_needs() {
             .and_then(|ps| ps.iter().find(|p| p["containerPort"] == port))
             .and_then(|p| p["name"].as_str())
             .unwrap_or_else(|| panic!("{dir}: port {port} not declared"));
-        for probe in ["livenessProbe", "readinessProbe"] {
-            assert_eq!(
-                driver[probe]["httpGet"]["path"], "/healthz",
-                "{dir}: {probe}"
-            );
+        // Ready only once the kubelet has registered it: a DaemonSet removes the old pod of a
+        // rolling update as soon as the new one is ready.
+        for (probe, path) in [("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")] {
+            assert_eq!(driver[probe]["httpGet"]["path"], path, "{dir}: {probe}");
             assert_eq!(
                 driver[probe]["httpGet"]["port"], port_name,
                 "{dir}: {probe}"

@@ -398,7 +398,10 @@ async fn a_plugin_with_no_common_version_or_wrong_type_is_told_why() {
         let kubelet =
             offline_kubelet(&setup.registry, &["v1.DRAPlugin", "v1beta1.DRAPlugin"]).await;
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-        while kubelet.rejections().is_empty() && tokio::time::Instant::now() < deadline {
+        // The kubelet books its verdict before telling the plugin: wait for both.
+        let told = || !setup.notified.lock().unwrap().is_empty();
+        while (kubelet.rejections().is_empty() || !told()) && tokio::time::Instant::now() < deadline
+        {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         // Like the kubelet, a refused plugin is asked again after a backoff and told again why.

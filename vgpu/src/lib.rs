@@ -1,1 +1,26 @@
-//! gpupool-vgpu: the enforcement library preloaded into every limited container (docs/enforcement.md).
+//! gpupool-vgpu: holds every process of a container to its claim's GPU memory and SM limits.
+//! Preloaded (`LD_PRELOAD` or `/etc/ld.so.preload`); the design and its reasons are in
+//! `docs/enforcement.md`.
+//!
+//! Pure logic (no I/O, tested directly): [`env`], [`view`], [`layout`], [`controller`],
+//! [`symbols`], [`accounting`]. At the edges: [`shared`] (the file, OFD locks, mmap),
+//! [`interpose`] (our `dlsym`), [`hooks`] (the wrappers), [`process`], [`gate`], [`sampler`],
+//! [`nvml`], [`driver`].
+
+#[macro_use]
+pub mod log;
+pub mod accounting;
+pub mod controller;
+pub mod cuda;
+pub mod driver;
+pub mod env;
+pub mod gate;
+pub mod hooks;
+pub mod interpose;
+pub mod layout;
+pub mod nvml;
+pub mod process;
+pub mod sampler;
+pub mod shared;
+pub mod symbols;
+pub mod view;

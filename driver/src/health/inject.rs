@@ -1,7 +1,9 @@
 //! `gpupool-driver inject-xid`: an operator (or a test) tells the running driver that a card raised
-//! an XID, was lost, or was reset (`clear`). The driver listens on `<run-dir>/health.sock` (0600:
-//! whoever can write to it can take cards out of service) and hands each command to the
-//! [`super::monitor`] as if NVML had reported it.
+//! an XID, was lost, or was reset (`clear`). The driver listens on `<run-dir>/health.sock`, or
+//! `health-<pod UID>.sock` with a pod UID (two instances overlap in a rolling update and must not
+//! take each other's socket), mode 0600 (whoever can write to it can take cards out of service),
+//! and hands each command to the [`super::monitor`] as if NVML had reported it. The client tells
+//! every instance serving the run folder, since each publishes the node's slices and their taints.
 //!
 //! Wire format, one exchange per connection: `<device> <xid|lost|clear>\n`, answered by
 //! `ok <what changed>\n` or `error <why>\n`.
@@ -20,13 +22,27 @@ use super::monitor::Report;
 use super::Observation;
 use crate::plugin::server::{bind, ServerError};
 
-pub const SOCKET_FILE: &str = "health.sock";
 /// Longer than any valid command: a client sending more is cut off, not buffered.
 const MAX_LINE: u64 = 256;
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(10);
 
-pub fn socket_path(run_dir: &Path) -> PathBuf {
-    run_dir.join(SOCKET_FILE)
+/// This instance's socket: `health.sock`, or `health-<pod UID>.sock` with a pod UID.
+pub fn socket_path(run_dir: &Path, pod_uid: Option<&str>) -> PathBuf {
+    run_dir.join(match pod_uid {
+        Some(uid) => format!("health-{uid}.sock"),
+        None => "health.sock".to_string(),
+    })
+}
+
+/// Whether `name` is one of the names [`socket_path`] gives.
+pub fn is_socket_name(name: &str) -> bool {
+    name == "health.sock"
+        || name
+            .strip_prefix("health-")
+            .and_then(|rest| rest.strip_suffix(".sock"))
+            .is_some_and(|uid| {
+                !uid.is_empty() && uid.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+            })
 }
 
 /// `gpu-<index>`, the only device names this driver publishes.
@@ -61,13 +77,14 @@ pub fn parse(device: &str, what: &str) -> Result<Observation, String> {
     }
 }
 
-/// Serves the socket until `stop`.
+/// Serves this instance's socket until `stop`.
 pub fn serve(
     run_dir: &Path,
+    pod_uid: Option<&str>,
     reports: mpsc::Sender<Report>,
     stop: CancellationToken,
 ) -> Result<JoinHandle<()>, ServerError> {
-    let path = socket_path(run_dir);
+    let path = socket_path(run_dir, pod_uid);
     let listener = bind(&path)?;
     let inode = std::fs::metadata(&path).map(|m| m.ino()).ok();
     tracing::info!(path = %path.display(), "listening for inject-xid");
@@ -90,7 +107,8 @@ pub fn serve(
                 }
             });
         }
-        // During a rolling update the new instance has bound its own socket at this path: leave it.
+        // A later instance with the same name (a restart without a pod UID) may have bound its own
+        // socket at this path meanwhile: leave that one.
         if std::fs::metadata(&path).map(|m| m.ino()).ok() == inode {
             let _ = std::fs::remove_file(&path);
         }
@@ -136,18 +154,45 @@ async fn answer(
     write.shutdown().await
 }
 
-/// The client side: sends one command to the driver serving `run_dir` and returns its answer.
+/// The client side: sends one command to every driver instance serving `run_dir` (one, or two
+/// during a rolling update) and returns their answers, one line each.
 pub fn send(run_dir: &Path, device: &str, what: &str) -> anyhow::Result<String> {
     use anyhow::Context;
     parse(device, what).map_err(anyhow::Error::msg)?;
-    let path = socket_path(run_dir);
-    let mut stream = std::os::unix::net::UnixStream::connect(&path).with_context(|| {
-        format!(
-            "connecting to {} (is gpupool-driver running with --run-dir {}?)",
-            path.display(),
+    let mut sockets: Vec<PathBuf> = std::fs::read_dir(run_dir)
+        .with_context(|| format!("reading the run folder {}", run_dir.display()))?
+        .flatten()
+        .filter(|e| e.file_name().to_str().is_some_and(is_socket_name))
+        .map(|e| e.path())
+        .collect();
+    sockets.sort();
+    let mut answers = Vec::new();
+    for path in sockets {
+        let stream = match std::os::unix::net::UnixStream::connect(&path) {
+            Ok(stream) => stream,
+            // Left by an instance that was killed; nobody listens.
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => continue,
+            Err(e) => return Err(e).with_context(|| format!("connecting to {}", path.display())),
+        };
+        answers.push(exchange(stream, device, what).with_context(|| path.display().to_string())?);
+    }
+    if answers.is_empty() {
+        anyhow::bail!(
+            "no gpupool-driver listens in {} (is it running with --run-dir {}?)",
+            run_dir.display(),
             run_dir.display()
-        )
-    })?;
+        );
+    }
+    Ok(answers.join("\n"))
+}
+
+/// One command over one connection.
+fn exchange(
+    mut stream: std::os::unix::net::UnixStream,
+    device: &str,
+    what: &str,
+) -> anyhow::Result<String> {
+    use anyhow::Context;
     stream.set_read_timeout(Some(CLIENT_TIMEOUT))?;
     stream.set_write_timeout(Some(CLIENT_TIMEOUT))?;
     stream.write_all(format!("{device} {what}\n").as_bytes())?;
@@ -217,8 +262,8 @@ mod tests {
         let (tx, rx) = channel();
         let stop = CancellationToken::new();
         tokio::spawn(monitor.run(rx, stop.clone()));
-        let server = serve(dir.path(), tx, stop.clone()).unwrap();
-        let mode = std::fs::metadata(socket_path(dir.path()))
+        let server = serve(dir.path(), None, tx, stop.clone()).unwrap();
+        let mode = std::fs::metadata(socket_path(dir.path(), None))
             .unwrap()
             .permissions()
             .mode();
@@ -237,10 +282,56 @@ mod tests {
             .await
             .unwrap()
             .unwrap_err();
-        assert!(err.to_string().contains("no device gpu-3"), "{err}");
+        assert!(format!("{err:#}").contains("no device gpu-3"), "{err:#}");
 
         stop.cancel();
         server.await.unwrap();
-        assert!(!socket_path(dir.path()).exists());
+        assert!(!socket_path(dir.path(), None).exists());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_instances_each_have_a_socket_and_both_hear_a_command() {
+        let dir = tempfile::tempdir().unwrap();
+        let stop = CancellationToken::new();
+        let mut published = Vec::new();
+        let mut servers = Vec::new();
+        for uid in ["old-pod", "new-pod"] {
+            let (monitor, health) = Monitor::new(
+                "node-a",
+                XidPolicy::default(),
+                HealthMap::new(["gpu-0".to_string()]),
+                None,
+                None,
+            );
+            let (tx, rx) = channel();
+            tokio::spawn(monitor.run(rx, stop.clone()));
+            servers.push(serve(dir.path(), Some(uid), tx, stop.clone()).unwrap());
+            published.push(health);
+        }
+        // A socket left by a killed instance is skipped, not an error.
+        drop(
+            std::os::unix::net::UnixListener::bind(dir.path().join("health-killed.sock")).unwrap(),
+        );
+
+        let run_dir = dir.path().to_path_buf();
+        let answer = tokio::task::spawn_blocking(move || send(&run_dir, "gpu-0", "79"))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(answer.lines().count(), 2, "{answer}");
+        for health in &published {
+            assert_eq!(health.borrow().taints("gpu-0").len(), 1);
+        }
+        stop.cancel();
+        for server in servers {
+            server.await.unwrap();
+        }
+        let left: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        assert_eq!(left, ["health-killed.sock"], "each removed its own socket");
+        assert!(is_socket_name("health-3f1a-b2.sock") && is_socket_name("health.sock"));
+        assert!(!is_socket_name("health-.sock") && !is_socket_name("health-a/b.sock"));
     }
 }

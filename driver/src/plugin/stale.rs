@@ -31,18 +31,20 @@ fn is_uid_part(uid: Option<&str>) -> bool {
     uid.is_some_and(|u| !u.is_empty() && u.chars().all(|c| c.is_ascii_alphanumeric() || c == '-'))
 }
 
-/// Removes this driver's sockets in `registry_dir` and `plugin_dir` that nobody listens on, except
-/// `keep` (this instance's own, about to be bound). A socket another running instance serves
-/// accepts the connection and stays. Returns the files removed.
+/// Removes this driver's sockets in `registry_dir`, `plugin_dir` and `run_dir` (the health
+/// socket) that nobody listens on, except `keep` (this instance's own). A socket another running
+/// instance serves accepts the connection and stays. Returns the files removed.
 pub fn remove_dead_sockets(
     registry_dir: &Path,
     plugin_dir: &Path,
+    run_dir: &Path,
     keep: &[PathBuf],
 ) -> Vec<PathBuf> {
     let mut removed = Vec::new();
     for (dir, matches) in [
         (registry_dir, is_registration_socket as fn(&str) -> bool),
         (plugin_dir, is_dra_socket),
+        (run_dir, crate::health::inject::is_socket_name),
     ] {
         let Ok(entries) = std::fs::read_dir(dir) else {
             continue;
@@ -102,13 +104,19 @@ mod tests {
     #[test]
     fn dead_sockets_go_and_served_ones_stay() {
         let dir = tempfile::tempdir().unwrap();
-        let (registry, plugin) = (dir.path().join("registry"), dir.path().join("plugin"));
-        std::fs::create_dir_all(&registry).unwrap();
-        std::fs::create_dir_all(&plugin).unwrap();
+        let (registry, plugin, run) = (
+            dir.path().join("registry"),
+            dir.path().join("plugin"),
+            dir.path().join("run"),
+        );
+        for d in [&registry, &plugin, &run] {
+            std::fs::create_dir_all(d).unwrap();
+        }
         let bind = |path: PathBuf| std::os::unix::net::UnixListener::bind(path).unwrap();
         // A killed pod's sockets: bound, then the listener dropped without removing the file.
         drop(bind(registry.join("gpupool.dev-dead-reg.sock")));
         drop(bind(plugin.join("dra-dead.sock")));
+        drop(bind(run.join("health-dead.sock")));
         let _alive = (
             bind(registry.join("gpupool.dev-alive-reg.sock")),
             bind(plugin.join("dra-alive.sock")),
@@ -117,13 +125,14 @@ mod tests {
         let own = plugin.join("dra-own.sock");
         drop(bind(own.clone()));
 
-        let mut removed = remove_dead_sockets(&registry, &plugin, std::slice::from_ref(&own));
+        let mut removed = remove_dead_sockets(&registry, &plugin, &run, std::slice::from_ref(&own));
         removed.sort();
         assert_eq!(
             removed,
             [
                 plugin.join("dra-dead.sock"),
-                registry.join("gpupool.dev-dead-reg.sock")
+                registry.join("gpupool.dev-dead-reg.sock"),
+                run.join("health-dead.sock"),
             ]
         );
         assert!(registry.join("gpupool.dev-alive-reg.sock").exists());

@@ -95,6 +95,9 @@ pub struct NodeSpec {
     pub kubelet_versions: Option<Vec<String>>,
     /// Extra `gpupool-driver run` arguments.
     pub extra_driver_args: Vec<String>,
+    /// How often the kubelet emulator looks at its registry folder and pods (default 100 ms).
+    /// The real kubelet's plugin manager reconciles registrations once a second.
+    pub kubelet_poll_interval: Option<Duration>,
 }
 
 impl NodeSpec {
@@ -104,6 +107,7 @@ impl NodeSpec {
             fake_gpus: fake_gpus.into(),
             kubelet_versions: None,
             extra_driver_args: Vec::new(),
+            kubelet_poll_interval: None,
         }
     }
 
@@ -667,6 +671,9 @@ impl TestCluster {
             let mut config = KubeletConfig::new(&name, &dirs.registry);
             if let Some(versions) = &spec.kubelet_versions {
                 config.known_versions = versions.clone();
+            }
+            if let Some(interval) = spec.kubelet_poll_interval {
+                config.poll_interval = interval;
             }
             // On a real cluster the node exists already; creating it again is harmless (409).
             Some(Kubelet::start(self.client.clone(), config).await?)

@@ -239,6 +239,20 @@ struct State {
     prepared_by_driver: BTreeMap<String, BTreeMap<String, Vec<PreparedDevice>>>,
     pods: BTreeMap<String, PodRecord>,
     registrations_accepted: u64,
+    /// Every change of the registration the kubelet calls, per driver: when, and which socket
+    /// (`None`: no plugin of that driver at all).
+    timeline: Vec<(Instant, String, Option<PathBuf>)>,
+}
+
+impl State {
+    fn record_current(&mut self, driver: &str) {
+        let current = self
+            .plugins
+            .get(driver)
+            .map(|p| p.registration.socket.clone());
+        self.timeline
+            .push((Instant::now(), driver.to_string(), current));
+    }
 }
 
 struct Inner {
@@ -310,6 +324,20 @@ impl Kubelet {
             .plugins
             .values()
             .map(|p| p.registration.clone())
+            .collect()
+    }
+
+    /// Every change of the registration this kubelet calls for `driver`, oldest first: when, and
+    /// the registration socket (`None` while it has no plugin of that driver).
+    pub fn registration_timeline(&self, driver: &str) -> Vec<(Instant, Option<PathBuf>)> {
+        self.inner
+            .state
+            .lock()
+            .unwrap()
+            .timeline
+            .iter()
+            .filter(|(_, d, _)| d == driver)
+            .map(|(at, _, socket)| (*at, socket.clone()))
             .collect()
     }
 
@@ -649,8 +677,9 @@ impl Inner {
                 tracing::info!(node = %self.config.node_name, %driver,
                     socket = %reg.socket.display(), "falling back to an older registration");
                 let plugin = self.plugin_for(reg);
-                state.plugins.insert(driver, plugin);
+                state.plugins.insert(driver.clone(), plugin);
             }
+            state.record_current(&driver);
         }
     }
 
@@ -697,24 +726,8 @@ impl Inner {
             }
         };
         let verdict = self.judge_plugin(socket, &info);
-        let (registered, error) = match &verdict {
-            Ok(_) => (true, String::new()),
-            Err(error) => (false, error.clone()),
-        };
-        let notified: Result<registration::RegistrationStatusResponse, _> = conn
-            .unary(
-                NOTIFY_REGISTRATION_STATUS,
-                &registration::RegistrationStatus {
-                    plugin_registered: registered,
-                    error: error.clone(),
-                },
-                REGISTRATION_CALL_TIMEOUT,
-            )
-            .await;
-        if let Err(err) = notified {
-            tracing::warn!(socket = %socket.display(), "NotifyRegistrationStatus failed: {err}");
-        }
-        match verdict {
+        // As the kubelet: the plugin is registered (the kubelet calls it) before it is told so.
+        let (registered, error) = match verdict {
             Ok(reg) => {
                 tracing::info!(node = %self.config.node_name, driver = %reg.driver,
                     version = reg.version.short_name(), "plugin registered");
@@ -723,11 +736,9 @@ impl Inner {
                 let mut reg = reg;
                 reg.sequence = state.registrations_accepted;
                 state.standby.retain(|r| r.socket != reg.socket);
+                let driver = reg.driver.clone();
                 let plugin = self.plugin_for(reg);
-                if let Some(mut old) = state
-                    .plugins
-                    .insert(plugin.registration.driver.clone(), plugin)
-                {
+                if let Some(mut old) = state.plugins.insert(driver.clone(), plugin) {
                     if let Some(task) = old.health_task.take() {
                         task.abort();
                     }
@@ -736,14 +747,30 @@ impl Inner {
                         state.standby.push(old.registration);
                     }
                 }
+                state.record_current(&driver);
+                (true, String::new())
             }
             Err(error) => {
                 tracing::warn!(socket = %socket.display(), "plugin rejected: {error}");
                 self.state.lock().unwrap().rejections.push(Rejection {
                     socket: socket.to_path_buf(),
-                    error,
+                    error: error.clone(),
                 });
+                (false, error)
             }
+        };
+        let notified: Result<registration::RegistrationStatusResponse, _> = conn
+            .unary(
+                NOTIFY_REGISTRATION_STATUS,
+                &registration::RegistrationStatus {
+                    plugin_registered: registered,
+                    error,
+                },
+                REGISTRATION_CALL_TIMEOUT,
+            )
+            .await;
+        if let Err(err) = notified {
+            tracing::warn!(socket = %socket.display(), "NotifyRegistrationStatus failed: {err}");
         }
         true
     }

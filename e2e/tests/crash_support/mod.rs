@@ -560,14 +560,15 @@ impl CrashNode {
             .iter()
             .map(|k| k.dir_name())
             .chain([
-                gpupool_driver::health::inject::SOCKET_FILE,
                 gpupool_driver::health::monitor::STATE_FILE,
                 // Where the fake cards keep their MIG instances (a real card keeps them itself).
                 gpupool_driver::mig::fake::STATE_FILE,
             ])
             .collect();
         for name in list_dir(&self.dirs.run) {
-            if !run_files.contains(&name.as_str()) {
+            if !run_files.contains(&name.as_str())
+                && !gpupool_driver::health::inject::is_socket_name(&name)
+            {
                 problems.push(format!("run folder: unexpected file {name}"));
             }
         }

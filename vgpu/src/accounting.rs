@@ -1,0 +1,293 @@
+//! What this process has allocated, and on which device it was charged (pure data, no I/O).
+//!
+//! Every free uncharges the device the allocation was charged to, found here by its pointer or
+//! handle, never "the current device" (the current device at free time can be another card).
+//! Pointers and handles we never saw pass through untouched.
+
+use crate::cuda::*;
+use std::collections::HashMap;
+
+/// Where a charge went: the claim index and the bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Charged {
+    pub device: usize,
+    pub bytes: u64,
+}
+
+/// A charge and the context whose destruction frees it (the driver frees a context's pointers
+/// and arrays with it; `cuMemCreate` memory belongs to the process and outlives contexts).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Owned {
+    charge: Charged,
+    context: usize,
+}
+
+#[derive(Default)]
+pub struct Allocations {
+    /// `cuMemAlloc*`, `cuMemAllocPitch*`, `cuMemAllocManaged`, `cuMemAllocAsync`,
+    /// `cuMemAllocFromPoolAsync`: freed by `cuMemFree*` or `cuMemFreeAsync`.
+    pointers: HashMap<CUdeviceptr, Owned>,
+    /// `cuMemCreate` handles, released by `cuMemRelease`.
+    handles: HashMap<CUmemGenericAllocationHandle, Charged>,
+    /// `cuArrayCreate*`, `cuArray3DCreate*`, destroyed by `cuArrayDestroy`.
+    arrays: HashMap<usize, Owned>,
+    /// `cuMipmappedArrayCreate`, destroyed by `cuMipmappedArrayDestroy`.
+    mipmapped: HashMap<usize, Owned>,
+    /// Memory pools -> the claim index their memory lives on (`None`: a host pool or an
+    /// unlimited device: not charged).
+    pools: HashMap<usize, Option<usize>>,
+}
+
+impl Allocations {
+    pub fn add_pointer(&mut self, ptr: CUdeviceptr, charge: Charged, context: usize) {
+        self.pointers.insert(ptr, Owned { charge, context });
+    }
+    pub fn remove_pointer(&mut self, ptr: CUdeviceptr) -> Option<Charged> {
+        self.pointers.remove(&ptr).map(|o| o.charge)
+    }
+    pub fn add_handle(&mut self, handle: CUmemGenericAllocationHandle, charge: Charged) {
+        self.handles.insert(handle, charge);
+    }
+    pub fn remove_handle(&mut self, handle: CUmemGenericAllocationHandle) -> Option<Charged> {
+        self.handles.remove(&handle)
+    }
+    pub fn add_array(&mut self, array: usize, charge: Charged, context: usize) {
+        self.arrays.insert(array, Owned { charge, context });
+    }
+    pub fn remove_array(&mut self, array: usize) -> Option<Charged> {
+        self.arrays.remove(&array).map(|o| o.charge)
+    }
+    pub fn add_mipmapped(&mut self, array: usize, charge: Charged, context: usize) {
+        self.mipmapped.insert(array, Owned { charge, context });
+    }
+    pub fn remove_mipmapped(&mut self, array: usize) -> Option<Charged> {
+        self.mipmapped.remove(&array).map(|o| o.charge)
+    }
+    /// Everything the driver freed with a context it destroyed (`cuCtxDestroy`, a primary
+    /// context's reset or last release).
+    pub fn remove_context(&mut self, context: usize) -> Vec<Charged> {
+        fn drain<K>(map: &mut HashMap<K, Owned>, context: usize, freed: &mut Vec<Charged>) {
+            map.retain(|_, owned| {
+                if owned.context == context {
+                    freed.push(owned.charge);
+                }
+                owned.context != context
+            });
+        }
+        let mut freed = Vec::new();
+        drain(&mut self.pointers, context, &mut freed);
+        drain(&mut self.arrays, context, &mut freed);
+        drain(&mut self.mipmapped, context, &mut freed);
+        freed
+    }
+    pub fn set_pool(&mut self, pool: usize, device: Option<usize>) {
+        self.pools.insert(pool, device);
+    }
+    /// `Some(device)` for a pool we saw created or handed out; `None` for an unknown pool.
+    pub fn pool(&self, pool: usize) -> Option<Option<usize>> {
+        self.pools.get(&pool).copied()
+    }
+    pub fn forget_pool(&mut self, pool: usize) {
+        self.pools.remove(&pool);
+    }
+    /// Bytes this process holds on a claim index, by our own records.
+    #[cfg(test)]
+    pub fn total_on(&self, device: usize) -> u64 {
+        let owned = self
+            .pointers
+            .values()
+            .chain(self.arrays.values())
+            .chain(self.mipmapped.values());
+        let all = owned.map(|o| &o.charge).chain(self.handles.values());
+        all.filter(|c| c.device == device).map(|c| c.bytes).sum()
+    }
+}
+
+/// Bytes per element of the formats whose size is plain (`CUarray_format` x channels), or per
+/// texel for the fixed-size packed formats. `None`: a format whose size we do not model
+/// (block-compressed, planar video): charged at the driver's figure only.
+fn texel_bytes(format: u32, channels: u32) -> Option<u64> {
+    let per_channel = match format {
+        0x01 | 0x08 => 1,        // (UN)SIGNED_INT8
+        0x02 | 0x09 | 0x10 => 2, // (UN)SIGNED_INT16, HALF
+        0x03 | 0x0a | 0x20 => 4, // (UN)SIGNED_INT32, FLOAT
+        _ => {
+            return match format {
+                0xc0 | 0xc6 => Some(1),                      // (S|U)NORM_INT8X1
+                0xc1 | 0xc7 | 0xc3 | 0xc9 => Some(2),        // INT8X2, INT16X1
+                0xc2 | 0xc8 | 0xc4 | 0xca | 0x50 => Some(4), // INT8X4, INT16X2, 101010_2
+                0xc5 | 0xcb => Some(8),                      // INT16X4
+                _ => None,
+            };
+        }
+    };
+    matches!(channels, 1 | 2 | 4).then_some(per_channel * channels as u64)
+}
+
+/// The bytes an array descriptor implies (height and depth 0 mean 1-D and 2-D): the size we check
+/// before the driver is asked. `None` when the format's size is not modelled or it overflows.
+pub fn array_bytes(width: u64, height: u64, depth: u64, format: u32, channels: u32) -> Option<u64> {
+    let texel = texel_bytes(format, channels)?;
+    width
+        .checked_mul(height.max(1))?
+        .checked_mul(depth.max(1))?
+        .checked_mul(texel)
+}
+
+/// The bytes a mipmapped array implies: every level, each half the previous in every dimension
+/// that is in use (never below 1).
+pub fn mipmapped_bytes(
+    width: u64,
+    height: u64,
+    depth: u64,
+    format: u32,
+    channels: u32,
+    levels: u32,
+) -> Option<u64> {
+    let mut total = 0u64;
+    for level in 0..levels.clamp(1, 64) {
+        let shrink = |extent: u64| {
+            if extent == 0 {
+                0
+            } else {
+                (extent >> level).max(1)
+            }
+        };
+        total = total.checked_add(array_bytes(
+            shrink(width),
+            shrink(height),
+            shrink(depth),
+            format,
+            channels,
+        )?)?;
+    }
+    Some(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frees_find_the_device_the_allocation_was_charged_to() {
+        let mut a = Allocations::default();
+        a.add_pointer(
+            0x1000,
+            Charged {
+                device: 1,
+                bytes: 64,
+            },
+            0xc,
+        );
+        a.add_pointer(
+            0x2000,
+            Charged {
+                device: 0,
+                bytes: 32,
+            },
+            0xc,
+        );
+        a.add_handle(
+            7,
+            Charged {
+                device: 1,
+                bytes: 2 << 20,
+            },
+        );
+        assert_eq!(a.total_on(1), 64 + (2 << 20));
+        assert_eq!(
+            a.remove_pointer(0x1000),
+            Some(Charged {
+                device: 1,
+                bytes: 64
+            })
+        );
+        assert_eq!(
+            a.remove_pointer(0x1000),
+            None,
+            "a double free is not uncharged twice"
+        );
+        assert_eq!(
+            a.remove_pointer(0xdead),
+            None,
+            "unknown pointers pass through"
+        );
+        assert_eq!(
+            a.remove_handle(7),
+            Some(Charged {
+                device: 1,
+                bytes: 2 << 20
+            })
+        );
+        assert_eq!(a.total_on(1), 0);
+        assert_eq!(a.total_on(0), 32);
+    }
+
+    #[test]
+    fn destroying_a_context_frees_its_pointers_and_arrays_but_not_memcreate_memory() {
+        let mut a = Allocations::default();
+        let c = |bytes| Charged { device: 0, bytes };
+        a.add_pointer(0x1000, c(1), 0xa);
+        a.add_pointer(0x2000, c(2), 0xb);
+        a.add_array(0x3000, c(4), 0xa);
+        a.add_mipmapped(0x4000, c(8), 0xa);
+        a.add_handle(9, c(16));
+        let mut freed: Vec<u64> = a.remove_context(0xa).iter().map(|c| c.bytes).collect();
+        freed.sort();
+        assert_eq!(freed, vec![1, 4, 8]);
+        assert_eq!(a.total_on(0), 2 + 16);
+        assert_eq!(
+            a.remove_pointer(0x1000),
+            None,
+            "already gone with its context"
+        );
+        assert!(a.remove_context(0xa).is_empty());
+    }
+
+    #[test]
+    fn pools_remember_their_device_or_that_they_are_not_charged() {
+        let mut a = Allocations::default();
+        a.set_pool(0xa, Some(2));
+        a.set_pool(0xb, None);
+        assert_eq!(a.pool(0xa), Some(Some(2)));
+        assert_eq!(a.pool(0xb), Some(None));
+        assert_eq!(a.pool(0xc), None);
+        a.forget_pool(0xa);
+        assert_eq!(a.pool(0xa), None);
+    }
+
+    #[test]
+    fn array_sizes_follow_the_descriptor() {
+        assert_eq!(array_bytes(1024, 0, 0, 0x20, 1), Some(4096));
+        assert_eq!(array_bytes(100, 50, 0, 0x01, 4), Some(100 * 50 * 4));
+        assert_eq!(array_bytes(8, 8, 8, 0x10, 2), Some(8 * 8 * 8 * 4));
+        assert_eq!(array_bytes(10, 10, 0, 0xc5, 1), Some(800));
+        assert_eq!(
+            array_bytes(10, 10, 0, 0x20, 3),
+            None,
+            "3 channels is not a valid descriptor"
+        );
+        assert_eq!(
+            array_bytes(10, 10, 0, 0x91, 4),
+            None,
+            "block-compressed sizes are not modelled"
+        );
+        assert_eq!(array_bytes(u64::MAX, 2, 0, 0x01, 1), None);
+    }
+
+    #[test]
+    fn mipmap_levels_halve_down_to_one() {
+        // 8x4 floats: 32 + 8 + 2 + 1 texels over 4 levels.
+        assert_eq!(
+            mipmapped_bytes(8, 4, 0, 0x20, 1, 4),
+            Some((32 + 8 + 2 + 1) * 4)
+        );
+        // A 1-D mipmap keeps height 0 (treated as 1) at every level.
+        assert_eq!(mipmapped_bytes(16, 0, 0, 0x01, 1, 3), Some(16 + 8 + 4));
+        assert_eq!(
+            mipmapped_bytes(16, 0, 0, 0x01, 1, 0),
+            Some(16),
+            "0 levels is read as 1"
+        );
+    }
+}
