@@ -3,6 +3,7 @@
 //! The decisions are pure functions (`models`, `profiles`, `status`, `plan`, the leader rules);
 //! `reconcile` and `leader` do the talking to the API server.
 
+pub mod cli;
 pub mod crds;
 pub mod duration;
 pub mod leader;

@@ -1,13 +1,19 @@
+//! `gpupool-controller`: `run` and `crds`. The binary's `main` is [`main`]; it is in the library so
+//! that the sandbox (gpupool-e2e) can be the controller too, started from its own executable,
+//! without a second build.
+
+use std::ffi::OsString;
 use std::path::PathBuf;
+use std::process::{ExitCode, Termination};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::duration::parse_duration;
+use crate::leader::{LeaderElector, Leadership, LeaseConfig};
+use crate::metrics::{self, ControllerMetrics};
+use crate::reconcile::{self, Reconciler, Settings};
 use anyhow::Context;
 use clap::{ArgAction, Parser, Subcommand, ValueEnum};
-use gpupool_controller::duration::parse_duration;
-use gpupool_controller::leader::{LeaderElector, Leadership, LeaseConfig};
-use gpupool_controller::metrics::{self, ControllerMetrics};
-use gpupool_controller::reconcile::{self, Reconciler, Settings};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use tracing::info;
 
@@ -214,13 +220,27 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn main() -> anyhow::Result<()> {
+/// The whole program: `args` as `std::env::args_os()` gives them, the program's name first. An
+/// error ends it as a `main` returning it does: `Error: {err:?}` on stderr, exit code 1.
+pub fn main<I, T>(args: I) -> ExitCode
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    run_cli(args).report()
+}
+
+fn run_cli<I, T>(args: I) -> anyhow::Result<()>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
     gpupool_telemetry::abort_on_panic();
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(args);
     match cli.command {
-        Command::Crds { dir: None } => print!("{}", gpupool_controller::crds::multi_document()),
+        Command::Crds { dir: None } => print!("{}", crate::crds::multi_document()),
         Command::Crds { dir: Some(dir) } => {
-            for (file, yaml) in gpupool_controller::crds::manifests() {
+            for (file, yaml) in crate::crds::manifests() {
                 let path = dir.join(file);
                 std::fs::write(&path, yaml)
                     .with_context(|| format!("writing {}", path.display()))?;
