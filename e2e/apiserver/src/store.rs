@@ -145,7 +145,7 @@ pub struct Store {
     history: VecDeque<StoredEvent>,
     builtins: Vec<ResourceDef>,
     crds: BTreeMap<String, Vec<ResourceDef>>,
-    gc: gc::GcQueue,
+    gc: gc::GcState,
 }
 
 impl Default for Store {
@@ -220,7 +220,7 @@ impl Store {
             history: VecDeque::new(),
             builtins: builtin_resources(),
             crds: BTreeMap::new(),
-            gc: gc::GcQueue::default(),
+            gc: gc::GcState::default(),
         };
         let namespaces = store.find("", "v1", "namespaces").expect("built in");
         for ns in ["default", "kube-system", "kube-public", "kube-node-lease"] {
@@ -392,8 +392,9 @@ impl Store {
         } else {
             EventType::Added
         };
-        self.record(def, event, &object, old.clone());
-        self.gc_after_put(def, &key, &object, old.as_ref());
+        let old_owners = old.as_ref().map(gc::owner_uids).unwrap_or_default();
+        self.record(def, event, &object, old);
+        self.gc_after_put(def, &key, &object, old_owners);
         object
     }
 
@@ -402,6 +403,7 @@ impl Store {
         let rv = self.next_rv();
         meta_mut(&mut object).insert("resourceVersion".into(), json!(rv));
         self.record(def, EventType::Deleted, &object, None);
+        self.gc_after_removal(def, &object);
         object
     }
 
@@ -888,7 +890,7 @@ impl Store {
                 }
                 // Upstream deletes the custom objects while their kind is still served, so the
                 // collector can tell that the dependents' owners are gone.
-                self.gc_after_remove();
+                self.run_gc();
             }
             self.crds.remove(&key.1);
         }
@@ -918,7 +920,7 @@ impl Store {
                 }
             }
         }
-        self.gc_after_remove();
+        self.run_gc();
         Ok(object)
     }
 
