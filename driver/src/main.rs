@@ -294,6 +294,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             },
             driver_libraries: args.driver_libraries(),
             default_enforcement: args.default_enforcement(),
+            status_write_delay: gpupool_driver::prepare::STATUS_WRITE_DELAY,
         },
         inventory.clone(),
         client.clone(),

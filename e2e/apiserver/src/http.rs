@@ -94,6 +94,40 @@ impl Shared {
         self.changes.send_replace(store.current_rv());
     }
 
+    /// Waits until the watch cache holds every write up to `rv` (a GET with that
+    /// resourceVersion: "not older than"); the real server gives up after 3 s with a 504 when
+    /// the version is still ahead of the store.
+    async fn wait_for_cache(&self, rv: &str) -> Result<(), ApiError> {
+        let wanted: u64 = rv
+            .parse()
+            .map_err(|_| ApiError::bad_request(format!("invalid resource version {rv:?}")))?;
+        let deadline = std::time::Instant::now() + Duration::from_secs(3);
+        loop {
+            let now = std::time::Instant::now();
+            let (current, ready) = {
+                let store = self.store();
+                let ready = self.watch_cache.as_ref().and_then(|cache| {
+                    cache
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .caught_up_at(wanted, now)
+                });
+                (store.current_rv(), ready)
+            };
+            if current < wanted {
+                if now >= deadline {
+                    return Err(ApiError::too_large_resource_version(wanted, current));
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                continue;
+            }
+            if let Some(at) = ready {
+                latency::sleep_until_precisely(at).await;
+            }
+            return Ok(());
+        }
+    }
+
     /// A GET of one object with `resourceVersion=0`: from the watch cache, which may lag.
     fn cached_get(
         &self,
@@ -357,6 +391,12 @@ pub async fn handle(
             return error_response(&auth::forbidden(&ctx.user, &attrs));
         }
     }
+    let resource_version = ctx.param("resourceVersion").unwrap_or_default();
+    if ctx.method == Method::GET && !ctx.flag("watch") && !matches!(resource_version, "" | "0") {
+        if let Err(error) = shared.wait_for_cache(resource_version).await {
+            return error_response(&error);
+        }
+    }
     match route(&shared, &ctx, &segments) {
         Ok(response) => response,
         Err(error) => error_response(&error),
@@ -590,10 +630,11 @@ fn resource_request(
             ))
         }
         (Some(name), None | Some("status"), Method::GET) => {
-            let object = if ctx.param("resourceVersion") == Some("0") {
-                shared.cached_get(def, ns, name)?
-            } else {
-                shared.store().get(def, ns, name)?
+            let object = match ctx.param("resourceVersion") {
+                None | Some("") => shared.store().get(def, ns, name)?,
+                Some("0") => shared.cached_get(def, ns, name)?,
+                // `handle` waited until the cache caught up with that version.
+                Some(_) => shared.cached_get(def, ns, name)?,
             };
             if ctx.wants_table() {
                 let rv = object

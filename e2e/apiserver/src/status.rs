@@ -162,6 +162,17 @@ impl ApiError {
         )
     }
 
+    /// A resourceVersion the server has not reached within its wait (kube-apiserver's wording).
+    pub fn too_large_resource_version(wanted: u64, current: u64) -> Self {
+        Self::new(
+            504,
+            "Timeout",
+            format!("Too large resource version: {wanted}, current: {current}"),
+            Some(json!({"causes": [{"reason": "ResourceVersionTooLarge",
+                "message": "Too large resource version"}], "retryAfterSeconds": 1})),
+        )
+    }
+
     pub fn gone(message: impl Into<String>) -> Self {
         Self::new(410, "Expired", message.into(), None)
     }

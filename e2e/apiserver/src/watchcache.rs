@@ -2,7 +2,9 @@
 //! an etcd watch, so a client can read a version older than one already written (even one it
 //! wrote itself). This reproduces it for GETs of one object so clients that read from the cache
 //! can be tested against a stale answer; a quorum read (no resourceVersion) always sees the
-//! store. Lists are served from the store either way.
+//! store. Lists are served from the store either way. A GET with `resourceVersion=<n>` is served
+//! from the cache too, once the cache has caught up with `n` ("not older than"): it waits for
+//! that, then answers what the cache holds, which may still be behind the store.
 //!
 //! Only objects written within the lag are remembered (their versions since the newest one that is
 //! at least `lag` old); every other object is the same in the cache as in the store.
@@ -43,6 +45,9 @@ pub struct WatchCache {
     lag: Duration,
     /// The store's resourceVersion up to which writes were recorded.
     seen_rv: u64,
+    /// The writes of the last `lag` (resourceVersion, when), oldest first: the cache has not
+    /// caught up with them yet.
+    recent: VecDeque<(u64, Instant)>,
     versions: HashMap<ObjectKey, VecDeque<Version>>,
     recorded: u64,
 }
@@ -53,6 +58,7 @@ impl WatchCache {
         WatchCache {
             lag,
             seen_rv: store.current_rv(),
+            recent: VecDeque::new(),
             versions: HashMap::new(),
             recorded: 0,
         }
@@ -86,7 +92,29 @@ impl WatchCache {
             };
             self.record(key, before, after, now);
         }
+        if last > self.seen_rv {
+            self.recent.push_back((last, now));
+        }
+        while self
+            .recent
+            .front()
+            .is_some_and(|(_, at)| *at + self.lag <= now)
+        {
+            self.recent.pop_front();
+        }
         self.seen_rv = store.current_rv().max(last);
+    }
+
+    /// When the cache will hold every write up to resourceVersion `rv`; `None` if it does now
+    /// (`now`).
+    pub fn caught_up_at(&self, rv: u64, now: Instant) -> Option<Instant> {
+        let written = self
+            .recent
+            .iter()
+            .take_while(|(r, _)| *r <= rv)
+            .last()
+            .map(|(_, at)| *at + self.lag)?;
+        (written > now).then_some(written)
     }
 
     fn record(
@@ -268,6 +296,28 @@ mod tests {
 
     fn data(object: &Value) -> String {
         object["data"]["v"].as_str().unwrap().to_string()
+    }
+
+    #[test]
+    fn a_version_is_in_the_cache_one_lag_after_its_write() {
+        let mut f = Fixture::new();
+        f.write(0, "a");
+        let first = f.store.current_rv();
+        f.write(30, "b");
+        let second = f.store.current_rv();
+        assert_eq!(f.cache.caught_up_at(first, f.at(10)), Some(f.at(100)));
+        assert_eq!(f.cache.caught_up_at(second, f.at(10)), Some(f.at(130)));
+        // Once there, no wait; and a version older than anything recent needs none.
+        assert_eq!(f.cache.caught_up_at(first, f.at(100)), None);
+        assert_eq!(f.cache.caught_up_at(first - 1, f.at(10)), None);
+        // What the cache answers then is that version or newer, never older.
+        f.expect_cached(&[(130, Some("b"))]);
+        f.write(400, "c");
+        assert_eq!(
+            f.cache.caught_up_at(second, f.at(400)),
+            None,
+            "old writes forgotten"
+        );
     }
 
     #[test]

@@ -716,3 +716,54 @@ async fn delete_propagation_reaches_the_dependents_as_the_request_asks() {
     );
     assert!(exists("owner").await);
 }
+
+/// A GET with a resourceVersion is served from the watch cache once the cache has caught up with
+/// that version (never an older copy), and one ahead of the store fails as the real server fails.
+#[tokio::test]
+async fn a_get_not_older_than_a_version_waits_for_the_cache() {
+    use gpupool_apiserver::ApiServerOptions;
+    use kube::api::GetParams;
+    let lag = Duration::from_millis(300);
+    let server = ApiServer::start_with(ApiServerOptions::default().cache_lag(lag))
+        .await
+        .unwrap();
+    let api: Api<ConfigMap> = Api::namespaced(server.client().await, "default");
+    create_config_map(&api, "c", json!({})).await;
+    tokio::time::sleep(lag).await;
+    let mut changed = config_map("c", json!({"v": "2"}));
+    changed.metadata.resource_version = None;
+    let written = api
+        .replace("c", &PostParams::default(), &changed)
+        .await
+        .unwrap();
+    let version = written.resource_version().unwrap();
+    let stale = api.get_with("c", &GetParams::any()).await.unwrap();
+    assert_ne!(stale.resource_version().unwrap(), version, "the cache lags");
+
+    let started = std::time::Instant::now();
+    let fresh = api.get_with("c", &GetParams::at(&version)).await.unwrap();
+    assert_eq!(fresh.resource_version().unwrap(), version);
+    assert!(started.elapsed() >= lag / 2, "{:?}", started.elapsed());
+
+    // Ahead of the store: the server waits 3 s, then answers 504 (kube-rs would retry a 504, so
+    // this one is asked over a plain connection).
+    let ahead = version.parse::<u64>().unwrap() + 1000;
+    let addr = server.url().trim_start_matches("http://").to_string();
+    let answer = tokio::task::spawn_blocking(move || {
+        use std::io::{Read, Write};
+        let mut stream = std::net::TcpStream::connect(&addr).unwrap();
+        write!(
+            stream,
+            "GET /api/v1/namespaces/default/configmaps/c?resourceVersion={ahead} HTTP/1.1\r\n\
+             Host: {addr}\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer).unwrap();
+        answer
+    })
+    .await
+    .unwrap();
+    assert!(answer.starts_with("HTTP/1.1 504"), "{answer}");
+    assert!(answer.contains("Too large resource version"), "{answer}");
+}
