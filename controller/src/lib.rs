@@ -9,6 +9,7 @@ pub mod duration;
 pub mod leader;
 pub mod metrics;
 pub mod models;
+pub mod owner;
 pub mod plan;
 pub mod profiles;
 pub mod reconcile;

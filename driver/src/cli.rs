@@ -302,6 +302,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             },
             driver_libraries: args.driver_libraries(),
             default_enforcement: args.default_enforcement(),
+            status_write_delay: crate::prepare::STATUS_WRITE_DELAY,
         },
         inventory.clone(),
         client.clone(),
