@@ -12,12 +12,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, OwnerReference};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
 use thiserror::Error;
 use tokio::sync::watch;
 use tracing::{info, warn};
+
+use crate::owner::{self, Owner};
 
 #[derive(Debug, Error)]
 pub enum LeaderError {
@@ -151,6 +153,8 @@ pub struct LeaderElector {
     leadership: Leadership,
     /// The Lease record last seen and when it was first seen in that state.
     observed: Option<(String, Instant)>,
+    /// Owner of the Lease, which `helm uninstall` does not delete itself (see `owner`).
+    owner: Option<Owner>,
 }
 
 impl LeaderElector {
@@ -160,7 +164,31 @@ impl LeaderElector {
             config,
             leadership: Leadership::new(false),
             observed: None,
+            owner: None,
         }
+    }
+
+    /// Give the Lease `owner` (a Role in the Lease's namespace), so that it goes when the install
+    /// does.
+    pub fn with_owner(mut self, owner: Owner) -> Self {
+        self.owner = Some(owner);
+        self
+    }
+
+    /// The owner references for a Lease that has `existing`: ours added when it lacks them. The
+    /// owner is read again for a Lease about to be created (`creating`), else once.
+    async fn owner_references(
+        &self,
+        existing: &[OwnerReference],
+        creating: bool,
+    ) -> Option<Vec<OwnerReference>> {
+        let owner = match &self.owner {
+            None => None,
+            Some(owner) if creating => owner.refresh().await,
+            Some(owner) if existing.iter().any(|r| owner.is(r)) => None,
+            Some(owner) => owner.reference().await,
+        };
+        owner::with_owner(existing, owner)
     }
 
     pub fn leadership(&self) -> Leadership {
@@ -243,6 +271,7 @@ impl LeaderElector {
                     metadata: ObjectMeta {
                         name: Some(self.config.name.clone()),
                         namespace: Some(self.config.namespace.clone()),
+                        owner_references: self.owner_references(&[], true).await,
                         ..Default::default()
                     },
                     spec: Some(self.lease_spec(None, true)),
@@ -252,6 +281,9 @@ impl LeaderElector {
             Decision::Take | Decision::Renew => {
                 let mut lease = lease.clone().expect("a lease to take or renew");
                 lease.spec = Some(self.lease_spec(spec.as_ref(), decision == Decision::Take));
+                // A Lease of a version without owners gets one with its next renewal.
+                let existing = lease.metadata.owner_references.clone().unwrap_or_default();
+                lease.metadata.owner_references = self.owner_references(&existing, false).await;
                 self.api
                     .replace(&self.config.name, &PostParams::default(), &lease)
                     .await

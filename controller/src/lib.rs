@@ -3,11 +3,13 @@
 //! The decisions are pure functions (`models`, `profiles`, `status`, `plan`, the leader rules);
 //! `reconcile` and `leader` do the talking to the API server.
 
+pub mod cli;
 pub mod crds;
 pub mod duration;
 pub mod leader;
 pub mod metrics;
 pub mod models;
+pub mod owner;
 pub mod plan;
 pub mod profiles;
 pub mod reconcile;

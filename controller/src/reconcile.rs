@@ -29,7 +29,8 @@ use tracing::{debug, info, warn};
 
 use crate::leader::Leadership;
 use crate::metrics::ControllerMetrics;
-use crate::models::{self, ClassOptions, PublishedDevice};
+use crate::models::{self, ClassOptions, PublishedDevice, ALL_GPUS_CLASS};
+use crate::owner::{self, Owner};
 use crate::plan::{self, ClassAction, TemplateAction};
 use crate::profiles::{self, NamespaceInfo, ServableModel};
 
@@ -143,6 +144,8 @@ pub struct Reconciler {
     extended_resources: AtomicBool,
     writes: Arc<AtomicU64>,
     metrics: Option<Arc<ControllerMetrics>>,
+    /// Owner of the all-GPUs class, which no GpuModel owns (see `owner`).
+    class_owner: Option<Owner>,
 }
 
 fn patch_params() -> PatchParams {
@@ -175,7 +178,14 @@ impl Reconciler {
             settings,
             writes: Arc::new(AtomicU64::new(0)),
             metrics: None,
+            class_owner: None,
         }
+    }
+
+    /// Give the all-GPUs class `owner`, so that it goes when the install does.
+    pub fn with_class_owner(mut self, owner: Owner) -> Self {
+        self.class_owner = Some(owner);
+        self
     }
 
     /// Count passes and export the pool per model there.
@@ -236,7 +246,9 @@ impl Reconciler {
             .filter(|c| !plan::is_managed(&c.metadata))
             .filter_map(|c| c.metadata.name.clone())
             .collect();
-        let model_plan = models::plan_with_taken(&gpumodels, &devices, options, &taken);
+        let mut model_plan = models::plan_with_taken(&gpumodels, &devices, options, &taken);
+        self.own_all_gpus_class(&mut model_plan.classes, &classes)
+            .await;
         let class_actions = plan::diff_classes(&model_plan.classes, &classes);
 
         let servable = ServableModel::from_outcomes(&model_plan.outcomes);
@@ -315,6 +327,33 @@ impl Reconciler {
         }
         report.writes = self.writes.load(Ordering::SeqCst) - writes_before;
         Ok(report)
+    }
+
+    /// Owner references of the desired all-GPUs class: those it has, plus the install's ClusterRole.
+    /// The role is read again when the class is to be created, once when it is to be added to a
+    /// class that lacks it (an upgrade from a version without owners), else not at all.
+    async fn own_all_gpus_class(&self, desired: &mut [DeviceClass], existing: &[DeviceClass]) {
+        let Some(wanted) = desired
+            .iter_mut()
+            .find(|c| c.metadata.name.as_deref() == Some(ALL_GPUS_CLASS))
+        else {
+            return;
+        };
+        let current = existing
+            .iter()
+            .find(|c| c.metadata.name.as_deref() == Some(ALL_GPUS_CLASS));
+        // Whoever else owns the class keeps owning it; a class that is not ours is left alone anyway.
+        let references = current
+            .and_then(|c| c.metadata.owner_references.clone())
+            .unwrap_or_default();
+        let owner = match (&self.class_owner, current) {
+            (None, _) => None,
+            (Some(_), Some(class)) if !plan::is_managed(&class.metadata) => None,
+            (Some(owner), None) => owner.refresh().await,
+            (Some(owner), Some(_)) if references.iter().any(|r| owner.is(r)) => None,
+            (Some(owner), Some(_)) => owner.reference().await,
+        };
+        wanted.metadata.owner_references = owner::with_owner(&references, owner);
     }
 
     /// Patch the status of `name` from `old` to `new`; nothing to write when they are the same.

@@ -10,14 +10,17 @@ use std::time::Duration;
 use gpupool_api::crd::{ComputeProfile, ComputeProfileSpec, GpuModel, GpuModelSpec};
 use gpupool_apiserver::ApiServer;
 use gpupool_controller::leader::{LeaderElector, LeaseConfig};
+use gpupool_controller::owner::Owner;
 use gpupool_controller::reconcile::{install_crds, Reconciler, Settings};
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::rbac::v1::{ClusterRole, Role};
 use k8s_openapi::api::resource::v1::{
     Device, DeviceAttribute, DeviceCapacity, DeviceClass, ResourceClaimTemplate, ResourcePool,
     ResourceSlice, ResourceSliceSpec,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use tokio::task::JoinHandle;
 
@@ -45,10 +48,23 @@ struct Replica {
     tasks: Vec<JoinHandle<()>>,
 }
 
+/// The install's roles that own the Lease and the all-GPUs class (the controller's defaults).
+const LEASE_OWNER_ROLE: &str = "gpupool-controller-leader-election";
+const CLASS_OWNER_CLUSTER_ROLE: &str = "gpupool-controller";
+
 impl Replica {
     async fn start(server: &ApiServer, identity: &str) -> Replica {
+        Self::start_with(server, identity, false).await
+    }
+
+    /// A replica whose Lease and all-GPUs class name the install's roles as owners.
+    async fn start_owned(server: &ApiServer, identity: &str) -> Replica {
+        Self::start_with(server, identity, true).await
+    }
+
+    async fn start_with(server: &ApiServer, identity: &str, owned: bool) -> Replica {
         let client = server.client().await;
-        let elector = LeaderElector::new(
+        let mut elector = LeaderElector::new(
             client.clone(),
             LeaseConfig {
                 namespace: "kube-system".into(),
@@ -58,14 +74,28 @@ impl Replica {
                 renew_interval: Duration::from_millis(500),
             },
         );
-        let reconciler = Arc::new(Reconciler::new(
-            client,
+        let mut reconciler = Reconciler::new(
+            client.clone(),
             elector.leadership(),
             Settings {
                 resync: Duration::from_secs(2),
                 ..Settings::default()
             },
-        ));
+        );
+        if owned {
+            elector = elector.with_owner(Owner::role(
+                client.clone(),
+                "kube-system",
+                LEASE_OWNER_ROLE,
+                "Lease kube-system/gpupool-controller",
+            ));
+            reconciler = reconciler.with_class_owner(Owner::cluster_role(
+                client,
+                CLASS_OWNER_CLUSTER_ROLE,
+                "DeviceClass gpupool.dev",
+            ));
+        }
+        let reconciler = Arc::new(reconciler);
         let writes = reconciler.writes();
         // Never told to stop: a replica ends by being aborted, like a crashed process.
         let (_stop, stopped) = tokio::sync::watch::channel(false);
@@ -365,4 +395,103 @@ async fn models_and_profiles_are_served_by_the_single_leader_and_survive_its_cra
     .await;
     assert!(follower.writes() > 0);
     follower.crash();
+}
+
+/// (kind, name, uid) of each owner reference.
+fn owners(references: &Option<Vec<OwnerReference>>) -> Vec<(String, String, String)> {
+    references
+        .iter()
+        .flatten()
+        .map(|r| (r.kind.clone(), r.name.clone(), r.uid.clone()))
+        .collect()
+}
+
+/// What `helm uninstall` relies on: the all-GPUs class names the controller's ClusterRole and the
+/// Lease the leader-election Role, also where a version without owners made them; without its role
+/// the class is still made, without an owner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_install_roles_own_the_all_gpus_class_and_the_lease() {
+    let server = ApiServer::start().await.unwrap();
+    let admin = server.client().await;
+    install_crds(&admin).await.unwrap();
+    let pp = PostParams::default();
+    let classes = Api::<DeviceClass>::all(admin.clone());
+    let leases = Api::<Lease>::namespaced(admin.clone(), "kube-system");
+
+    // As a version without owners left them: its class, and its Lease released on shutdown.
+    let unowned_class: DeviceClass = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "gpupool.dev",
+            "labels": {"app.kubernetes.io/managed-by": "gpupool-controller"}},
+        "spec": {"selectors": [{"cel": {"expression": "device.driver == \"gpupool.dev\""}}]}
+    }))
+    .unwrap();
+    classes.create(&pp, &unowned_class).await.unwrap();
+    let released: Lease = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "gpupool-controller", "namespace": "kube-system"},
+        "spec": {"leaseDurationSeconds": 1}
+    }))
+    .unwrap();
+    leases.create(&pp, &released).await.unwrap();
+
+    let cluster_role: ClusterRole = serde_json::from_value(
+        serde_json::json!({"metadata": {"name": CLASS_OWNER_CLUSTER_ROLE}, "rules": []}),
+    )
+    .unwrap();
+    let cluster_role = Api::<ClusterRole>::all(admin.clone())
+        .create(&pp, &cluster_role)
+        .await
+        .unwrap();
+    let role: Role = serde_json::from_value(serde_json::json!(
+        {"metadata": {"name": LEASE_OWNER_ROLE, "namespace": "kube-system"}, "rules": []}
+    ))
+    .unwrap();
+    let role = Api::<Role>::namespaced(admin.clone(), "kube-system")
+        .create(&pp, &role)
+        .await
+        .unwrap();
+
+    let replica = Replica::start_owned(&server, "replica-a").await;
+    let class_owner = (
+        "ClusterRole".to_string(),
+        CLASS_OWNER_CLUSTER_ROLE.to_string(),
+        cluster_role.metadata.uid.clone().unwrap(),
+    );
+    eventually(
+        "the ClusterRole to own the all-GPUs class",
+        Duration::from_secs(15),
+        || async {
+            let class = classes.get("gpupool.dev").await.unwrap();
+            (owners(&class.metadata.owner_references) == [class_owner.clone()]).then_some(())
+        },
+    )
+    .await;
+    let lease_owner = (
+        "Role".to_string(),
+        LEASE_OWNER_ROLE.to_string(),
+        role.metadata.uid.clone().unwrap(),
+    );
+    eventually(
+        "the Role to own the Lease",
+        Duration::from_secs(15),
+        || async {
+            let lease = leases.get("gpupool-controller").await.unwrap();
+            (owners(&lease.metadata.owner_references) == [lease_owner.clone()]).then_some(())
+        },
+    )
+    .await;
+
+    // The ClusterRole goes: so does the class (the API server's collector), and the controller
+    // makes it again without an owner rather than not at all.
+    Api::<ClusterRole>::all(admin.clone())
+        .delete(CLASS_OWNER_CLUSTER_ROLE, &DeleteParams::default())
+        .await
+        .unwrap();
+    let recreated = eventually(
+        "the all-GPUs class made again",
+        Duration::from_secs(15),
+        || async { classes.get_opt("gpupool.dev").await.unwrap() },
+    )
+    .await;
+    assert_eq!(owners(&recreated.metadata.owner_references), []);
+    replica.crash();
 }

@@ -6,6 +6,7 @@
 //! [`metrics`] shows all of it to Prometheus; [`health`] turns XIDs and lost GPUs into device taints
 //! and the kubelet's health stream.
 
+pub mod cli;
 pub mod config;
 pub mod devices;
 pub mod health;

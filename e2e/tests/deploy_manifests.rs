@@ -494,6 +494,26 @@ fn grants(role: &Value) -> BTreeMap<(String, String), BTreeSet<String>> {
     out
 }
 
+/// The `resourceNames` of the rules of `role` on `resource`; empty where one rule has none (any name).
+fn names_granted(role: &Value, resource: &str) -> Vec<String> {
+    let rules: Vec<&Value> = role["rules"]
+        .as_array()
+        .expect("rules")
+        .iter()
+        .filter(|r| strings(&r["resources"]).iter().any(|x| x == resource))
+        .collect();
+    if rules
+        .iter()
+        .any(|r| strings(&r["resourceNames"]).is_empty())
+    {
+        return Vec::new();
+    }
+    rules
+        .iter()
+        .flat_map(|r| strings(&r["resourceNames"]))
+        .collect()
+}
+
 fn expect_grants(
     entries: &[(&str, &str, &[&str])],
 ) -> BTreeMap<(String, String), BTreeSet<String>> {
@@ -605,20 +625,47 @@ fn rbac_grants_least_privilege() {
             ("resource.k8s.io", "resourceclaimtemplates", manage),
             ("", "events", &["create", "patch"]),
             ("events.k8s.io", "events", &["create", "patch"]),
+            // Its own ClusterRole's uid: the role owns the all-GPUs class.
+            ("rbac.authorization.k8s.io", "clusterroles", &["get"]),
         ]),
         "controller ClusterRole"
     );
+    assert_eq!(
+        names_granted(
+            find(&objects, "ClusterRole", "gpupool-controller"),
+            "clusterroles"
+        ),
+        ["gpupool-controller"],
+        "the controller reads its own ClusterRole and no other"
+    );
 
-    // Leases only in the controller's namespace, and only the one it elects with may be renewed.
+    // Leases only in the controller's namespace, and only the one it elects with may be renewed;
+    // the Role that owns that Lease may be read, by name.
     let lease_role = find(&objects, "Role", "gpupool-controller-leader-election");
     assert_eq!(lease_role["metadata"]["namespace"], "gpupool");
+    assert_eq!(
+        grants(lease_role),
+        expect_grants(&[
+            (
+                "coordination.k8s.io",
+                "leases",
+                &["create", "get", "update"]
+            ),
+            ("rbac.authorization.k8s.io", "roles", &["get"]),
+        ]),
+        "leader-election Role"
+    );
     for rule in lease_role["rules"].as_array().expect("rules") {
-        assert_eq!(strings(&rule["resources"]), ["leases"]);
         let verbs = strings(&rule["verbs"]);
         if verbs != ["create"] {
+            let own_name = if strings(&rule["resources"]) == ["roles"] {
+                "gpupool-controller-leader-election"
+            } else {
+                "gpupool-controller"
+            };
             assert_eq!(
                 strings(&rule["resourceNames"]),
-                ["gpupool-controller"],
+                [own_name],
                 "{verbs:?} by name only"
             );
         }

@@ -23,12 +23,15 @@ pub enum ApiError {
 }
 
 /// Where a read is served from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ClaimRead {
     /// The API server's watch cache (`resourceVersion=0`): about half the cost of a quorum read,
     /// and possibly behind. See `claim::cached_copy_problem` for when such a copy is used.
     Cached,
-    /// The current object, read through etcd.
+    /// The watch cache once it holds this resourceVersion (a GET with `resourceVersion=<v>`): as
+    /// cheap as [`ClaimRead::Cached`], never older than a copy seen before.
+    NotOlderThan(String),
+    /// The current object, read through etcd. It waits for the writes etcd is committing.
     Quorum,
 }
 
@@ -81,8 +84,9 @@ impl ClaimApi for KubeClaimApi {
         read: ClaimRead,
     ) -> BoxFuture<'a, Result<ResourceClaim, ApiError>> {
         Box::pin(async move {
-            let params = match read {
+            let params = match &read {
                 ClaimRead::Cached => GetParams::any(),
+                ClaimRead::NotOlderThan(version) => GetParams::at(version),
                 ClaimRead::Quorum => GetParams::default(),
             };
             Api::<ResourceClaim>::namespaced(self.client.clone(), namespace)

@@ -1,7 +1,7 @@
 //! Checks on a claim before anything is written: the kubelet's reference (names and UID become file
 //! names, so they are validated first), then the claim read from the API server.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use gpupool_api::config::{self, ConfigEntry, ConfigSource};
 use gpupool_api::inventory::Inventory;
@@ -236,6 +236,30 @@ pub fn prepared_allocation_id(devices: &[PreparedDevice]) -> AllocationId {
         .collect()
 }
 
+/// The consumers a claim is reserved for (`status.reservedFor[].uid`).
+pub fn consumers(claim: &ResourceClaim) -> BTreeSet<String> {
+    claim
+        .status
+        .as_ref()
+        .and_then(|s| s.reserved_for.as_ref())
+        .into_iter()
+        .flatten()
+        .map(|c| c.uid.clone())
+        .collect()
+}
+
+/// What the driver knew of an allocation when it unprepared it: enough to tell a cached copy that
+/// still shows it (stale) from the same allocation reserved again for a new pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tombstone {
+    pub allocation: AllocationId,
+    /// The consumers of the newest copy the driver prepared from.
+    pub consumers: BTreeSet<String>,
+    /// The resourceVersion of the newest copy of the claim the driver saw while it was prepared
+    /// (read or written): a re-prepare reads from the cache "not older than" it.
+    pub seen_version: Option<String>,
+}
+
 /// Why a copy of the claim from the API server's watch cache must not be prepared from (the
 /// caller then reads it with quorum), or `None` when it may be.
 ///
@@ -248,20 +272,27 @@ pub fn prepared_allocation_id(devices: &[PreparedDevice]) -> AllocationId {
 /// - another UID: the claim was deleted and re-created under the same name;
 /// - being deleted, not allocated, or not reserved for anyone: the kubelet would not have called;
 /// - no result of this driver in this node's pool: an allocation for another node;
-/// - an allocation this driver has prepared and unprepared before (`unprepared`, the allocations
-///   of this claim unprepared since the driver started): a removed one, by its share ids.
+/// - an allocation this driver has prepared and unprepared before (`unprepared`, the tombstones of
+///   this claim since the driver started), reserved only for consumers the driver had seen
+///   reserved on it: a copy from before the unprepare. The same allocation reserved for a
+///   consumer the driver had not seen is a pod started on the claim after the unprepare (a pod
+///   re-created on the same claim), and is the kubelet's: such a re-prepare costs one cached
+///   read, where refusing every unprepared allocation made it a cached and a quorum read. The
+///   caller reads such a claim "not older than" the tombstone's `seen_version`, so the copy is
+///   never older than what the driver saw while the allocation was prepared.
 ///
-/// What remains is an earlier allocation of this claim on this node that was reserved, never
-/// prepared here, then removed and replaced by another one on this node, all within the cache's
-/// delay (normally milliseconds, while that sequence takes a pod deletion, a deallocation and a
-/// scheduling cycle). That case is caught after the answer, not before: the status write that
-/// follows each prepare is conditional on the copy's resourceVersion, a stale copy makes it fail,
-/// and the quorum read that follows compares the allocations (see `ClaimPreparer`).
+/// What remains is an earlier allocation of this claim on this node that was never prepared here
+/// (or reserved for a consumer this driver never saw, then unprepared), then removed and replaced
+/// by another one on this node, all within the cache's delay (normally milliseconds, while that
+/// sequence takes a pod deletion, a deallocation and a scheduling cycle). That case is caught
+/// after the answer, not before: the status write that follows a prepare is conditional on the
+/// copy's resourceVersion, a stale copy makes it fail, and the quorum read that follows compares
+/// the allocations (see `ClaimPreparer`).
 pub fn cached_copy_problem(
     claim_ref: &ClaimRef,
     claim: &ResourceClaim,
     pool: &str,
-    unprepared: &[AllocationId],
+    unprepared: &[Tombstone],
 ) -> Option<&'static str> {
     if claim.metadata.uid.as_deref() != Some(claim_ref.uid.as_str()) {
         return Some("another UID");
@@ -273,18 +304,19 @@ pub fn cached_copy_problem(
     if status.and_then(|s| s.allocation.as_ref()).is_none() {
         return Some("not allocated");
     }
-    if status
-        .and_then(|s| s.reserved_for.as_ref())
-        .is_none_or(|r| r.is_empty())
-    {
+    let consumers = consumers(claim);
+    if consumers.is_empty() {
         return Some("not reserved");
     }
     let id = allocation_id(claim, pool);
     if id.is_empty() {
         return Some("no device of this node");
     }
-    if unprepared.contains(&id) {
-        return Some("an allocation already unprepared");
+    let stale = unprepared
+        .iter()
+        .any(|t| t.allocation == id && consumers.is_subset(&t.consumers));
+    if stale {
+        return Some("an allocation already unprepared, reserved for no new consumer");
     }
     None
 }
@@ -532,12 +564,17 @@ pub(crate) mod tests {
             Some("being deleted")
         );
 
-        // An allocation prepared and unprepared before is a removed one, even on the same device:
-        // the next allocation has another share id.
-        let earlier = allocation_id(&claim, "node-a");
+        // An allocation prepared and unprepared before, reserved for the consumers it had then:
+        // a copy from before the unprepare. The next allocation has another share id.
+        let tombstone = |claim: &ResourceClaim| Tombstone {
+            allocation: allocation_id(claim, "node-a"),
+            consumers: consumers(claim),
+            seen_version: None,
+        };
+        let earlier = tombstone(&claim);
         assert_eq!(
             cached_copy_problem(&ours, &claim, "node-a", std::slice::from_ref(&earlier)),
-            Some("an allocation already unprepared")
+            Some("an allocation already unprepared, reserved for no new consumer")
         );
         let next = allocated_claim(
             UID,
@@ -552,7 +589,22 @@ pub(crate) mod tests {
             json!(null),
         );
         assert_eq!(
-            cached_copy_problem(&ours, &next, "node-a", &[earlier]),
+            cached_copy_problem(&ours, &next, "node-a", std::slice::from_ref(&earlier)),
+            None
+        );
+        // The same allocation reserved for a pod the driver had not seen (a pod re-created on
+        // the claim after the unprepare) is the kubelet's.
+        let mut again = claim.clone();
+        again.status.as_mut().unwrap().reserved_for = Some(vec![
+            k8s_openapi::api::resource::v1::ResourceClaimConsumerReference {
+                resource: "pods".into(),
+                name: "p2".into(),
+                uid: "6f1c8a52-0000-4000-8000-00000000000a".into(),
+                ..Default::default()
+            },
+        ]);
+        assert_eq!(
+            cached_copy_problem(&ours, &again, "node-a", std::slice::from_ref(&earlier)),
             None
         );
     }

@@ -17,7 +17,7 @@ mod nvidia_cdi;
 pub(crate) mod status;
 mod status_writes;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -31,7 +31,7 @@ use tokio::sync::watch;
 
 use self::api::{ApiError, ClaimApi, ClaimRead, KubeClaimApi};
 use self::cdi::SpecDevice;
-use self::claim::{AllocatedDevice, AllocationId};
+use self::claim::{AllocatedDevice, AllocationId, Tombstone};
 pub use self::error::{PrepareError, PrepareErrorKind};
 use self::guard::{Held, Use};
 pub use self::limits::DefaultEnforcement;
@@ -54,7 +54,16 @@ pub struct PrepareOptions {
     pub mig: MigCards,
     /// The enforcement of a claim whose config names none.
     pub default_enforcement: DefaultEnforcement,
+    /// How long after a prepare its `status.devices` write is made (see [`STATUS_WRITE_DELAY`]).
+    pub status_write_delay: Duration,
 }
+
+/// A prepare's status write waits this long: a claim unprepared meanwhile (a short-lived pod, a
+/// kubelet retry) costs the cluster no write, and a burst of prepares is not slowed by the API
+/// server's handling of the driver's own writes (a quorum read waits for the writes etcd is
+/// committing). `kubectl describe resourceclaim` shows the status about this long after the
+/// prepare, which is about when the pod's containers start.
+pub const STATUS_WRITE_DELAY: Duration = Duration::from_millis(500);
 
 /// The kubelet gives a whole NodePrepareResources call 45 s; leave room for the rest.
 const API_READ_TIMEOUT: Duration = Duration::from_secs(15);
@@ -70,6 +79,7 @@ pub struct ClaimPreparer {
     claim_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     status_writes: StatusQueue,
     unprepared: UnpreparedAllocations,
+    seen: Arc<SeenClaims>,
     /// The devices last reported unhealthy (device -> what is wrong), see
     /// [`ClaimPreparer::report_device_health`].
     unhealthy: Mutex<BTreeMap<String, String>>,
@@ -82,25 +92,72 @@ pub struct ClaimPreparer {
 /// one of them is recognised as stale (see [`claim::cached_copy_problem`]). Bounded: a claim is
 /// re-allocated within seconds of its unprepare, if ever, and the cache is behind by far less.
 #[derive(Default)]
-struct UnpreparedAllocations(Mutex<std::collections::VecDeque<(String, AllocationId)>>);
+struct UnpreparedAllocations(Mutex<std::collections::VecDeque<(String, Tombstone)>>);
 
 const UNPREPARED_KEPT: usize = 1024;
 
 impl UnpreparedAllocations {
-    fn record(&self, uid: &str, id: AllocationId) {
+    fn record(&self, uid: &str, tombstone: Tombstone) {
         let mut list = self.0.lock().expect("never poisoned");
         if list.len() == UNPREPARED_KEPT {
             list.pop_front();
         }
-        list.push_back((uid.to_string(), id));
+        list.push_back((uid.to_string(), tombstone));
     }
 
-    fn of(&self, uid: &str) -> Vec<AllocationId> {
+    /// The claim's tombstones, oldest first.
+    fn of(&self, uid: &str) -> Vec<Tombstone> {
         let list = self.0.lock().expect("never poisoned");
         list.iter()
             .filter(|(u, _)| u == uid)
-            .map(|(_, id)| id.clone())
+            .map(|(_, t)| t.clone())
             .collect()
+    }
+}
+
+/// What the driver saw of each prepared claim: the consumers of the copy it prepared from, and
+/// the newest resourceVersion it read or wrote. An unprepare turns it into the claim's
+/// [`Tombstone`].
+#[derive(Default)]
+pub(crate) struct SeenClaims(Mutex<HashMap<String, SeenClaim>>);
+
+#[derive(Default)]
+struct SeenClaim {
+    consumers: BTreeSet<String>,
+    version: Option<String>,
+}
+
+impl SeenClaims {
+    fn prepared_from(&self, uid: &str, copy: &k8s_openapi::api::resource::v1::ResourceClaim) {
+        self.0.lock().expect("never poisoned").insert(
+            uid.to_string(),
+            SeenClaim {
+                consumers: claim::consumers(copy),
+                version: copy.metadata.resource_version.clone(),
+            },
+        );
+    }
+
+    /// A status write answered with `version`.
+    pub(crate) fn wrote(&self, uid: &str, version: String) {
+        if let Some(seen) = self.0.lock().expect("never poisoned").get_mut(uid) {
+            seen.version = Some(version);
+        }
+    }
+
+    /// The claim's tombstone, once its `allocation` is unprepared.
+    fn bury(&self, uid: &str, allocation: AllocationId) -> Tombstone {
+        let seen = self
+            .0
+            .lock()
+            .expect("never poisoned")
+            .remove(uid)
+            .unwrap_or_default();
+        Tombstone {
+            allocation,
+            consumers: seen.consumers,
+            seen_version: seen.version,
+        }
     }
 }
 
@@ -153,6 +210,7 @@ impl ClaimPreparer {
             claim_locks: Mutex::new(HashMap::new()),
             status_writes: StatusQueue::default(),
             unprepared: UnpreparedAllocations::default(),
+            seen: Arc::default(),
             unhealthy: Mutex::default(),
             warned_missing_lib: AtomicBool::new(false),
             in_flight: Mutex::default(),
@@ -382,6 +440,7 @@ impl ClaimPreparer {
         let (state, uid) = (self.state.clone(), claim.uid.clone());
         // One blocking section for the whole sequence: no thread hand-over between its steps.
         run_blocking(claim, move || state.prepare(&uid, completed)).await?;
+        self.seen.prepared_from(&claim.uid, &object);
 
         // The claim is prepared once its spec and entry exist; the status is for the user only.
         let weights = self.weights.borrow().clone();
@@ -420,6 +479,7 @@ impl ClaimPreparer {
         let write = StatusWrite {
             api: self.api.clone(),
             state: self.state.clone(),
+            seen: self.seen.clone(),
             claim: claim.clone(),
             pool: pool.to_string(),
             ours,
@@ -427,7 +487,8 @@ impl ClaimPreparer {
             existing: allocation.device_status,
             based_on: object.metadata.resource_version.clone(),
         };
-        self.status_writes.push(&claim.uid, write.run());
+        self.status_writes
+            .push_prepare_write(&claim.uid, self.opts.status_write_delay, write);
         Ok(devices)
     }
 
@@ -549,15 +610,21 @@ impl ClaimPreparer {
 
     /// The claim as the API server has it: from its watch cache when that copy can only be the
     /// allocation the kubelet saw (see [`claim::cached_copy_problem`]), else with a quorum read.
+    /// A claim unprepared before is read from the cache "not older than" what the driver last saw
+    /// of it.
     async fn read_claim(
         &self,
         claim: &ClaimRef,
     ) -> Result<k8s_openapi::api::resource::v1::ResourceClaim, PrepareError> {
         let pool = self.opts.node_name.as_str();
-        match self.get_claim(claim, ClaimRead::Cached).await {
+        let tombstones = self.unprepared.of(&claim.uid);
+        let read = match tombstones.last().and_then(|t| t.seen_version.clone()) {
+            Some(version) => ClaimRead::NotOlderThan(version),
+            None => ClaimRead::Cached,
+        };
+        match self.get_claim(claim, read).await {
             Ok(copy) => {
-                let problem =
-                    claim::cached_copy_problem(claim, &copy, pool, &self.unprepared.of(&claim.uid));
+                let problem = claim::cached_copy_problem(claim, &copy, pool, &tombstones);
                 match problem {
                     None => return Ok(copy),
                     Some(why) => {
@@ -608,8 +675,9 @@ impl ClaimPreparer {
         });
         let (state, uid) = (self.state.clone(), claim.uid.clone());
         run_blocking(claim, move || state.remove(&uid)).await?;
-        if let Some(id) = allocation.filter(|id| !id.is_empty()) {
-            self.unprepared.record(&claim.uid, id);
+        let tombstone = self.seen.bury(&claim.uid, allocation.unwrap_or_default());
+        if !tombstone.allocation.is_empty() {
+            self.unprepared.record(&claim.uid, tombstone);
         }
         Ok(())
     }

@@ -1,5 +1,9 @@
 //! The claims' `status.devices` writes (what `kubectl describe resourceclaim` shows), queued off
-//! the kubelet's critical path. The content is `status.rs`'s; this is when and how it is written.
+//! the kubelet's critical path in time as well as in thread: a prepare's write waits
+//! [`super::STATUS_WRITE_DELAY`] and is made only if the claim is still prepared and no later
+//! prepare of it queued a write of its own (coalesced), so a short-lived pod costs no write and
+//! the driver's own writes do not slow the reads of the prepares that follow. The content is
+//! `status.rs`'s; this is when and how it is written.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
@@ -11,7 +15,7 @@ use k8s_openapi::jiff::Timestamp;
 
 use super::api::{ApiError, ClaimApi, ClaimRead};
 use super::claim::{self, AllocationId};
-use super::{status, API_WRITE_TIMEOUT};
+use super::{status, SeenClaims, API_WRITE_TIMEOUT};
 use crate::node_state::checkpoint::ClaimState;
 use crate::node_state::NodeState;
 
@@ -25,6 +29,9 @@ type QueueTail = (u64, tokio::task::JoinHandle<()>);
 pub(super) struct StatusQueue {
     /// Per claim uid: the sequence number and handle of the last write queued.
     tails: Arc<Mutex<HashMap<String, QueueTail>>>,
+    /// Per claim uid: the sequence number of the last prepare write queued; an earlier one that
+    /// comes due after it was queued is dropped.
+    latest_prepare_write: Arc<Mutex<HashMap<String, u64>>>,
     next_seq: Arc<std::sync::atomic::AtomicU64>,
     /// Writes of different claims in flight at once. kube's client speaks HTTP/1.1, so each one
     /// holds a connection of its own (~50 KiB): against a slow API server an unbounded queue
@@ -38,6 +45,7 @@ impl Default for StatusQueue {
     fn default() -> Self {
         Self {
             tails: Arc::default(),
+            latest_prepare_write: Arc::default(),
             next_seq: Arc::default(),
             in_flight: Arc::new(tokio::sync::Semaphore::new(STATUS_WRITES_IN_FLIGHT)),
         }
@@ -50,6 +58,48 @@ impl StatusQueue {
         uid: &str,
         write: impl std::future::Future<Output = ()> + Send + 'static,
     ) {
+        self.push_after(uid, None, write);
+    }
+
+    /// A prepare's write: made `delay` from now, unless a later prepare of the claim queued its
+    /// own meanwhile (or the claim is unprepared by then, which [`StatusWrite`] checks).
+    pub(super) fn push_prepare_write(
+        &self,
+        uid: &str,
+        delay: std::time::Duration,
+        write: StatusWrite,
+    ) {
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        self.latest_prepare_write
+            .lock()
+            .expect("status queue is never poisoned")
+            .insert(uid.to_string(), seq);
+        let latest = self.latest_prepare_write.clone();
+        let owned_uid = uid.to_string();
+        let due = tokio::time::Instant::now() + delay;
+        self.push_after(uid, Some(due), async move {
+            let current = {
+                let mut latest = latest.lock().expect("status queue is never poisoned");
+                let current = latest.get(&owned_uid) == Some(&seq);
+                if current {
+                    latest.remove(&owned_uid);
+                }
+                current
+            };
+            if current {
+                write.run().await;
+            }
+        });
+    }
+
+    /// `write`, after the claim's earlier writes and not before `due`; the wait holds no
+    /// in-flight permit, so writes due later never hold back those due now.
+    fn push_after(
+        &self,
+        uid: &str,
+        due: Option<tokio::time::Instant>,
+        write: impl std::future::Future<Output = ()> + Send + 'static,
+    ) {
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
         let tails = self.tails.clone();
         let owned_uid = uid.to_string();
@@ -59,6 +109,9 @@ impl StatusQueue {
         let handle = tokio::spawn(async move {
             if let Some(previous) = previous {
                 let _ = previous.await;
+            }
+            if let Some(due) = due {
+                tokio::time::sleep_until(due).await;
             }
             let permit = in_flight.acquire_owned().await;
             write.await;
@@ -144,6 +197,8 @@ pub(super) async fn write_device_health(
 pub(super) struct StatusWrite {
     pub(super) api: Arc<dyn ClaimApi>,
     pub(super) state: Arc<NodeState>,
+    /// Told the resourceVersion each write answers with.
+    pub(super) seen: Arc<SeenClaims>,
     pub(super) claim: ClaimRef,
     pub(super) pool: String,
     pub(super) ours: Vec<AllocatedDeviceStatus>,
@@ -193,7 +248,11 @@ impl StatusWrite {
             .await
         {
             Err(ApiError::Conflict) => {}
-            other => return other.map(|_| ()),
+            Ok(version) => {
+                self.seen.wrote(&self.claim.uid, version);
+                return Ok(());
+            }
+            Err(e) => return Err(e),
         }
         // The claim changed since the copy prepared from (its reservations, another driver's
         // status, or the copy came from a cache that was behind).
@@ -225,9 +284,11 @@ impl StatusWrite {
         }
         let existing = device_status_of(&current);
         let list = status::merge_device_status(&existing, &self.pool, self.ours);
-        self.api
+        let version = self
+            .api
             .write_device_status(namespace, name, list, current.metadata.resource_version)
-            .await
-            .map(|_| ())
+            .await?;
+        self.seen.wrote(&self.claim.uid, version);
+        Ok(())
     }
 }

@@ -64,6 +64,8 @@ struct FakeApi {
     status_writes: AtomicUsize,
     /// What the watch cache serves instead of the current object, when set (a cache behind).
     cache: Mutex<HashMap<(String, String), ResourceClaim>>,
+    /// Every read asked for, in order.
+    reads: Mutex<Vec<ClaimRead>>,
     events: Mutex<Vec<Event>>,
     /// A claim name whose read waits until notified.
     gate: Mutex<Option<(String, Arc<Notify>)>>,
@@ -165,15 +167,37 @@ impl ClaimApi for FakeApi {
                 }
             }
             self.read_attempts.fetch_add(1, Ordering::SeqCst);
+            self.reads.lock().unwrap().push(read.clone());
             if self.down.load(Ordering::SeqCst) {
                 return Err(ApiError::Other("connection refused".into()));
             }
             self.gets.fetch_add(1, Ordering::SeqCst);
             let key = (namespace.to_string(), name.to_string());
-            if read == ClaimRead::Quorum {
-                self.quorum_gets.fetch_add(1, Ordering::SeqCst);
-            } else if let Some(stale) = self.cache.lock().unwrap().get(&key) {
-                return Ok(stale.clone());
+            let version = |c: &ResourceClaim| {
+                c.metadata
+                    .resource_version
+                    .as_deref()
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .unwrap_or(0)
+            };
+            match &read {
+                ClaimRead::Quorum => {
+                    self.quorum_gets.fetch_add(1, Ordering::SeqCst);
+                }
+                // The cache's copy when it is at least that version, else the object.
+                ClaimRead::NotOlderThan(at) => {
+                    let at: u64 = at.parse().unwrap();
+                    if let Some(stale) = self.cache.lock().unwrap().get(&key) {
+                        if version(stale) >= at {
+                            return Ok(stale.clone());
+                        }
+                    }
+                }
+                ClaimRead::Cached => {
+                    if let Some(stale) = self.cache.lock().unwrap().get(&key) {
+                        return Ok(stale.clone());
+                    }
+                }
             }
             self.claims
                 .lock()
@@ -319,6 +343,7 @@ fn opts_under(top: &Path) -> PrepareOptions {
                 .map(|g| g.uuid.clone())
                 .collect(),
         },
+        status_write_delay: STATUS_WRITE_DELAY,
     }
 }
 
@@ -893,11 +918,85 @@ async fn the_answer_does_not_wait_for_the_status_and_a_quick_unprepare_writes_no
         .1
         .is_ok());
     preparer.flush_status_writes().await;
-    assert!(node.api.status_writes.load(Ordering::SeqCst) <= 1);
+    assert_eq!(
+        node.api.status_writes.load(Ordering::SeqCst),
+        0,
+        "a claim unprepared before its write is due gets none"
+    );
 
     node.api.status_write_delay_ms.store(0, Ordering::SeqCst);
     assert!(preparer.prepare(vec![r("train", UID_A)]).await[0].1.is_ok());
     preparer.flush_status_writes().await;
+    assert_eq!(node.api.device_status("train").len(), 1);
+}
+
+/// The claim reserved for another pod than the one it was prepared for (a pod re-created on it).
+fn reserved_for_a_new_pod(uid: &str) -> ResourceClaim {
+    let mut claim = fractional(uid);
+    claim.status.as_mut().unwrap().reserved_for = Some(vec![
+        k8s_openapi::api::resource::v1::ResourceClaimConsumerReference {
+            resource: "pods".into(),
+            name: "train-1".into(),
+            uid: "9f1c2d3e-4b5a-4c6d-8e7f-000000000002".into(),
+            ..Default::default()
+        },
+    ]);
+    claim
+}
+
+#[tokio::test]
+async fn a_pod_recreated_on_the_same_claim_costs_one_cached_read() {
+    let node = Node::new();
+    node.api.add("train", fractional(UID_A));
+    let preparer = node.start().await;
+    prepare_one(&preparer, "train", UID_A).await.unwrap();
+    preparer.flush_status_writes().await;
+    let seen = node.api.current("train").metadata.resource_version.unwrap();
+    unprepare_one(&preparer, "train", UID_A).await.unwrap();
+
+    // Same allocation, now reserved for the new pod; the cache is up to date.
+    node.api.add("train", reserved_for_a_new_pod(UID_A));
+    node.api.cache_serves("train", node.api.current("train"));
+    let before = node.api.reads.lock().unwrap().len();
+    prepare_one(&preparer, "train", UID_A).await.unwrap();
+    let reads = node.api.reads.lock().unwrap()[before..].to_vec();
+    assert_eq!(
+        reads,
+        [ClaimRead::NotOlderThan(seen)],
+        "one cached read, not older than the status write the driver saw"
+    );
+}
+
+#[tokio::test]
+async fn prepare_status_writes_wait_and_only_the_last_prepare_writes() {
+    let node = Node::new();
+    node.api.add("train", fractional(UID_A));
+    let mut opts = node.opts.clone();
+    opts.status_write_delay = std::time::Duration::from_millis(300);
+    let preparer = Arc::new(
+        ClaimPreparer::with_api(
+            opts,
+            Arc::new(inventory()),
+            node.api.clone(),
+            watch::channel(BTreeMap::new()).1,
+            current_boot_id(),
+        )
+        .await
+        .unwrap(),
+    );
+    prepare_one(&preparer, "train", UID_A).await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    assert_eq!(
+        node.api.status_writes.load(Ordering::SeqCst),
+        0,
+        "not due yet"
+    );
+    // The pod goes and a new one comes, all within the delay: one write, the last prepare's.
+    unprepare_one(&preparer, "train", UID_A).await.unwrap();
+    node.api.add("train", reserved_for_a_new_pod(UID_A));
+    prepare_one(&preparer, "train", UID_A).await.unwrap();
+    preparer.flush_status_writes().await;
+    assert_eq!(node.api.status_writes.load(Ordering::SeqCst), 1);
     assert_eq!(node.api.device_status("train").len(), 1);
 }
 

@@ -23,8 +23,8 @@ use crate::resources::ResourceDef;
 use crate::selectors::{FieldSelector, LabelSelector};
 use crate::status::ApiError;
 use crate::store::{
-    EventType, FieldValidation, PatchType, Preconditions, Requester, Store, StoredEvent,
-    WriteOptions,
+    DeleteOptions, EventType, FieldValidation, PatchType, Preconditions, Propagation, Requester,
+    Store, StoredEvent, WriteOptions,
 };
 use crate::table;
 use crate::watchcache::{CachedObject, WatchCache};
@@ -251,6 +251,51 @@ impl RequestContext {
                 user: self.user.clone(),
                 verb: auth::verb(self.method.as_str(), true, false),
             }),
+        })
+    }
+
+    /// The `DeleteOptions` of a DELETE, from its body and its query (the real server reads both).
+    fn delete_options(&self) -> Result<DeleteOptions, ApiError> {
+        let options: Value = if self.body.is_empty() {
+            json!({})
+        } else {
+            self.json_body()?
+        };
+        let text = |field: &str| {
+            options
+                .get(field)
+                .and_then(Value::as_str)
+                .map(String::from)
+                .or_else(|| self.param(field).map(String::from))
+        };
+        let orphan_dependents = match options.get("orphanDependents").and_then(Value::as_bool) {
+            Some(orphan) => Some(orphan),
+            None => match self.param("orphanDependents") {
+                None => None,
+                Some(value) => Some(value.parse::<bool>().map_err(|_| {
+                    ApiError::bad_request(format!("invalid orphanDependents: {value:?}"))
+                })?),
+            },
+        };
+        let propagation =
+            Propagation::from_options(text("propagationPolicy").as_deref(), orphan_dependents)?;
+        Ok(DeleteOptions {
+            preconditions: Preconditions {
+                uid: options
+                    .pointer("/preconditions/uid")
+                    .and_then(Value::as_str)
+                    .map(String::from),
+                resource_version: options
+                    .pointer("/preconditions/resourceVersion")
+                    .and_then(Value::as_str)
+                    .map(String::from),
+            },
+            dry_run: self.param("dryRun") == Some("All")
+                || options
+                    .get("dryRun")
+                    .and_then(Value::as_array)
+                    .is_some_and(|d| d.iter().any(|v| v == "All")),
+            propagation,
         })
     }
 
@@ -574,9 +619,9 @@ fn resource_request(
         }
         (None, None, Method::DELETE) => {
             let (labels, fields) = ctx.selectors()?;
+            let options = ctx.delete_options()?;
             let mut store = shared.store();
-            let dry_run = ctx.param("dryRun") == Some("All");
-            let deleted = store.delete_collection(def, ns, &labels, &fields, dry_run)?;
+            let deleted = store.delete_collection(def, ns, &labels, &fields, &options)?;
             shared.notify(&store);
             let rv = store.current_rv().to_string();
             Ok(json_response(
@@ -644,28 +689,9 @@ fn resource_request(
             ))
         }
         (Some(name), None, Method::DELETE) => {
-            let options: Value = if ctx.body.is_empty() {
-                json!({})
-            } else {
-                ctx.json_body()?
-            };
-            let preconditions = Preconditions {
-                uid: options
-                    .pointer("/preconditions/uid")
-                    .and_then(Value::as_str)
-                    .map(String::from),
-                resource_version: options
-                    .pointer("/preconditions/resourceVersion")
-                    .and_then(Value::as_str)
-                    .map(String::from),
-            };
-            let dry_run = ctx.param("dryRun") == Some("All")
-                || options
-                    .get("dryRun")
-                    .and_then(Value::as_array)
-                    .is_some_and(|d| d.iter().any(|v| v == "All"));
+            let options = ctx.delete_options()?;
             let mut store = shared.store();
-            let object = store.delete(def, ns, name, &preconditions, dry_run)?;
+            let object = store.delete_with(def, ns, name, &options)?;
             shared.notify(&store);
             Ok(json_response(200, &object))
         }

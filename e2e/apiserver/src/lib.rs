@@ -3,7 +3,8 @@
 //! field is lost; the rules of the real server that gpupool depends on live in [`store`] and [`rules`].
 //!
 //! Authentication and authorization as [`auth`] describes them: bearer tokens, RBAC, and the DRA
-//! status permissions of 1.36.
+//! status permissions of 1.36. The garbage collector's part (dependents deleted or orphaned with
+//! their owners, `propagationPolicy` on DELETE) is done by the [`store`], synchronously.
 //!
 //! Not emulated, on purpose or for now: the Node authorizer, admission (webhooks and
 //! ValidatingAdmissionPolicies are stored, not enforced), CEL `x-kubernetes-validations`, real

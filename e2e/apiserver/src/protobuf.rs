@@ -1,6 +1,7 @@
 //! Decodes the protobuf request bodies of the typed kubectl commands a person uses against the
-//! sandbox (`kubectl create namespace`, `kubectl create configmap`) into JSON. Kubernetes wraps
-//! them in a `runtime.Unknown` envelope after the magic bytes `k8s\0`.
+//! sandbox (`kubectl create namespace`, `kubectl create configmap`) and of Helm's release records
+//! (`HELM_DRIVER=configmap`: a ConfigMap, and the DeleteOptions of `helm uninstall`) into JSON.
+//! Kubernetes wraps them in a `runtime.Unknown` envelope after the magic bytes `k8s\0`.
 
 use serde_json::{json, Map, Value};
 
@@ -189,6 +190,38 @@ fn config_map(bytes: &[u8]) -> Result<Value, ProtobufError> {
     Ok(object)
 }
 
+/// `meta.k8s.io/v1` DeleteOptions, which typed clients send with a DELETE.
+fn delete_options(bytes: &[u8]) -> Result<Value, ProtobufError> {
+    let mut object = json!({"apiVersion": "meta.k8s.io/v1", "kind": "DeleteOptions"});
+    let mut dry_run = Vec::new();
+    for (number, wire) in fields(bytes)? {
+        match (number, wire) {
+            // int64: a negative value is the two's complement in ten bytes.
+            (1, Wire::Varint(v)) => object["gracePeriodSeconds"] = json!(v as i64),
+            (2, Wire::Bytes(b)) => {
+                let mut preconditions = Map::new();
+                for (n, w) in fields(b)? {
+                    match (n, w) {
+                        (1, Wire::Bytes(uid)) => preconditions.insert("uid".into(), text(uid)),
+                        (2, Wire::Bytes(rv)) => {
+                            preconditions.insert("resourceVersion".into(), text(rv))
+                        }
+                        _ => None,
+                    };
+                }
+                object["preconditions"] = Value::Object(preconditions);
+            }
+            (3, Wire::Varint(v)) => object["orphanDependents"] = json!(v != 0),
+            (4, Wire::Bytes(b)) => object["propagationPolicy"] = text(b),
+            (5, Wire::Bytes(b)) => dry_run.push(text(b)),
+            _ => {}
+        }
+    }
+    let map = object.as_object_mut().expect("built as an object");
+    insert_unless_empty(map, "dryRun", Value::Array(dry_run));
+    Ok(object)
+}
+
 /// The JSON form of a `application/vnd.kubernetes.protobuf` body.
 pub fn decode(body: &[u8]) -> Result<Value, ProtobufError> {
     let envelope = body.strip_prefix(b"k8s\0").ok_or(ProtobufError::NoMagic)?;
@@ -209,6 +242,7 @@ pub fn decode(body: &[u8]) -> Result<Value, ProtobufError> {
     match kind.as_str() {
         "Namespace" => namespace(raw),
         "ConfigMap" => config_map(raw),
+        "DeleteOptions" => delete_options(raw),
         _ => Err(ProtobufError::UnsupportedKind(kind)),
     }
 }
@@ -255,6 +289,23 @@ mod tests {
             decode(&envelope("ConfigMap", &raw)).unwrap(),
             json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cfg"}, "data": {"a": "1"},
                 "binaryData": {"bin": "aGkh"}, "immutable": true})
+        );
+    }
+
+    #[test]
+    fn decodes_delete_options() {
+        let raw = [
+            vec![1 << 3, 0],
+            field(2, &[field(1, b"u-1"), field(2, b"42")].concat()),
+            field(4, b"Orphan"),
+            field(5, b"All"),
+        ]
+        .concat();
+        assert_eq!(
+            decode(&envelope("DeleteOptions", &raw)).unwrap(),
+            json!({"apiVersion": "meta.k8s.io/v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0,
+                "preconditions": {"uid": "u-1", "resourceVersion": "42"},
+                "propagationPolicy": "Orphan", "dryRun": ["All"]})
         );
     }
 

@@ -96,6 +96,17 @@ impl ApiError {
         )
     }
 
+    /// A DELETE whose `DeleteOptions` the server refuses, as `ValidateDeleteOptions` words it.
+    pub fn invalid_delete_options(field: &str, message: &str) -> Self {
+        Self::new(
+            422,
+            "Invalid",
+            format!("DeleteOptions.meta.k8s.io \"\" is invalid: {field}: {message}"),
+            Some(json!({"group": "meta.k8s.io", "kind": "DeleteOptions",
+                "causes": [{"reason": cause_reason(message), "message": message, "field": field}]})),
+        )
+    }
+
     pub fn forbidden(def: &ResourceDef, name: &str, why: &str) -> Self {
         Self::of_object(403, "Forbidden", def, name, &format!("is forbidden: {why}"))
     }

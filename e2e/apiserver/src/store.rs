@@ -1,6 +1,9 @@
 //! The object store and every write rule of the real API server the emulator reproduces: resource
 //! versions, uid/creationTimestamp/generation, optimistic concurrency, status subresources, finalizers,
-//! namespaces, CRD registration and ResourceSlice validation. No I/O: the HTTP layer calls in here.
+//! namespaces, CRD registration and ResourceSlice validation, and the garbage collector's work on
+//! owner references (module `gc`, synchronous). No I/O: the HTTP layer calls in here.
+
+mod gc;
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -14,6 +17,8 @@ use crate::rules;
 use crate::schema::{decode_builtin, decode_custom, DecodeError};
 use crate::selectors::{FieldSelector, LabelSelector};
 use crate::status::ApiError;
+
+pub use gc::{Propagation, FOREGROUND_FINALIZER, ORPHAN_FINALIZER};
 
 /// How many watch events are kept for watches that resume from a resourceVersion.
 const HISTORY_LIMIT: usize = 10_000;
@@ -125,6 +130,15 @@ pub struct Preconditions {
     pub resource_version: Option<String>,
 }
 
+/// What a DELETE asks for besides the object (`DeleteOptions`).
+#[derive(Debug, Clone, Default)]
+pub struct DeleteOptions {
+    pub preconditions: Preconditions,
+    pub dry_run: bool,
+    /// What happens to the object's dependents; `None`: what its finalizers say, else background.
+    pub propagation: Option<Propagation>,
+}
+
 pub struct Store {
     rv: u64,
     objects: BTreeMap<StorageKey, BTreeMap<(String, String), Value>>,
@@ -135,6 +149,7 @@ pub struct Store {
     /// `sharedCounters` and its devices' `consumesCounters` are dropped without a word, as the
     /// real server drops the fields of a disabled feature.
     partitionable_devices: bool,
+    gc: gc::GcState,
 }
 
 impl Default for Store {
@@ -239,6 +254,7 @@ impl Store {
             builtins: builtin_resources(),
             crds: BTreeMap::new(),
             partitionable_devices: true,
+            gc: gc::GcState::default(),
         };
         let namespaces = store.find("", "v1", "namespaces").expect("built in");
         for ns in ["default", "kube-system", "kube-public", "kube-node-lease"] {
@@ -404,13 +420,15 @@ impl Store {
         self.objects
             .entry(def.storage_key())
             .or_default()
-            .insert(key, object.clone());
+            .insert(key.clone(), object.clone());
         let event = if old.is_some() {
             EventType::Modified
         } else {
             EventType::Added
         };
+        let old_owners = old.as_ref().map(gc::owner_uids).unwrap_or_default();
         self.record(def, event, &object, old);
+        self.gc_after_put(def, &key, &object, old_owners);
         object
     }
 
@@ -419,6 +437,7 @@ impl Store {
         let rv = self.next_rv();
         meta_mut(&mut object).insert("resourceVersion".into(), json!(rv));
         self.record(def, EventType::Deleted, &object, None);
+        self.gc_after_removal(def, &object);
         object
     }
 
@@ -895,19 +914,21 @@ impl Store {
         }
         let object = self.record_deletion(def, object);
         if Self::is_crd(def) {
-            if let Some(defs) = self.crds.remove(&key.1) {
-                if let Some(first) = defs.first() {
-                    let children: Vec<((String, String), Value)> = self
-                        .objects
-                        .remove(&first.storage_key())
-                        .unwrap_or_default()
-                        .into_iter()
-                        .collect();
-                    for (_, child) in children {
-                        self.record_deletion(first, child);
-                    }
+            if let Some(first) = self.crds.get(&key.1).and_then(|d| d.first()).cloned() {
+                let children: Vec<((String, String), Value)> = self
+                    .objects
+                    .remove(&first.storage_key())
+                    .unwrap_or_default()
+                    .into_iter()
+                    .collect();
+                for (_, child) in children {
+                    self.record_deletion(&first, child);
                 }
+                // Upstream deletes the custom objects while their kind is still served, so the
+                // collector can tell that the dependents' owners are gone.
+                self.run_gc();
             }
+            self.crds.remove(&key.1);
         }
         if def.kind == "Namespace" && def.group.is_empty() {
             let namespaced: Vec<ResourceDef> = self
@@ -935,10 +956,12 @@ impl Store {
                 }
             }
         }
+        self.run_gc();
         Ok(object)
     }
 
-    /// Deletes at once, or marks for deletion while finalizers remain (like the real server).
+    /// Deletes at once, or marks for deletion while finalizers remain (like the real server), with
+    /// background propagation to the dependents.
     pub fn delete(
         &mut self,
         def: &ResourceDef,
@@ -947,6 +970,24 @@ impl Store {
         preconditions: &Preconditions,
         dry_run: bool,
     ) -> Result<Value, ApiError> {
+        let options = DeleteOptions {
+            preconditions: preconditions.clone(),
+            dry_run,
+            propagation: None,
+        };
+        self.delete_with(def, namespace, name, &options)
+    }
+
+    /// A DELETE with its options: preconditions, dry run, and what happens to the dependents
+    /// (see the module `gc`).
+    pub fn delete_with(
+        &mut self,
+        def: &ResourceDef,
+        namespace: Option<&str>,
+        name: &str,
+        options: &DeleteOptions,
+    ) -> Result<Value, ApiError> {
+        let preconditions = &options.preconditions;
         let (key, existing) = self.stored(def, namespace, name)?;
         if let Some(uid) = &preconditions.uid {
             if meta_str(&existing, "uid") != Some(uid.as_str()) {
@@ -972,51 +1013,37 @@ impl Store {
                 "this namespace may not be deleted",
             ));
         }
-        if dry_run {
+        if options.dry_run {
             return Ok(Self::present(def, &existing));
         }
-        let has_finalizers = existing
-            .pointer("/metadata/finalizers")
-            .and_then(Value::as_array)
-            .is_some_and(|f| !f.is_empty());
-        if has_finalizers {
-            if existing.pointer("/metadata/deletionTimestamp").is_some() {
-                return Ok(Self::present(def, &existing));
-            }
-            let mut marked = existing.clone();
-            let meta = meta_mut(&mut marked);
-            meta.insert(
-                "deletionTimestamp".into(),
-                json!(clock::format_rfc3339(clock::unix_now())),
-            );
-            meta.insert("deletionGracePeriodSeconds".into(), json!(0));
-            let marked = self.put(def, key, marked, Some(existing));
-            return Ok(Self::present(def, &marked));
-        }
-        let removed = self.remove(def, &key, existing)?;
-        Ok(Self::present(def, &removed))
+        let deleted = self.delete_stored(def, key, existing, options.propagation)?;
+        Ok(Self::present(def, &deleted))
     }
 
+    /// Deletes every object that matches, each with `options` (their preconditions aside).
     pub fn delete_collection(
         &mut self,
         def: &ResourceDef,
         namespace: Option<&str>,
         labels: &LabelSelector,
         fields: &FieldSelector,
-        dry_run: bool,
+        options: &DeleteOptions,
     ) -> Result<Vec<Value>, ApiError> {
         let targets = self.list(def, namespace, labels, fields);
+        let each = DeleteOptions {
+            preconditions: Preconditions::default(),
+            ..options.clone()
+        };
         let mut deleted = Vec::new();
         for object in targets {
             let ns = meta_str(&object, "namespace").map(String::from);
             let name = meta_str(&object, "name").unwrap_or_default().to_string();
-            deleted.push(self.delete(
-                def,
-                ns.as_deref(),
-                &name,
-                &Preconditions::default(),
-                dry_run,
-            )?);
+            // An earlier one's dependents may be among them, and gone already.
+            match self.delete_with(def, ns.as_deref(), &name, &each) {
+                Ok(object) => deleted.push(object),
+                Err(e) if e.code == 404 => {}
+                Err(e) => return Err(e),
+            }
         }
         Ok(deleted)
     }

@@ -639,6 +639,84 @@ async fn watchers_resume_after_an_api_outage() {
     }
 }
 
+/// A ConfigMap `name` owned by `owner`.
+fn owned_config_map(name: &str, owner: &ConfigMap) -> ConfigMap {
+    serde_json::from_value(json!({"metadata": {"name": name, "ownerReferences": [{
+        "apiVersion": "v1", "kind": "ConfigMap", "name": owner.name_any(),
+        "uid": owner.uid().unwrap(),
+    }]}}))
+    .unwrap()
+}
+
+#[tokio::test]
+async fn delete_propagation_reaches_the_dependents_as_the_request_asks() {
+    let (server, api) = start().await;
+    let exists = |name: &'static str| {
+        let api = api.clone();
+        async move { api.get_opt(name).await.unwrap().is_some() }
+    };
+    let pp = PostParams::default();
+
+    // Background, kube-rs's and kubectl's default: the dependent goes with its owner.
+    let owner = create_config_map(&api, "owner", json!({})).await;
+    api.create(&pp, &owned_config_map("dependent", &owner))
+        .await
+        .unwrap();
+    api.delete("owner", &DeleteParams::background())
+        .await
+        .unwrap();
+    assert!(!exists("owner").await);
+    assert!(!exists("dependent").await);
+
+    // Orphan: the dependent stays, without the reference.
+    let owner = create_config_map(&api, "owner", json!({})).await;
+    api.create(&pp, &owned_config_map("dependent", &owner))
+        .await
+        .unwrap();
+    api.delete("owner", &DeleteParams::orphan()).await.unwrap();
+    assert!(!exists("owner").await);
+    let kept = api.get("dependent").await.unwrap();
+    assert_eq!(kept.metadata.owner_references, None);
+    api.delete("dependent", &DeleteParams::default())
+        .await
+        .unwrap();
+
+    // Foreground: nothing blocks, so both are gone once the DELETE has answered.
+    let owner = create_config_map(&api, "owner", json!({})).await;
+    api.create(&pp, &owned_config_map("dependent", &owner))
+        .await
+        .unwrap();
+    api.delete("owner", &DeleteParams::foreground())
+        .await
+        .unwrap();
+    assert!(!exists("owner").await);
+    assert!(!exists("dependent").await);
+
+    // Both ways of asking at once are refused, as upstream does.
+    create_config_map(&api, "owner", json!({})).await;
+    let both = DeleteParams {
+        propagation_policy: Some(kube::api::PropagationPolicy::Orphan),
+        ..DeleteParams::default()
+    };
+    let mut body = serde_json::to_value(&both).unwrap();
+    body["orphanDependents"] = json!(true);
+    let request = axum::http::Request::delete(format!(
+        "{}/api/v1/namespaces/default/configmaps/owner",
+        server.url()
+    ))
+    .header("content-type", "application/json")
+    .body(serde_json::to_vec(&body).unwrap())
+    .unwrap();
+    let status = api_error(server.client().await.request::<ConfigMap>(request).await);
+    assert_eq!(status.code, 422, "{status:?}");
+    assert!(
+        status.message.contains("cannot be both set"),
+        "{}",
+        status.message
+    );
+    assert!(exists("owner").await);
+}
+
 /// A GET with a resourceVersion is served from the watch cache once the cache has caught up with
 /// that version (never an older copy), and one ahead of the store fails as the real server fails.
 #[tokio::test]

@@ -2,6 +2,8 @@
 //! emulator, the scheduler stand-in, a kubelet emulator per node, the real controller and one real
 //! driver per node, applies `deploy/examples/`, waits until the pods settle and prints what happened.
 //! `--serve` keeps it up for `kubectl`. Everything lives in a temporary folder removed at exit.
+//! The driver and the controller are this executable, started again as them (`gpupool_e2e::roles`),
+//! so `cargo run` builds everything the sandbox runs.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -9,10 +11,10 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use gpupool_e2e::harness::{
-    find_binary, init_stderr_tracing, two_worker_runtime, workspace_root, TestCluster,
+    init_stderr_tracing, two_worker_runtime, workspace_root, ClusterSpec, Programs, TestCluster,
     CONTROLLER_BIN, DRIVER_BIN,
 };
-use gpupool_e2e::sandbox;
+use gpupool_e2e::{roles, sandbox};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -29,64 +31,6 @@ struct Args {
     /// Longest wait for the pods to settle, in seconds.
     #[arg(long, default_value_t = 30)]
     settle_seconds: u64,
-}
-
-/// Builds the driver and controller when they are missing and we were started by `cargo run`.
-fn ensure_binaries() -> Result<(), String> {
-    let missing = [DRIVER_BIN, CONTROLLER_BIN]
-        .iter()
-        .any(|b| find_binary(b).is_err());
-    if missing {
-        if let Some(cargo) = std::env::var_os("CARGO") {
-            eprintln!("building {DRIVER_BIN} and {CONTROLLER_BIN} ...");
-            // With gpupool-e2e among the packages, cargo resolves the same features as for the
-            // `cargo run -p gpupool-e2e` that started us (the e2e crate depends on both
-            // libraries), so only the two binaries' own crates are compiled now.
-            let mut command = std::process::Command::new(cargo);
-            // `cargo run` hands us the variables it sets for a crate (CARGO_MANIFEST_DIR,
-            // CARGO_PKG_*, ...); some build scripts (ring's) track them, so passing them on made
-            // this build compile those dependencies a second time.
-            for (key, _) in std::env::vars_os() {
-                let key = key.to_string_lossy();
-                if key.starts_with("CARGO_PKG_")
-                    || matches!(
-                        &*key,
-                        "CARGO_MANIFEST_DIR"
-                            | "CARGO_MANIFEST_PATH"
-                            | "CARGO_CRATE_NAME"
-                            | "CARGO_BIN_NAME"
-                            | "CARGO_PRIMARY_PACKAGE"
-                    )
-                {
-                    command.env_remove(&*key);
-                }
-            }
-            let status = command
-                .args([
-                    "build",
-                    "-p",
-                    "gpupool-e2e",
-                    "-p",
-                    "gpupool-driver",
-                    "-p",
-                    "gpupool-controller",
-                    "--bin",
-                    DRIVER_BIN,
-                    "--bin",
-                    CONTROLLER_BIN,
-                ])
-                .current_dir(workspace_root())
-                .status()
-                .map_err(|e| format!("running cargo build: {e}"))?;
-            if !status.success() {
-                return Err(format!("cargo build failed ({status})"));
-            }
-        }
-    }
-    for binary in [DRIVER_BIN, CONTROLLER_BIN] {
-        find_binary(binary).map_err(|e| e.to_string())?;
-    }
-    Ok(())
 }
 
 /// Waits until every pod runs, or nothing has changed for 3 s, or `limit` has passed.
@@ -111,10 +55,13 @@ async fn settle(cluster: &TestCluster, limit: Duration) -> Result<sandbox::Repor
 
 async fn run(args: Args) -> Result<(), String> {
     let started = Instant::now();
-    ensure_binaries()?;
-    let cluster = TestCluster::start(sandbox::cluster_spec())
-        .await
-        .map_err(|e| e.to_string())?;
+    // The driver and the controller are this executable started again as them (roles.rs): the
+    // `cargo run` that built it is the only build.
+    let spec = ClusterSpec {
+        programs: Programs::ThisExecutable,
+        ..sandbox::cluster_spec()
+    };
+    let cluster = TestCluster::start(spec).await.map_err(|e| e.to_string())?;
     println!(
         "started the API server emulator, the scheduler stand-in, {CONTROLLER_BIN} and {} x {DRIVER_BIN} in {:.1}s",
         cluster.nodes().len(),
@@ -185,6 +132,11 @@ async fn shutdown_signal() {
 }
 
 fn main() -> ExitCode {
+    // Before anything of the sandbox's own: the processes it starts as the driver and the
+    // controller set up their own logging and runtime.
+    if let Some(code) = roles::run_if_asked() {
+        return code;
+    }
     init_stderr_tracing();
     let args = Args::parse();
     let runtime = match two_worker_runtime() {

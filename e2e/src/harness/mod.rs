@@ -27,7 +27,7 @@ use serde_json::Value;
 
 use crate::kubelet::{Kubelet, KubeletConfig, KubeletError, Registration};
 pub use apply::{apply_objects, parse_manifests, ApplyError};
-pub use process::{find_binary, print_log_tail, ManagedProcess, ProcessError};
+pub use process::{find_binary, print_log_tail, ManagedProcess, ProcessError, Program, Programs};
 
 pub const DRIVER_BIN: &str = "gpupool-driver";
 pub const CONTROLLER_BIN: &str = "gpupool-controller";
@@ -129,6 +129,8 @@ pub struct ClusterSpec {
     pub backend: Option<Backend>,
     /// Play a cluster without DRAPartitionableDevices (emulator only): slices lose their counters.
     pub without_partitionable_devices: bool,
+    /// Where the driver and the controller come from (the workspace's binaries by default).
+    pub programs: Programs,
 }
 
 impl ClusterSpec {
@@ -340,6 +342,7 @@ pub struct TestCluster {
     controller: Option<Mutex<ManagedProcess>>,
     scheduler: Option<tokio::task::JoinHandle<()>>,
     apiserver: Option<upstream::ApiServer>,
+    programs: Programs,
     _workdir_guard: Option<tempfile::TempDir>,
 }
 
@@ -542,6 +545,7 @@ impl TestCluster {
             controller: None,
             scheduler,
             apiserver,
+            programs: spec.programs,
             _workdir_guard: Some(guard),
         };
         if spec.controller {
@@ -592,12 +596,12 @@ impl TestCluster {
     }
 
     async fn start_controller(&mut self) -> Result<(), HarnessError> {
-        let binary = find_binary(CONTROLLER_BIN)?;
-        let output = tokio::process::Command::new(&binary)
-            .arg("crds")
+        let program = self.programs.locate(CONTROLLER_BIN)?;
+        let output = tokio::process::Command::new(&program.path)
+            .args(program.args(["crds".to_string()]))
             .output()
             .await
-            .map_err(io_err(format!("running {} crds", binary.display())))?;
+            .map_err(io_err(format!("running {} crds", program.path.display())))?;
         if !output.status.success() {
             return Err(HarnessError::Setup(format!(
                 "{CONTROLLER_BIN} crds: {}",
@@ -631,8 +635,8 @@ impl TestCluster {
         }
         let process = ManagedProcess::spawn(
             CONTROLLER_BIN,
-            &binary,
-            args,
+            &program.path,
+            program.args(args),
             self.workdir.join("controller.log"),
         )?;
         self.controller = Some(Mutex::new(process));
@@ -678,15 +682,15 @@ impl TestCluster {
             // On a real cluster the node exists already; creating it again is harmless (409).
             Some(Kubelet::start(self.client.clone(), config).await?)
         };
-        let binary = find_binary(DRIVER_BIN)?;
+        let program = self.programs.locate(DRIVER_BIN)?;
         let kubeconfig = self.driver_kubeconfig(&name)?;
         let mut args =
             dirs.driver_run_args(&name, &kubeconfig, &spec.fake_gpus, &base.join("libs"));
         args.extend(spec.extra_driver_args.iter().cloned());
         let driver = ManagedProcess::spawn(
             &format!("{DRIVER_BIN} on {name}"),
-            &binary,
-            args,
+            &program.path,
+            program.args(args),
             self.workdir.join(format!("driver-{name}.log")),
         )?;
         self.nodes.push(TestNode {

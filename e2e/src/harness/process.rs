@@ -47,11 +47,16 @@ pub fn binary_dirs() -> Vec<PathBuf> {
     dirs
 }
 
+/// `GPUPOOL_<NAME>_BIN` (e.g. `GPUPOOL_DRIVER_BIN`): the binary to run as `name`, if set.
+fn binary_override(name: &str) -> Option<PathBuf> {
+    let env_name = format!("{}_BIN", name.to_uppercase().replace('-', "_"));
+    std::env::var_os(env_name).map(PathBuf::from)
+}
+
 /// Path of a workspace binary; `GPUPOOL_<NAME>_BIN` (e.g. `GPUPOOL_DRIVER_BIN`) overrides the lookup.
 pub fn find_binary(name: &str) -> Result<PathBuf, ProcessError> {
-    let env_name = format!("{}_BIN", name.to_uppercase().replace('-', "_"));
-    if let Some(path) = std::env::var_os(&env_name) {
-        return Ok(PathBuf::from(path));
+    if let Some(path) = binary_override(name) {
+        return Ok(path);
     }
     let searched = binary_dirs();
     searched
@@ -62,6 +67,60 @@ pub fn find_binary(name: &str) -> Result<PathBuf, ProcessError> {
             name: name.to_string(),
             searched,
         })
+}
+
+/// Where the harness gets the driver and the controller from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Programs {
+    /// The workspace's binaries, found by [`find_binary`]: `cargo test` builds them beside the tests.
+    #[default]
+    Binaries,
+    /// The running executable, told which program to be by its first argument: one whose `main`
+    /// starts with [`crate::roles::run_if_asked`] (the sandbox). `cargo run` builds only the
+    /// binary it runs, so this is what lets the sandbox start without a second build.
+    /// `GPUPOOL_<NAME>_BIN` still picks another binary, as with [`Programs::Binaries`].
+    ThisExecutable,
+}
+
+/// An executable to start as one of the workspace's programs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Program {
+    pub path: PathBuf,
+    /// What comes before the program's own arguments (the role, for [`Programs::ThisExecutable`]).
+    pub leading_args: Vec<String>,
+}
+
+impl Program {
+    fn plain(path: PathBuf) -> Program {
+        Program {
+            path,
+            leading_args: Vec::new(),
+        }
+    }
+
+    /// The whole argument list for `args` of the program.
+    pub fn args(&self, args: impl IntoIterator<Item = String>) -> Vec<String> {
+        self.leading_args.iter().cloned().chain(args).collect()
+    }
+}
+
+impl Programs {
+    /// How to start the program `name` (`DRIVER_BIN`, `CONTROLLER_BIN`).
+    pub fn locate(self, name: &str) -> Result<Program, ProcessError> {
+        let own = match (self, binary_override(name)) {
+            (_, Some(path)) => return Ok(Program::plain(path)),
+            (Programs::Binaries, None) => return find_binary(name).map(Program::plain),
+            (Programs::ThisExecutable, None) => std::env::current_exe(),
+        };
+        let path = own.map_err(|source| ProcessError::Io {
+            name: format!("{name} (this executable)"),
+            source,
+        })?;
+        Ok(Program {
+            path,
+            leading_args: vec![name.to_string()],
+        })
+    }
 }
 
 /// `go` run in `dir` without the network: no module proxy, no toolchain switch, no VCS stamp; the

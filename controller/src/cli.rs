@@ -1,13 +1,21 @@
+//! `gpupool-controller`: `run` and `crds`. The binary's `main` is [`main`]; it is in the library so
+//! that the sandbox (gpupool-e2e) can be the controller too, started from its own executable,
+//! without a second build.
+
+use std::ffi::OsString;
 use std::path::PathBuf;
+use std::process::{ExitCode, Termination};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::duration::parse_duration;
+use crate::leader::{LeaderElector, Leadership, LeaseConfig};
+use crate::metrics::{self, ControllerMetrics};
+use crate::models::ALL_GPUS_CLASS;
+use crate::owner::Owner;
+use crate::reconcile::{self, Reconciler, Settings};
 use anyhow::Context;
 use clap::{ArgAction, Parser, Subcommand, ValueEnum};
-use gpupool_controller::duration::parse_duration;
-use gpupool_controller::leader::{LeaderElector, Leadership, LeaseConfig};
-use gpupool_controller::metrics::{self, ControllerMetrics};
-use gpupool_controller::reconcile::{self, Reconciler, Settings};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use tracing::info;
 
@@ -28,7 +36,7 @@ enum Command {
         dir: Option<PathBuf>,
     },
     /// Run the controller.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -48,6 +56,14 @@ struct RunArgs {
     /// Name of the leader-election Lease.
     #[arg(long, default_value = "gpupool-controller")]
     lease_name: String,
+    /// Role in --lease-namespace that owns the Lease, so that the Lease goes when the install's
+    /// Role does (helm uninstall, kubectl delete -k); empty: the Lease has no owner.
+    #[arg(long, default_value = "gpupool-controller-leader-election")]
+    lease_owner_role: String,
+    /// ClusterRole that owns the all-GPUs DeviceClass gpupool.dev, so that the class goes when the
+    /// install's ClusterRole does; empty: the class has no owner.
+    #[arg(long, default_value = "gpupool-controller")]
+    owner_cluster_role: String,
     /// This replica's name in the Lease; default: $POD_NAME, else the host name plus a random suffix.
     #[arg(long)]
     identity: Option<String>,
@@ -162,7 +178,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let (stop, stopped) = tokio::sync::watch::channel(false);
 
     let (leadership, elector) = if args.leader_elect {
-        let elector = LeaderElector::new(
+        let mut elector = LeaderElector::new(
             client.clone(),
             LeaseConfig {
                 namespace: args.lease_namespace.clone(),
@@ -172,6 +188,14 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                 renew_interval: args.renew_interval,
             },
         );
+        if !args.lease_owner_role.is_empty() {
+            elector = elector.with_owner(Owner::role(
+                client.clone(),
+                &args.lease_namespace,
+                &args.lease_owner_role,
+                &format!("Lease {}/{}", args.lease_namespace, args.lease_name),
+            ));
+        }
         let leadership = elector.leadership();
         (leadership, Some(tokio::spawn(elector.run(stopped.clone()))))
     } else {
@@ -185,18 +209,24 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             stopped.clone(),
         ))
     });
-    let reconciler = Arc::new(
-        Reconciler::new(
+    let mut reconciler = Reconciler::new(
+        client.clone(),
+        leadership,
+        Settings {
+            extended_resources: args.extended_resources,
+            resync: args.resync,
+            ..Settings::default()
+        },
+    )
+    .with_metrics(controller_metrics);
+    if !args.owner_cluster_role.is_empty() {
+        reconciler = reconciler.with_class_owner(Owner::cluster_role(
             client,
-            leadership,
-            Settings {
-                extended_resources: args.extended_resources,
-                resync: args.resync,
-                ..Settings::default()
-            },
-        )
-        .with_metrics(controller_metrics),
-    );
+            &args.owner_cluster_role,
+            &format!("DeviceClass {ALL_GPUS_CLASS}"),
+        ));
+    }
+    let reconciler = Arc::new(reconciler);
     let controller = tokio::spawn(reconciler.run(stopped));
 
     shutdown_signal().await;
@@ -214,13 +244,27 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn main() -> anyhow::Result<()> {
+/// The whole program: `args` as `std::env::args_os()` gives them, the program's name first. An
+/// error ends it as a `main` returning it does: `Error: {err:?}` on stderr, exit code 1.
+pub fn main<I, T>(args: I) -> ExitCode
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    run_cli(args).report()
+}
+
+fn run_cli<I, T>(args: I) -> anyhow::Result<()>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
     gpupool_telemetry::abort_on_panic();
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(args);
     match cli.command {
-        Command::Crds { dir: None } => print!("{}", gpupool_controller::crds::multi_document()),
+        Command::Crds { dir: None } => print!("{}", crate::crds::multi_document()),
         Command::Crds { dir: Some(dir) } => {
-            for (file, yaml) in gpupool_controller::crds::manifests() {
+            for (file, yaml) in crate::crds::manifests() {
                 let path = dir.join(file);
                 std::fs::write(&path, yaml)
                     .with_context(|| format!("writing {}", path.display()))?;
@@ -228,7 +272,7 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Run(args) => tokio::runtime::Runtime::new()
             .context("starting the async runtime")?
-            .block_on(run(args))?,
+            .block_on(run(*args))?,
     }
     Ok(())
 }

@@ -1,32 +1,35 @@
 //! `gpupool-driver`: `run` (the DaemonSet agent) and `inspect` (what this node would publish).
+//! The binary's `main` is [`main`]; it is in the library so that the sandbox (gpupool-e2e) can be
+//! the driver too, started from its own executable, without a second build.
 
 use std::collections::BTreeMap;
+use std::ffi::OsString;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::config::{Cli, Command, InspectArgs, LogFormat, RunArgs};
+use crate::health::{
+    inject as health_inject, monitor as health_monitor, nvml as health_nvml, HealthMap, XidPolicy,
+};
+use crate::install::Installed;
+use crate::inventory::{self, Inventory};
+use crate::metrics::{self, DriverMetrics, InstrumentedPreparer};
+use crate::mig::fake::FakeMig;
+use crate::mig::nvml::NvmlMig;
+use crate::mig::MigManager;
+use crate::node_state::{MigCards, NodeLayout};
+use crate::plugin::health::HealthService;
+use crate::plugin::registration::{RegistrationOutcome, RegistrationService};
+use crate::plugin::{server, stale, Preparer};
+use crate::prepare::{ClaimPreparer, PrepareOptions};
+use crate::publisher::SlicePublisher;
+use crate::slices::{build_slices, SliceMode};
+use crate::weights;
 use anyhow::Context;
 use clap::Parser;
 use gpupool_api::crd::GpuModel;
 use gpupool_api::names::device_name;
-use gpupool_driver::config::{Cli, Command, InspectArgs, LogFormat, RunArgs};
-use gpupool_driver::health::{
-    inject as health_inject, monitor as health_monitor, nvml as health_nvml, HealthMap, XidPolicy,
-};
-use gpupool_driver::install::Installed;
-use gpupool_driver::inventory::{self, Inventory};
-use gpupool_driver::metrics::{self, DriverMetrics, InstrumentedPreparer};
-use gpupool_driver::mig::fake::FakeMig;
-use gpupool_driver::mig::nvml::NvmlMig;
-use gpupool_driver::mig::MigManager;
-use gpupool_driver::node_state::{MigCards, NodeLayout};
-use gpupool_driver::plugin::health::HealthService;
-use gpupool_driver::plugin::registration::{RegistrationOutcome, RegistrationService};
-use gpupool_driver::plugin::{server, stale, Preparer};
-use gpupool_driver::prepare::{ClaimPreparer, PrepareOptions};
-use gpupool_driver::publisher::SlicePublisher;
-use gpupool_driver::slices::{build_slices, SliceMode};
-use gpupool_driver::weights;
 use k8s_openapi::api::core::v1::Event;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::config::{KubeConfigOptions, Kubeconfig};
@@ -50,20 +53,25 @@ fn limit_malloc_arenas() {
     }
 }
 
-fn main() -> ExitCode {
+/// The whole program: `args` as `std::env::args_os()` gives them, the program's name first.
+pub fn main<I, T>(args: I) -> ExitCode
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
     gpupool_telemetry::abort_on_panic();
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(args);
     let logging = matches!(cli.command, Command::Run(_));
     let result = match cli.command {
         Command::Inspect(args) => inspect(args),
-        Command::InstallLib(args) => gpupool_driver::install::install_lib(&args.from, &args.to)
+        Command::InstallLib(args) => crate::install::install_lib(&args.from, &args.to)
             .map(|installed| match installed {
                 Installed::Written(path) => println!("installed {}", path.display()),
                 Installed::UpToDate(path) => println!("{} is up to date", path.display()),
             })
             .map_err(anyhow::Error::new),
         Command::InjectXid(args) => {
-            gpupool_driver::health::inject::send(&args.run_dir, &args.device, &args.xid)
+            crate::health::inject::send(&args.run_dir, &args.device, &args.xid)
                 .map(|answer| println!("{answer}"))
         }
         Command::Run(args) => {
@@ -137,7 +145,7 @@ fn inspect(args: InspectArgs) -> anyhow::Result<()> {
         &HealthMap::default(),
         1,
         SliceMode::Shared,
-        gpupool_driver::devices::Partitioning::Counters,
+        crate::devices::Partitioning::Counters,
     )?;
     let report = InspectReport {
         node: &node,
@@ -323,6 +331,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             driver_libraries: args.driver_libraries(),
             mig,
             default_enforcement: args.default_enforcement(),
+            status_write_delay: crate::prepare::STATUS_WRITE_DELAY,
         },
         inventory.clone(),
         client.clone(),
