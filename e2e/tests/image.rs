@@ -2,7 +2,8 @@
 //! it: the binaries start and say their version, the driver on a node without NVML says what is
 //! missing, the image's user is the declared one, and every file the DaemonSet and the Deployment
 //! use is in it, with the init container really installing the enforcement library into a host
-//! folder.
+//! folder; and a claim's container, started by podman from the driver's CDI spec, is held to the
+//! claim's memory by that library (over the stand-in NVIDIA driver of `vgpu/standin`).
 //!
 //! No registry is involved: the image is the Containerfile's `prebuilt` target, which packs the
 //! binaries this workspace already built (no second compile), on a Debian bookworm base made by
@@ -32,12 +33,15 @@
 //!   one chroot isolation allows; nothing in the build uses it), and the base is never pulled.
 //! - `podman run --network none`: nothing here needs a network, and none can be had.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
+use gpupool_e2e::harness::objects::Request;
 use gpupool_e2e::harness::process::binary_dirs;
-use gpupool_e2e::harness::workspace_root;
+use gpupool_e2e::harness::{workspace_root, ClusterSpec, NodeSpec};
 use serde_json::Value;
 
 /// The user the Containerfile declares and the controller's pod runs as.
@@ -547,4 +551,218 @@ fn the_image_holds_what_the_manifests_run_and_installs_the_library() {
     // Run again over the installed copy (a restarted pod): still one whole library.
     succeeded(image.podman.run(&args), "install-lib a second time");
     assert!(std::fs::read(&installed).expect("read") == expected);
+}
+
+/// A workspace cdylib built into `profile` (`target/<profile>`: `lib<stem>.so` there or, with a
+/// hash, in `deps/`): the newest, as `cargo test` may leave an older one beside it.
+fn built_cdylib(profile: &Path, stem: &str) -> Option<PathBuf> {
+    let mut found: Vec<PathBuf> = vec![profile.join(format!("lib{stem}.so"))];
+    if let Ok(entries) = std::fs::read_dir(profile.join("deps")) {
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with(&format!("lib{stem}")) && name.ends_with(".so") {
+                found.push(entry.path());
+            }
+        }
+    }
+    found
+        .into_iter()
+        .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
+        .max_by_key(|(time, _)| *time)
+        .map(|(_, p)| p)
+}
+
+/// Removes a file when dropped (a CDI spec put in the runtime's folder for one test).
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// A fractional claim's container, started by podman from the CDI spec the driver wrote, with the
+/// library the image's init container installed on the node: every process in it is held to the
+/// claim's memory, with no `LD_PRELOAD` of its own. The only stand-in is the NVIDIA driver (the
+/// test's `libcuda.so.1` and `libnvidia-ml.so.1`, mounted where the NVIDIA container toolkit would
+/// mount the real ones, and its simulated card carrying the fake GPU's UUID); the driver, the kubelet
+/// emulator's prepare, the CDI spec, podman's CDI injection, `/etc/ld.so.preload` and the library
+/// are the real ones. Podman 4.3 reads CDI specs only from `/etc/cdi` and `/var/run/cdi`, so the
+/// claim's spec is copied to `/var/run/cdi` for the test (a node's runtime reads the driver's
+/// `--cdi-root` there) and removed after it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_claims_container_from_the_cdi_spec_is_held_to_its_memory() {
+    const TEST: &str = "a_claims_container_from_the_cdi_spec_is_held_to_its_memory";
+    let Some(image) = image(TEST) else {
+        return;
+    };
+    let probe = image.built.join("cuda-probe");
+    let (Some(cuda), Some(nvml)) = (
+        built_cdylib(&image.built, "gpupool_standin_cuda"),
+        built_cdylib(&image.built, "gpupool_standin_nvml"),
+    ) else {
+        skip(
+            TEST,
+            "the stand-in CUDA driver and NVML are not built (cargo test --workspace builds them)",
+        );
+        return;
+    };
+    if !probe.is_file() {
+        skip(
+            TEST,
+            "cuda-probe is not built (cargo test --workspace builds it)",
+        );
+        return;
+    }
+    let cdi_dir = Path::new("/var/run/cdi");
+    if std::fs::create_dir_all(cdi_dir).is_err() {
+        skip(
+            TEST,
+            "podman's CDI folder /var/run/cdi is not writable here",
+        );
+        return;
+    }
+
+    let cluster = common::start(ClusterSpec {
+        nodes: vec![NodeSpec::new("node-1", "a100-40gb:1")],
+        ..ClusterSpec::new()
+    })
+    .await;
+    let node = cluster.node_at(0);
+
+    // The DaemonSet's init container, from the image, installs the library into the node's folder
+    // that the driver mounts into limited containers (`--gpupool-lib-dir`).
+    let lib_dir = node
+        .dirs
+        .state
+        .parent()
+        .expect("the node's base folder")
+        .join("libs/gpupool");
+    std::fs::create_dir_all(&lib_dir).expect("the node's library folder");
+    let init = daemonset_container("install-lib");
+    let mount = init["volumeMounts"][0]["mountPath"]
+        .as_str()
+        .expect("the init container's mount");
+    let user = init["securityContext"]["runAsUser"]
+        .as_i64()
+        .expect("runAsUser")
+        .to_string();
+    let mut args = vec![
+        "--user".to_owned(),
+        user,
+        "-v".to_owned(),
+        format!("{}:{mount}", lib_dir.display()),
+        image.name.clone(),
+    ];
+    args.extend(strings(&init["command"]));
+    args.extend(strings(&init["args"]));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    succeeded(image.podman.run(&args), "the install-lib init container");
+
+    common::apply_device_class(&cluster).await;
+    let uuid = common::device_uuid(&cluster, "node-1", "gpu-0", 1).await;
+    common::apply_claim_and_pod(
+        &cluster,
+        "default",
+        "limited",
+        &[Request::new("gpu").on(&uuid).memory("1Gi").cores("50")],
+    )
+    .await;
+    common::wait_pod_running(&cluster, "default", "limited").await;
+    let claim = common::claim(&cluster, "default", "limited").await;
+    let claim_uid = claim.metadata.uid.clone().expect("a claim uid");
+    let prepared = common::prepared(node, &claim_uid).await;
+    let device_ids = prepared.cdi_device_ids();
+    assert_eq!(device_ids.len(), 1, "{device_ids:?}");
+
+    let spec_path = node.cdi_spec_path(&claim_uid);
+    let in_runtime = cdi_dir.join(spec_path.file_name().expect("a file name"));
+    std::fs::copy(&spec_path, &in_runtime).expect("the spec into /var/run/cdi");
+    let _remove = RemoveOnDrop(in_runtime);
+
+    // What the NVIDIA container toolkit would mount: the driver's libraries (here the stand-ins).
+    let nvidia = tempfile::tempdir().expect("tempdir");
+    std::fs::copy(&cuda, nvidia.path().join("libcuda.so.1")).expect("copy");
+    std::fs::copy(&nvml, nvidia.path().join("libnvidia-ml.so.1")).expect("copy");
+    std::fs::copy(&probe, nvidia.path().join("cuda-probe")).expect("copy");
+    let container = |device: Option<&str>, probe_args: &[&str]| {
+        let mut args: Vec<String> = vec![
+            "-v".into(),
+            format!("{}:/usr/local/nvidia:ro", nvidia.path().display()),
+            "-e".into(),
+            "LD_LIBRARY_PATH=/usr/local/nvidia".into(),
+            "-e".into(),
+            "GPUPOOL_STANDIN_DEVICES=1x40g:108".into(),
+            "-e".into(),
+            format!("GPUPOOL_STANDIN_UUIDS={uuid}"),
+            "-e".into(),
+            "GPUPOOL_STANDIN_STATE=/tmp/standin.state".into(),
+        ];
+        if let Some(device) = device {
+            args.extend(["--device".into(), device.to_owned()]);
+        }
+        args.extend([BASE_IMAGE.to_owned(), "/usr/local/nvidia/cuda-probe".into()]);
+        args.extend(probe_args.iter().map(|a| a.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = image.podman.run(&args);
+        let stdout = succeeded(out, &format!("cuda-probe {probe_args:?} with {device:?}"));
+        stdout
+            .lines()
+            .map(|l| serde_json::from_str::<Value>(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+            .collect::<Vec<Value>>()
+    };
+    let line = |lines: &[Value], op: &str| -> Value {
+        lines
+            .iter()
+            .find(|l| l["op"] == op)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {op} line in {lines:?}"))
+    };
+    const GIB: u64 = 1 << 30;
+
+    // Without the claim's device the container sees the whole card: the limit is the claim's.
+    let bare = container(None, &["views"]);
+    assert_eq!(
+        line(&bare, "views")["cu_mem_get_info"]["total"].as_u64(),
+        Some(40 * GIB)
+    );
+
+    let device = device_ids[0].as_str();
+    let views = line(&container(Some(device), &["views"]), "views");
+    assert_eq!(views["uuid"].as_str(), Some(uuid.as_str()));
+    assert_eq!(
+        views["cu_mem_get_info"]["total"].as_u64(),
+        Some(GIB),
+        "{views}"
+    );
+    assert_eq!(
+        views["cu_device_total_mem"]["bytes"].as_u64(),
+        Some(GIB),
+        "{views}"
+    );
+    assert_eq!(views["nvml"]["v1"]["total"].as_u64(), Some(GIB), "{views}");
+
+    // Half the claim fits; the claim and a byte more does not, whatever the card has free.
+    let half = line(
+        &container(
+            Some(device),
+            &["alloc", "--path", "cuMemAlloc", "--size", "512m"],
+        ),
+        "alloc",
+    );
+    assert_eq!(half["error"], "CUDA_SUCCESS", "{half}");
+    let over = line(
+        &container(
+            Some(device),
+            &[
+                "alloc",
+                "--path",
+                "cuMemAlloc",
+                "--size",
+                &(GIB + 1).to_string(),
+            ],
+        ),
+        "alloc",
+    );
+    assert_eq!(over["error"], "CUDA_ERROR_OUT_OF_MEMORY", "{over}");
 }
