@@ -1538,7 +1538,10 @@ async fn a_call_waits_while_the_other_instance_holds_its_turn() {
     // after the old instance's prepare.
     assert!(new.prepared(UID_A).await.is_some());
     assert_eq!(new.prepared(UID_A).await, old.prepared(UID_A).await);
-    assert!(old.prepared(UID_B).await.is_some(), "not read before its next turn");
+    assert!(
+        old.prepared(UID_B).await.is_some(),
+        "not read before its next turn"
+    );
     unprepare_one(&old, "train", UID_A).await.unwrap();
     assert_eq!(old.prepared(UID_B).await, None);
 }
