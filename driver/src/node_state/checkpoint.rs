@@ -680,6 +680,18 @@ impl Store {
         self.write_compacted(&mut state)
     }
 
+    /// Whether the files are still as this process last wrote or read them (two stats, no
+    /// lock): then [`Store::refresh`] has nothing to read. A write another process makes right
+    /// after is caught by the next [`Store::commit`], which checks again under the lock.
+    pub fn is_current(&self) -> bool {
+        let state = self.writer.lock().expect("only the writer takes it");
+        !state.compact_from_memory
+            && state
+                .appender
+                .as_ref()
+                .is_some_and(|a| a.is_current(&self.dir))
+    }
+
     /// Make the in-memory copy what the files hold, when another process wrote them since this
     /// one last did (blocking). For drivers that share the files and take turns: called at the
     /// start of a turn, it shows the claims the other prepared or unprepared meanwhile.

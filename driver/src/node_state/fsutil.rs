@@ -113,23 +113,49 @@ pub fn ensure_private_dir(dir: &Path, mode: u32) -> io::Result<()> {
 /// kernel drops the lock when the file is closed, also when the process dies, so a killed process
 /// never leaves it taken.
 pub fn lock_exclusive(path: &Path) -> io::Result<File> {
-    use std::os::fd::AsRawFd;
     let file = OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
         .mode(0o600)
         .open(path)?;
+    flock(&file, libc::LOCK_EX)?;
+    Ok(file)
+}
+
+/// `flock(file, operation)`, retried when a signal interrupts it.
+fn flock(file: &File, operation: libc::c_int) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
     loop {
-        // SAFETY: flock on a descriptor we own, for the lifetime of `file`.
-        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } == 0 {
-            return Ok(file);
+        // SAFETY: flock on a descriptor `file` owns, for as long as it is borrowed.
+        if unsafe { libc::flock(file.as_raw_fd(), operation) } == 0 {
+            return Ok(());
         }
         let e = io::Error::last_os_error();
         if e.kind() != io::ErrorKind::Interrupted {
             return Err(e);
         }
     }
+}
+
+/// Wait (blocking) for an exclusive `flock` on a file kept open.
+pub fn relock_exclusive(file: &File) -> io::Result<()> {
+    flock(file, libc::LOCK_EX)
+}
+
+/// An exclusive `flock` on a file kept open if nobody holds one: false (at once) when another
+/// open file of it holds the lock. Never blocks.
+pub fn try_lock_exclusive(file: &File) -> io::Result<bool> {
+    match flock(file, libc::LOCK_EX | libc::LOCK_NB) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Release a lock taken with [`relock_exclusive`] or [`try_lock_exclusive`].
+pub fn unlock(file: &File) -> io::Result<()> {
+    flock(file, libc::LOCK_UN)
 }
 
 #[cfg(test)]
@@ -149,6 +175,23 @@ mod tests {
         );
         assert!(!dir.path().join(".a.tmp").exists());
         assert!(!remove_file(&dir.path().join("missing")).unwrap());
+    }
+
+    #[test]
+    fn a_lock_kept_open_is_taken_released_and_refused_while_another_holds_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("serialize.lock");
+        let ours = lock_exclusive(&path).unwrap();
+        unlock(&ours).unwrap();
+        // Another open file of the lock (another driver instance) holds it: ours cannot have it.
+        let theirs = lock_exclusive(&path).unwrap();
+        assert!(!try_lock_exclusive(&ours).unwrap());
+        drop(theirs);
+        assert!(try_lock_exclusive(&ours).unwrap());
+        unlock(&ours).unwrap();
+        relock_exclusive(&ours).unwrap();
+        let other = OpenOptions::new().write(true).open(&path).unwrap();
+        assert!(!try_lock_exclusive(&other).unwrap());
     }
 
     #[test]

@@ -88,10 +88,24 @@ pub enum NodeStateError {
     Checkpoint(#[from] CheckpointError),
 }
 
-/// This instance's turn on the node's shared folders; released on drop.
+/// This instance's turn on the node's shared folders; released on drop (the file lock first,
+/// then this process's queue).
 pub struct Turn {
-    _file: std::fs::File,
+    _held: HeldLock,
     _local: tokio::sync::OwnedMutexGuard<()>,
+}
+
+/// The serialize lock taken on the file kept open; unlocked on drop.
+struct HeldLock(Arc<std::fs::File>);
+
+impl Drop for HeldLock {
+    fn drop(&mut self) {
+        if let Err(e) = fsutil::unlock(&self.0) {
+            // Closing the file is what releases a lock the kernel could not unlock: the other
+            // instance would wait until this process exits.
+            tracing::error!(error = %e, "releasing the serialize lock failed");
+        }
+    }
 }
 
 /// The node's prepared claims as files and checkpoint. Methods that touch files block: call them
@@ -104,6 +118,9 @@ pub struct NodeState {
     turn: Arc<tokio::sync::Mutex<()>>,
     /// The cards' MIG instances, created and destroyed in the order recorded here.
     mig: Arc<dyn MigManager>,
+    /// The serialize lock's file (with other instances on the node), open for the process's
+    /// life: a turn is a `flock` and an unlock, not an open, a `flock` and a close.
+    serialize_lock: Option<Arc<std::fs::File>>,
 }
 
 /// Where MIG instances may exist: the node's cards that have MIG.
@@ -124,18 +141,22 @@ impl NodeState {
     ) -> Result<(Self, Option<String>), NodeStateError> {
         // Another instance may be preparing a claim right now: its spec would look like an orphan
         // to the sweep.
-        let _turn = layout
+        let serialize_lock = layout
             .serialize_lock
             .as_deref()
             .map(lock_shared_folders)
-            .transpose()?;
+            .transpose()?
+            .map(Arc::new);
+        let held = serialize_lock.clone().map(HeldLock);
         let recovered = recovery::recover(&layout, boot_id, &mig)?;
+        drop(held);
         let checkpoint = checkpoint::Store::new(layout.state_dir.clone(), recovered.data);
         let state = NodeState {
             layout,
             checkpoint,
             turn: Arc::default(),
             mig: mig.manager,
+            serialize_lock,
         };
         Ok((state, recovered.corrupt))
     }
@@ -146,21 +167,48 @@ impl NodeState {
 
     /// With other instances on the node: wait for this one's turn and catch up with what they
     /// changed. `Ok(None)` when this process is alone.
+    ///
+    /// The common case, nobody else holding the lock and the checkpoint as this process left it,
+    /// costs a non-blocking `flock` and two stats on this thread: a hand-over to a blocking
+    /// thread and back cost more than the rest of an unprepare. Otherwise a blocking thread
+    /// waits for the lock and reads what the other instance wrote.
     pub async fn take_turn(self: &Arc<Self>) -> Result<Option<Turn>, NodeStateError> {
-        let Some(path) = self.layout.serialize_lock.clone() else {
+        let Some(file) = self.serialize_lock.clone() else {
             return Ok(None);
         };
+        let lock_err = |source| NodeStateError::Lock {
+            path: self.layout.serialize_lock.clone().unwrap_or_default(),
+            source,
+        };
         let local = self.turn.clone().lock_owned().await;
+        let held = fsutil::try_lock_exclusive(&file)
+            .map_err(lock_err)?
+            .then(|| HeldLock(file.clone()));
+        if held.is_some() && self.checkpoint.is_current() {
+            return Ok(held.map(|held| Turn {
+                _held: held,
+                _local: local,
+            }));
+        }
         let this = self.clone();
-        let file = tokio::task::spawn_blocking(move || {
-            let file = lock_shared_folders(&path)?;
+        let held = tokio::task::spawn_blocking(move || {
+            let held = match held {
+                Some(held) => held,
+                None => {
+                    fsutil::relock_exclusive(&file).map_err(|source| NodeStateError::Lock {
+                        path: this.layout.serialize_lock.clone().unwrap_or_default(),
+                        source,
+                    })?;
+                    HeldLock(file)
+                }
+            };
             this.checkpoint.refresh().map_err(NodeStateError::Refresh)?;
-            Ok::<_, NodeStateError>(file)
+            Ok::<_, NodeStateError>(held)
         })
         .await
         .expect("taking the turn does not panic")?;
         Ok(Some(Turn {
-            _file: file,
+            _held: held,
             _local: local,
         }))
     }

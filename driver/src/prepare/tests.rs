@@ -1763,3 +1763,44 @@ async fn a_placement_taken_by_an_instance_fails_the_claim_and_leaves_nothing_of_
     assert!(saved.claims.is_empty(), "{:?}", saved.claims);
     assert!(node.cdi_files().is_empty());
 }
+
+#[tokio::test]
+async fn a_call_waits_while_the_other_instance_holds_its_turn() {
+    let mut node = Node::new();
+    node.api.add("train", fractional(UID_A));
+    node.api.add("infer", fractional(UID_B));
+    let (old, new) = two_instances(&mut node).await;
+    prepare_one(&new, "infer", UID_B).await.unwrap();
+    // The old instance's prepare waits on the API server while holding its turn.
+    let gate = Arc::new(Notify::new());
+    *node.api.gate.lock().unwrap() = Some(("train".into(), gate.clone()));
+    let preparing = tokio::spawn({
+        let old = old.clone();
+        async move { old.prepare(vec![r("train", UID_A)]).await }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    let unpreparing = tokio::spawn({
+        let new = new.clone();
+        async move { new.unprepare(vec![r("infer", UID_B)]).await }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    assert!(
+        !unpreparing.is_finished(),
+        "the unprepare waits for the other instance's call"
+    );
+    assert!(node.spec_path(UID_B).exists());
+    gate.notify_one();
+    preparing.await.unwrap()[0].1.text().unwrap();
+    assert!(unpreparing.await.unwrap()[0].1.is_ok());
+    assert!(!node.spec_path(UID_B).exists());
+    // Each instance's next turn sees what the other wrote meanwhile: the unprepare's turn came
+    // after the old instance's prepare.
+    assert!(new.prepared(UID_A).await.is_some());
+    assert_eq!(new.prepared(UID_A).await, old.prepared(UID_A).await);
+    assert!(
+        old.prepared(UID_B).await.is_some(),
+        "not read before its next turn"
+    );
+    unprepare_one(&old, "train", UID_A).await.unwrap();
+    assert_eq!(old.prepared(UID_B).await, None);
+}

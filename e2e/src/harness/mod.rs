@@ -31,6 +31,10 @@ pub use process::{find_binary, print_log_tail, ManagedProcess, ProcessError, Pro
 
 pub const DRIVER_BIN: &str = "gpupool-driver";
 pub const CONTROLLER_BIN: &str = "gpupool-controller";
+/// The bench's stand-in for a driver on upstream's Go helper (`gpupool-bench`'s reference mode).
+pub const REFERENCE_PLUGIN_BIN: &str = "gpupool-reference-plugin";
+/// The user agent of the reference plugin's API requests, which the bench counts apart.
+pub const REFERENCE_USER_AGENT: &str = "gpupool-reference";
 
 /// Environment that points the harness at a real cluster (see the module docs).
 pub mod env {

@@ -95,17 +95,19 @@ pub fn allocation_result(kind: ClaimKind, pool: &str, device: &str) -> Value {
 
 impl Bench {
     pub async fn start(driver_bin: PathBuf, api: ApiServerOptions) -> anyhow::Result<Bench> {
+        // A short name: the drivers' socket paths, named after their pod UID as in a DaemonSet,
+        // must stay under the 108 bytes of a Unix socket address.
         let workdir = tempfile::Builder::new()
-            .prefix("gpupool-bench-")
+            .prefix("gpb-")
             .tempdir()
             .context("creating the work folder")?;
         let runtime_dir = match tempfile::Builder::new()
-            .prefix("gpupool-bench-run-")
+            .prefix("gpb-run-")
             .tempdir_in(TMPFS)
         {
             Ok(dir) => dir,
             Err(_) => tempfile::Builder::new()
-                .prefix("gpupool-bench-run-")
+                .prefix("gpb-run-")
                 .tempdir()
                 .context("creating the run folder")?,
         };
@@ -189,7 +191,10 @@ impl Bench {
             DRIVER_SERVICE_ACCOUNT,
             Some(name),
         )?;
-        let args = dirs.driver_run_args(name, &kubeconfig, fake_gpus, libs);
+        let mut args = dirs.driver_run_args(name, &kubeconfig, fake_gpus, libs);
+        // As the DaemonSet runs it (`POD_UID` from the downward API): sockets named after the
+        // pod, and the serialize lock taken around every prepare and unprepare.
+        args.extend(["--pod-uid".to_string(), uuid::Uuid::new_v4().to_string()]);
         ManagedProcess::spawn(
             &format!("gpupool-driver on {name}"),
             &self.driver_bin,
@@ -245,6 +250,68 @@ impl Bench {
             registered.expect("loop ends once set"),
             published.expect("loop ends once set"),
         ))
+    }
+
+    /// Starts `reference` (the reference plugin's binary) as node `name`'s DRA plugin, with its own
+    /// kubelet emulator; returns once the kubelet emulator accepted its registration. It
+    /// publishes nothing: the bench allocates claims on pool `name` by hand anyway.
+    pub async fn start_reference_node(
+        &self,
+        name: &str,
+        reference: &Path,
+    ) -> anyhow::Result<BenchNode> {
+        let (dirs, _) = self.node_dirs(name)?;
+        let mut config = KubeletConfig::new(name, &dirs.registry);
+        config.manage_pods = false;
+        config.poll_interval = Duration::from_millis(10);
+        let kubelet = Kubelet::start(self.client.clone(), config)
+            .await
+            .with_context(|| format!("starting the kubelet emulator of {name}"))?;
+        // The driver's ServiceAccount: the same RBAC, so the same authorization work per request.
+        let kubeconfig = service_account_kubeconfig(
+            &self.apiserver,
+            &self.workdir().join(name),
+            DRIVER_SERVICE_ACCOUNT,
+            Some(name),
+        )?;
+        let path = |p: &Path| p.display().to_string();
+        let args = vec![
+            "--node-name".to_string(),
+            name.to_string(),
+            "--kubeconfig".to_string(),
+            path(&kubeconfig),
+            "--registry-dir".to_string(),
+            path(&dirs.registry),
+            "--plugin-dir".to_string(),
+            path(&dirs.plugin),
+            "--cdi-root".to_string(),
+            path(&dirs.cdi),
+            "--state-dir".to_string(),
+            path(&dirs.state),
+        ];
+        let driver = ManagedProcess::spawn(
+            &format!("reference plugin on {name}"),
+            reference,
+            args,
+            self.workdir().join(format!("reference-{name}.log")),
+        )?;
+        let mut node = BenchNode {
+            name: name.to_string(),
+            kubelet: Some(kubelet),
+            driver,
+        };
+        let spawned = Instant::now();
+        while node.kubelet().registration(DRIVER).is_none() {
+            if spawned.elapsed() > READY_TIMEOUT {
+                bail!(
+                    "node {name}: the reference plugin did not register within {READY_TIMEOUT:?}; its log:\n{}",
+                    node.driver.log()
+                );
+            }
+            node.check_running()?;
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        Ok(node)
     }
 
     /// Starts drivers without kubelets (slice publishing only); their Node objects exist first.

@@ -4,6 +4,7 @@
 //! then `target/release/gpupool-bench`); `--short` runs a tiny version of everything in seconds.
 
 mod cluster;
+mod patterns;
 mod procfs;
 mod report;
 mod requests;
@@ -17,11 +18,14 @@ use anyhow::Context;
 use clap::Parser;
 use gpupool_api::claim::ClaimRef;
 use gpupool_apiserver::{ApiProfile, ApiServerOptions};
-use gpupool_e2e::harness::{find_binary, init_stderr_tracing, two_worker_runtime, DRIVER_BIN};
+use gpupool_e2e::harness::{
+    find_binary, init_stderr_tracing, two_worker_runtime, DRIVER_BIN, REFERENCE_PLUGIN_BIN,
+};
 use gpupool_e2e::kubelet::Kubelet;
 use kube::api::GetParams;
 
 use cluster::{prepare_one, unprepare_one, Bench};
+use patterns::{Pacing, Plugin};
 use report::{ApiSettings, ClaimKind, LatencyCell, Memory, Publishing, Report, Soak, Startup};
 
 const PROFILE: &str = "a100-40gb";
@@ -66,6 +70,23 @@ struct Args {
     /// Seed of the profile's delays.
     #[arg(long, default_value_t = 0)]
     api_seed: u64,
+    /// The reference plugin's binary (what a driver on upstream's Go helper does per call); by
+    /// default the one next to this binary.
+    #[arg(long, env = "GPUPOOL_REFERENCE_PLUGIN_BIN")]
+    reference: Option<PathBuf>,
+    /// Pods of the realistic pattern (one new claim each), per plugin.
+    #[arg(long)]
+    pattern_claims: Option<usize>,
+    /// Pods re-created on the one claim of the serial pattern, per plugin.
+    #[arg(long)]
+    pattern_cycles: Option<usize>,
+    /// Realistic pattern: a new pod every this many milliseconds.
+    #[arg(long, default_value_t = 20)]
+    pod_interval_ms: u64,
+    /// Realistic pattern: how long each pod lives before its claim is unprepared; longer than
+    /// gpupool's status write delay (500 ms), so that each claim gets its status write.
+    #[arg(long)]
+    pod_lifetime_ms: Option<u64>,
 }
 
 struct Plan {
@@ -75,6 +96,9 @@ struct Plan {
     starts: usize,
     publish_nodes: Vec<usize>,
     concurrency: Vec<usize>,
+    pattern_claims: usize,
+    pattern_cycles: usize,
+    pacing: Pacing,
 }
 
 impl Plan {
@@ -84,6 +108,11 @@ impl Plan {
         } else {
             (1000, 10_000, 5, vec![1, 8, 64], args.prepared_claims)
         };
+        let (pattern_claims, pattern_cycles, lifetime_ms) = if args.short {
+            (8, 8, 600)
+        } else {
+            (300, 300, 1000)
+        };
         Plan {
             cycles: args.cycles.unwrap_or(cycles),
             soak_cycles: args.soak_cycles.unwrap_or(soak),
@@ -91,6 +120,12 @@ impl Plan {
             starts: args.starts.unwrap_or(starts),
             publish_nodes: args.publish_nodes.clone().unwrap_or(nodes),
             concurrency: vec![1, 4, 16],
+            pattern_claims: args.pattern_claims.unwrap_or(pattern_claims),
+            pattern_cycles: args.pattern_cycles.unwrap_or(pattern_cycles),
+            pacing: Pacing {
+                interval_ms: args.pod_interval_ms,
+                lifetime_ms: args.pod_lifetime_ms.unwrap_or(lifetime_ms),
+            },
         }
     }
 }
@@ -117,6 +152,10 @@ async fn run(args: &Args) -> anyhow::Result<Report> {
     let driver_bin = match &args.driver {
         Some(path) => path.clone(),
         None => find_binary(DRIVER_BIN)?,
+    };
+    let reference_bin = match &args.reference {
+        Some(path) => path.clone(),
+        None => find_binary(REFERENCE_PLUGIN_BIN)?,
     };
     let api_options = ApiServerOptions::default()
         .profile(args.api_profile)
@@ -208,6 +247,8 @@ async fn run(args: &Args) -> anyhow::Result<Report> {
         latency.iter().map(|c| c.cycles).sum(),
     );
 
+    let patterns = run_patterns(&bench, kubelet, &node.name, &reference_bin, &plan).await?;
+
     progress(&format!("soak: {} cycles", plan.soak_cycles));
     let soak = soak(&bench, kubelet, &node.name, pid, plan.soak_cycles).await?;
     drop(node);
@@ -235,10 +276,64 @@ async fn run(args: &Args) -> anyhow::Result<Report> {
         api_get_claim_cached,
         api_requests,
         repeat_prepare,
+        patterns,
+        pacing: plan.pacing,
         targets: Vec::new(),
     };
     report.targets = report::check_targets(&report);
     Ok(report)
+}
+
+/// Both patterns against gpupool (on `pool`, the latency node) and against the reference plugin
+/// on a node of its own, in the order gpupool, reference, reference, gpupool, so that a drift of
+/// the machine during the run falls on both alike.
+async fn run_patterns(
+    bench: &Bench,
+    kubelet: &Kubelet,
+    pool: &str,
+    reference_bin: &std::path::Path,
+    plan: &Plan,
+) -> anyhow::Result<Vec<patterns::PatternRun>> {
+    let reference = bench
+        .start_reference_node("reference-0", reference_bin)
+        .await?;
+    let nodes = [
+        (Plugin::Gpupool, kubelet, pool),
+        (
+            Plugin::Reference,
+            reference.kubelet(),
+            reference.name.as_str(),
+        ),
+    ];
+    let mut runs = Vec::new();
+    for &(plugin, kubelet, pool) in nodes.iter() {
+        progress(&format!(
+            "serial pattern: {}, {} pods on one claim",
+            plugin.label(),
+            plan.pattern_cycles
+        ));
+        runs.push(patterns::serial(bench, kubelet, plugin, pool, plan.pattern_cycles).await?);
+    }
+    for &(plugin, kubelet, pool) in nodes.iter().rev() {
+        progress(&format!(
+            "realistic pattern: {}, {} new pods",
+            plugin.label(),
+            plan.pattern_claims
+        ));
+        runs.push(
+            patterns::realistic(
+                bench,
+                kubelet,
+                plugin,
+                pool,
+                plan.pattern_claims,
+                plan.pacing,
+                GPUS,
+            )
+            .await?,
+        );
+    }
+    Ok(runs)
 }
 
 /// Waits until the driver made no API request for 200 ms (at most 10 s).

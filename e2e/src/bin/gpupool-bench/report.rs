@@ -6,6 +6,7 @@ use std::fmt::Write;
 use gpupool_apiserver::ApiProfile;
 use serde::Serialize;
 
+use crate::patterns::{Pacing, Pattern, PatternRun, Plugin};
 use crate::procfs::Machine;
 use crate::stats::{median, Summary};
 
@@ -149,8 +150,28 @@ pub struct Report {
     /// A prepare of a claim already prepared (answered from the checkpoint): the gRPC round trip
     /// and the driver's dispatch, the other floor of prepare latency.
     pub repeat_prepare: Summary,
+    /// The realistic and serial patterns, each against gpupool and the reference plugin.
+    pub patterns: Vec<PatternRun>,
+    /// How the realistic pattern paced its pods.
+    pub pacing: Pacing,
     /// Filled by [`check_targets`].
     pub targets: Vec<TargetCheck>,
+}
+
+/// gpupool's figure over the reference's for `pattern`, when both ran.
+pub fn ratio(
+    report: &Report,
+    pattern: Pattern,
+    figure: impl Fn(&PatternRun) -> f64,
+) -> Option<f64> {
+    let run = |plugin| {
+        report
+            .patterns
+            .iter()
+            .find(|r| r.pattern == pattern && r.plugin == plugin)
+    };
+    let (ours, reference) = (run(Plugin::Gpupool)?, run(Plugin::Reference)?);
+    Some(figure(ours) / figure(reference).max(f64::EPSILON))
 }
 
 fn at_most(target: &str, measured: f64, limit: f64, unit: &'static str) -> TargetCheck {
@@ -203,6 +224,34 @@ pub fn check_targets(report: &Report) -> Vec<TargetCheck> {
                     "x",
                 ));
             }
+        }
+    }
+    for pattern in [Pattern::Realistic, Pattern::Serial] {
+        let label = pattern.label();
+        let mut ratio_at_most = |what: &str, figure: fn(&PatternRun) -> f64, limit: f64| {
+            if let Some(r) = ratio(report, pattern, figure) {
+                checks.push(at_most(
+                    &format!("{label}: {what} / reference"),
+                    r,
+                    limit,
+                    "x",
+                ));
+            }
+        };
+        ratio_at_most("prepare p50", |r| r.prepare.p50_us, 0.5);
+        ratio_at_most("prepare p99", |r| r.prepare.p99_us, 0.5);
+        ratio_at_most("unprepare p50", |r| r.unprepare.p50_us, 1.0);
+        if let Some(ours) = report
+            .patterns
+            .iter()
+            .find(|r| r.pattern == pattern && r.plugin == Plugin::Gpupool)
+        {
+            checks.push(at_most(
+                &format!("{label}: claim GETs per prepare"),
+                ours.gets_per_prepare,
+                1.0,
+                "GETs",
+            ));
         }
     }
     checks.push(at_most(
@@ -262,6 +311,59 @@ fn write_calls(out: &mut String, what: &str, calls: &Summary) {
         "{what}, {} calls: p50 {:.0} µs, p99 {:.0} µs",
         calls.count, calls.p50_us, calls.p99_us
     );
+}
+
+/// The patterns of issue 21 side by side with the reference plugin, and gpupool's ratios.
+fn write_patterns(out: &mut String, report: &Report) {
+    if report.patterns.is_empty() {
+        return;
+    }
+    let pacing = &report.pacing;
+    let _ = writeln!(
+        out,
+        "\npatterns (fractional claims; realistic: a new pod every {} ms, living {} ms; serial: one claim, a pod re-created on it):",
+        pacing.interval_ms, pacing.lifetime_ms
+    );
+    let _ = writeln!(
+        out,
+        "{:<10} {:<10} {:>6} | {:>28} | {:>28} | {:>19} | {:>11}",
+        "pattern",
+        "plugin",
+        "cycles",
+        "prepare p50/p95/p99 (µs)",
+        "unprepare p50/p95/p99 (µs)",
+        "GETs/prepare (cache)",
+        "writes/cycle"
+    );
+    let triple = |s: &Summary| format!("{:.0}/{:.0}/{:.0}", s.p50_us, s.p95_us, s.p99_us);
+    for run in &report.patterns {
+        let _ = writeln!(
+            out,
+            "{:<10} {:<10} {:>6} | {:>28} | {:>28} | {:>12.2} ({:.2}) | {:>11.2}",
+            run.pattern.label(),
+            run.plugin.label(),
+            run.cycles,
+            triple(&run.prepare),
+            triple(&run.unprepare),
+            run.gets_per_prepare,
+            run.cached_gets_per_prepare,
+            run.writes_per_cycle
+        );
+    }
+    for pattern in [Pattern::Realistic, Pattern::Serial] {
+        let r = |figure: fn(&PatternRun) -> f64| ratio(report, pattern, figure);
+        if let (Some(p50), Some(p99), Some(u50)) = (
+            r(|r| r.prepare.p50_us),
+            r(|r| r.prepare.p99_us),
+            r(|r| r.unprepare.p50_us),
+        ) {
+            let _ = writeln!(
+                out,
+                "gpupool / reference, {}: prepare p50 {p50:.2}x, p99 {p99:.2}x; unprepare p50 {u50:.2}x",
+                pattern.label()
+            );
+        }
+    }
 }
 
 /// The report as the table the bench prints.
@@ -366,6 +468,8 @@ pub fn render_table(report: &Report) -> String {
         &report.repeat_prepare,
     );
 
+    write_patterns(&mut out, report);
+
     let mem = &report.memory;
     let _ = writeln!(
         out,
@@ -451,7 +555,10 @@ pub fn render_table(report: &Report) -> String {
         }
     }
     if !report.targets.is_empty() {
-        let _ = writeln!(out, "\ntargets (issue 8; release build, 2 cores):");
+        let _ = writeln!(
+            out,
+            "\ntargets (issues 8 and 21; release build, 2 cores; issue 21's with --api-profile real):"
+        );
         for t in &report.targets {
             let _ = writeln!(
                 out,
@@ -561,8 +668,72 @@ mod tests {
                 ]),
             },
             repeat_prepare: summary,
+            patterns: Vec::new(),
+            pacing: Pacing {
+                interval_ms: 20,
+                lifetime_ms: 1000,
+            },
             targets: Vec::new(),
         }
+    }
+
+    fn pattern_run(pattern: Pattern, plugin: Plugin, p50: f64, p99: f64, gets: f64) -> PatternRun {
+        let summary = |p50: f64, p99: f64| Summary {
+            count: 100,
+            p50_us: p50,
+            p95_us: p99,
+            p99_us: p99,
+            max_us: p99,
+            mean_us: p50,
+        };
+        PatternRun {
+            pattern,
+            plugin,
+            cycles: 100,
+            prepare: summary(p50, p99),
+            unprepare: summary(p50 / 2.0, p99 / 2.0),
+            gets_per_prepare: gets,
+            cached_gets_per_prepare: if plugin == Plugin::Gpupool { gets } else { 0.0 },
+            writes_per_cycle: if plugin == Plugin::Gpupool { 1.0 } else { 0.0 },
+        }
+    }
+
+    #[test]
+    fn patterns_are_judged_against_the_reference_run_beside_them() {
+        let mut report = sample();
+        report.patterns = vec![
+            // Realistic: half the reference's p50 and p99, one GET: met.
+            pattern_run(Pattern::Realistic, Plugin::Gpupool, 1000.0, 3000.0, 1.0),
+            pattern_run(Pattern::Realistic, Plugin::Reference, 2000.0, 6000.0, 1.0),
+            // Serial: p99 above half, two GETs per prepare: missed.
+            pattern_run(Pattern::Serial, Plugin::Gpupool, 1000.0, 4000.0, 2.0),
+            pattern_run(Pattern::Serial, Plugin::Reference, 2500.0, 6000.0, 1.0),
+        ];
+        let checks = check_targets(&report);
+        assert!(verdict(&checks, "realistic: prepare p50 / reference"));
+        assert!(verdict(&checks, "realistic: prepare p99 / reference"));
+        assert!(verdict(&checks, "realistic: unprepare p50 / reference"));
+        assert!(verdict(&checks, "realistic: claim GETs per prepare"));
+        assert!(verdict(&checks, "serial: prepare p50 / reference"));
+        assert!(!verdict(&checks, "serial: prepare p99 / reference"));
+        assert!(!verdict(&checks, "serial: claim GETs per prepare"));
+
+        report.targets = checks;
+        let table = render_table(&report);
+        assert!(
+            table.contains(
+                "gpupool / reference, serial: prepare p50 0.40x, p99 0.67x; unprepare p50 0.40x"
+            ),
+            "{table}"
+        );
+        assert!(
+            table.contains("MISSED serial: prepare p99 / reference"),
+            "{table}"
+        );
+        assert!(
+            table.contains("a new pod every 20 ms, living 1000 ms"),
+            "{table}"
+        );
     }
 
     fn verdict(checks: &[TargetCheck], prefix: &str) -> bool {

@@ -62,7 +62,7 @@ pub fn driver_requests(records: &[RequestRecord]) -> BTreeMap<String, usize> {
 }
 
 /// A read with a `resourceVersion`, which the API server answers from its watch cache.
-fn is_cached_read(record: &RequestRecord) -> bool {
+pub fn is_cached_read(record: &RequestRecord) -> bool {
     let query = record.path.split_once('?').map_or("", |(_, q)| q);
     record.method == "GET"
         && query.split('&').any(|kv| {
