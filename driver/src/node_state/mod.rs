@@ -165,6 +165,13 @@ impl NodeState {
         &self.layout
     }
 
+    /// Whether another instance has changed the checkpoint since this one last read or wrote it
+    /// (two stats, no lock): what [`NodeState::prepared`] answers may then be out of date until
+    /// the next [`NodeState::take_turn`]. Always false for an instance alone on the node.
+    pub fn others_may_have_written(&self) -> bool {
+        self.serialize_lock.is_some() && !self.checkpoint.is_current()
+    }
+
     /// With other instances on the node: wait for this one's turn and catch up with what they
     /// changed. `Ok(None)` when this process is alone.
     ///

@@ -218,14 +218,15 @@ impl ClaimPreparer {
     }
 
     /// Prepare every claim concurrently; each gets its own answer.
+    ///
+    /// Each claim takes the node's turn (with another instance of the driver, see
+    /// [`crate::node_state::NodeState::take_turn`]) only for its files and checkpoint entry, after its read from the
+    /// API server: a call never holds the turn while it waits for the API server, so the calls of
+    /// other pods, and the other instance's, are not queued behind that read.
     pub async fn prepare(
         &self,
         claims: Vec<ClaimRef>,
     ) -> Vec<(ClaimRef, Result<Vec<PreparedDevice>, PrepareError>)> {
-        let _turn = match self.state.take_turn().await {
-            Ok(turn) => turn,
-            Err(e) => return fail_all(claims, e),
-        };
         let answers = futures::future::join_all(claims.iter().map(|c| self.prepare_claim(c))).await;
         claims.into_iter().zip(answers).collect()
     }
@@ -305,12 +306,42 @@ impl ClaimPreparer {
     }
 
     async fn prepare_locked(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, PrepareError> {
-        if let Some(entry) = self.state.prepared(&claim.uid) {
-            self.restore_spec_if_missing(claim, &entry).await?;
-            return Ok(entry.devices);
-        }
-
-        let result = self.prepare_fresh(claim).await;
+        // A claim this instance knows prepared is answered from the checkpoint, without a read.
+        // Otherwise the read comes before the turn. It is safe there: this claim's lock is held,
+        // so no unprepare of it by this process (and its tombstone) can come between the read and
+        // the work, and a claim the other instance prepared meanwhile shows in the checkpoint the
+        // turn refreshes, which is checked again below. When the other instance has written since
+        // this one last looked, the read waits for the turn: the claim may be prepared already.
+        let known = self.state.prepared(&claim.uid).is_some();
+        let read = if known || self.state.others_may_have_written() {
+            None
+        } else {
+            Some(self.read_claim(claim).await)
+        };
+        let result = match self.state.take_turn().await {
+            Err(e) => Err(PrepareError::new(
+                claim,
+                PrepareErrorKind::Turn(Arc::new(e)),
+            )),
+            Ok(_turn) => {
+                if let Some(entry) = self.state.prepared(&claim.uid) {
+                    return self
+                        .restore_spec_if_missing(claim, &entry)
+                        .await
+                        .map(|()| entry.devices);
+                }
+                // Not read before the turn (see above) and not prepared: read now, in the turn
+                // (only with two instances).
+                let object = match read {
+                    Some(read) => read,
+                    None => self.read_claim(claim).await,
+                };
+                match object {
+                    Ok(object) => self.prepare_fresh(claim, object).await,
+                    Err(e) => Err(e),
+                }
+            }
+        };
         if let Err(error) = &result {
             tracing::warn!(claim = %claim, uid = %claim.uid, %error, transient = error.is_transient(), "prepare failed");
             let event = status::prepare_failed_event(
@@ -346,9 +377,13 @@ impl ClaimPreparer {
         run_blocking(claim, move || state.restore_spec(&uid, &spec)).await
     }
 
-    async fn prepare_fresh(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, PrepareError> {
+    /// Prepares `claim`, read from the API server as `object`, in this instance's turn.
+    async fn prepare_fresh(
+        &self,
+        claim: &ClaimRef,
+        object: k8s_openapi::api::resource::v1::ResourceClaim,
+    ) -> Result<Vec<PreparedDevice>, PrepareError> {
         let fail = |kind: PrepareErrorKind| PrepareError::new(claim, kind);
-        let object = self.read_claim(claim).await?;
         let pool = self.opts.node_name.as_str();
         let allocation = claim::check_claim(claim, &object, pool, &self.inventory)
             .map_err(|e| fail(e.into()))?;

@@ -1527,9 +1527,8 @@ async fn an_instance_starting_beside_one_mid_prepare_keeps_its_files() {
     let mut node = Node::new();
     node.api.add("train", fractional(UID_A));
     let (old, _) = two_instances(&mut node).await;
-    // The old instance's prepare waits on the API server while holding its turn.
-    let gate = Arc::new(Notify::new());
-    *node.api.gate.lock().unwrap() = Some(("train".into(), gate.clone()));
+    // The old instance is mid-prepare: its turn is taken (its files and entry are being written).
+    let turn = old.state.take_turn().await.unwrap();
     let preparing = tokio::spawn({
         let old = old.clone();
         async move { old.prepare(vec![r("train", UID_A)]).await }
@@ -1547,13 +1546,16 @@ async fn an_instance_starting_beside_one_mid_prepare_keeps_its_files() {
         !starting.is_finished(),
         "start-up waits for the other instance's call"
     );
-    gate.notify_one();
+    drop(turn);
     let devices = preparing.await.unwrap()[0].1.text().unwrap();
     let started = starting.await.unwrap().unwrap();
+    // Whichever took the turn first (the prepare's files, or the start-up's sweep), the spec
+    // stays and the new instance knows the claim from its next turn on.
     assert!(
         node.spec_path(UID_A).exists(),
         "the sweep left the new claim's spec"
     );
+    drop(started.state.take_turn().await.unwrap());
     assert_eq!(started.prepared(UID_A).await, Some(devices));
 }
 
@@ -1771,9 +1773,8 @@ async fn a_call_waits_while_the_other_instance_holds_its_turn() {
     node.api.add("infer", fractional(UID_B));
     let (old, new) = two_instances(&mut node).await;
     prepare_one(&new, "infer", UID_B).await.unwrap();
-    // The old instance's prepare waits on the API server while holding its turn.
-    let gate = Arc::new(Notify::new());
-    *node.api.gate.lock().unwrap() = Some(("train".into(), gate.clone()));
+    // The old instance's prepare holds its turn (writing its files and entry).
+    let turn = old.state.take_turn().await.unwrap();
     let preparing = tokio::spawn({
         let old = old.clone();
         async move { old.prepare(vec![r("train", UID_A)]).await }
@@ -1789,18 +1790,52 @@ async fn a_call_waits_while_the_other_instance_holds_its_turn() {
         "the unprepare waits for the other instance's call"
     );
     assert!(node.spec_path(UID_B).exists());
-    gate.notify_one();
+    drop(turn);
     preparing.await.unwrap()[0].1.text().unwrap();
     assert!(unpreparing.await.unwrap()[0].1.is_ok());
     assert!(!node.spec_path(UID_B).exists());
-    // Each instance's next turn sees what the other wrote meanwhile: the unprepare's turn came
-    // after the old instance's prepare.
+    // Each instance's next turn sees what the other wrote meanwhile (the unprepare's turn may
+    // have come before or after the old instance's prepare: the prepare waits for it too).
+    drop(new.state.take_turn().await.unwrap());
     assert!(new.prepared(UID_A).await.is_some());
     assert_eq!(new.prepared(UID_A).await, old.prepared(UID_A).await);
-    assert!(
-        old.prepared(UID_B).await.is_some(),
-        "not read before its next turn"
-    );
     unprepare_one(&old, "train", UID_A).await.unwrap();
     assert_eq!(old.prepared(UID_B).await, None);
+}
+
+#[tokio::test]
+async fn a_prepare_waiting_on_the_api_server_holds_no_turn() {
+    let mut node = Node::new();
+    node.api.add("train", fractional(UID_A));
+    node.api.add("infer", fractional(UID_B));
+    let (old, new) = two_instances(&mut node).await;
+    prepare_one(&new, "infer", UID_B).await.unwrap();
+    // The old instance has caught up with that (a turn of its own): its view is current, so its
+    // next prepare reads before taking its turn.
+    drop(old.state.take_turn().await.unwrap());
+    // The old instance's read of its claim waits on the API server.
+    let gate = Arc::new(Notify::new());
+    *node.api.gate.lock().unwrap() = Some(("train".into(), gate.clone()));
+    let preparing = tokio::spawn({
+        let old = old.clone();
+        async move { old.prepare(vec![r("train", UID_A)]).await }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    // Another pod's calls, to either instance, go on meanwhile.
+    let unprepared = tokio::time::timeout(
+        std::time::Duration::from_secs(5),
+        new.unprepare(vec![r("infer", UID_B)]),
+    )
+    .await
+    .expect("the unprepare does not wait for the other instance's API read");
+    assert!(unprepared[0].1.is_ok());
+    assert!(!node.spec_path(UID_B).exists());
+    assert!(!preparing.is_finished(), "the read is still held");
+    gate.notify_one();
+    preparing.await.unwrap()[0].1.text().unwrap();
+    assert!(node.spec_path(UID_A).exists());
+    // Each sees, from its next turn on, what the other wrote.
+    assert_eq!(old.prepared(UID_B).await, None);
+    drop(new.state.take_turn().await.unwrap());
+    assert_eq!(new.prepared(UID_A).await, old.prepared(UID_A).await);
 }
