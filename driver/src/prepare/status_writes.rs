@@ -5,7 +5,7 @@
 //! the driver's own writes do not slow the reads of the prepares that follow. The content is
 //! `status.rs`'s; this is when and how it is written.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
@@ -37,6 +37,23 @@ pub(super) struct StatusQueue {
     /// holds a connection of its own (~50 KiB): against a slow API server an unbounded queue
     /// turned a burst of prepares into hundreds of connections.
     in_flight: Arc<tokio::sync::Semaphore>,
+    /// Prepare writes not yet due, kept as data: a task each, sleeping until due, held the
+    /// whole future of the write (its requests and a claim read), several times the write itself.
+    delayed: Arc<Mutex<Delayed>>,
+}
+
+/// Prepare writes waiting for their time, in the order they come due, and whether a task
+/// releases them.
+#[derive(Default)]
+struct Delayed {
+    queue: VecDeque<DelayedWrite>,
+    releasing: bool,
+}
+
+struct DelayedWrite {
+    due: tokio::time::Instant,
+    seq: u64,
+    write: StatusWrite,
 }
 
 const STATUS_WRITES_IN_FLIGHT: usize = 4;
@@ -48,17 +65,21 @@ impl Default for StatusQueue {
             latest_prepare_write: Arc::default(),
             next_seq: Arc::default(),
             in_flight: Arc::new(tokio::sync::Semaphore::new(STATUS_WRITES_IN_FLIGHT)),
+            delayed: Arc::default(),
         }
     }
 }
 
 impl StatusQueue {
+    /// `write` after the claim's earlier writes, a prepare write still waiting for its time
+    /// included (it is sent now, so that this one comes after it).
     pub(super) fn push(
         &self,
         uid: &str,
         write: impl std::future::Future<Output = ()> + Send + 'static,
     ) {
-        self.push_after(uid, None, write);
+        self.release_now(|w| w.write.claim.uid == uid);
+        self.push_after(uid, write);
     }
 
     /// A prepare's write: made `delay` from now, unless a later prepare of the claim queued its
@@ -74,32 +95,88 @@ impl StatusQueue {
             .lock()
             .expect("status queue is never poisoned")
             .insert(uid.to_string(), seq);
-        let latest = self.latest_prepare_write.clone();
-        let owned_uid = uid.to_string();
         let due = tokio::time::Instant::now() + delay;
-        self.push_after(uid, Some(due), async move {
-            let current = {
-                let mut latest = latest.lock().expect("status queue is never poisoned");
-                let current = latest.get(&owned_uid) == Some(&seq);
-                if current {
-                    latest.remove(&owned_uid);
-                }
-                current
-            };
-            if current {
-                write.run().await;
-            }
-        });
+        let mut delayed = self.delayed.lock().expect("status queue is never poisoned");
+        // The delay is the same for every write of a driver: this is the end of the queue.
+        let at = delayed.queue.partition_point(|w| w.due <= due);
+        delayed.queue.insert(at, DelayedWrite { due, seq, write });
+        if !delayed.releasing {
+            delayed.releasing = true;
+            tokio::spawn(self.clone().release_when_due());
+        }
     }
 
-    /// `write`, after the claim's earlier writes and not before `due`; the wait holds no
-    /// in-flight permit, so writes due later never hold back those due now.
-    fn push_after(
-        &self,
-        uid: &str,
-        due: Option<tokio::time::Instant>,
-        write: impl std::future::Future<Output = ()> + Send + 'static,
-    ) {
+    /// Sends each delayed write when it is due, then ends when none is left.
+    async fn release_when_due(self) {
+        loop {
+            let next = {
+                let mut delayed = self.delayed.lock().expect("status queue is never poisoned");
+                match delayed.queue.front() {
+                    Some(first) => first.due,
+                    None => {
+                        delayed.releasing = false;
+                        return;
+                    }
+                }
+            };
+            tokio::time::sleep_until(next).await;
+            // One at a time, when a write can start: a burst of writes coming due at once stays
+            // data until then instead of becoming a task each.
+            let free = self.in_flight.acquire().await;
+            drop(free);
+            let first = {
+                let mut delayed = self.delayed.lock().expect("status queue is never poisoned");
+                let now = tokio::time::Instant::now();
+                match delayed.queue.front() {
+                    Some(first) if first.due <= now => delayed.queue.pop_front(),
+                    _ => None,
+                }
+            };
+            if let Some(write) = first {
+                self.send(write);
+            }
+        }
+    }
+
+    /// Sends the delayed writes `which` picks now.
+    fn release_now(&self, which: impl Fn(&DelayedWrite) -> bool) {
+        let released: VecDeque<DelayedWrite> = {
+            let mut delayed = self.delayed.lock().expect("status queue is never poisoned");
+            if !delayed.queue.iter().any(&which) {
+                return;
+            }
+            let (now, later): (VecDeque<_>, VecDeque<_>) = std::mem::take(&mut delayed.queue)
+                .into_iter()
+                .partition(&which);
+            delayed.queue = later;
+            now
+        };
+        for write in released {
+            self.send(write);
+        }
+    }
+
+    /// Sends a delayed write now, unless a later prepare of its claim queued one of its own.
+    fn send(&self, DelayedWrite { seq, write, .. }: DelayedWrite) {
+        let uid = write.claim.uid.clone();
+        let current = {
+            let mut latest = self
+                .latest_prepare_write
+                .lock()
+                .expect("status queue is never poisoned");
+            let current = latest.get(&uid) == Some(&seq);
+            if current {
+                latest.remove(&uid);
+            }
+            current
+        };
+        if current {
+            self.push_after(&uid, write.run());
+        }
+    }
+
+    /// `write`, after the claim's earlier writes.
+    fn push_after(&self, uid: &str, write: impl std::future::Future<Output = ()> + Send + 'static) {
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
         let tails = self.tails.clone();
         let owned_uid = uid.to_string();
@@ -109,9 +186,6 @@ impl StatusQueue {
         let handle = tokio::spawn(async move {
             if let Some(previous) = previous {
                 let _ = previous.await;
-            }
-            if let Some(due) = due {
-                tokio::time::sleep_until(due).await;
             }
             let permit = in_flight.acquire_owned().await;
             write.await;
@@ -124,9 +198,11 @@ impl StatusQueue {
         map.insert(uid.to_string(), (seq, handle));
     }
 
-    /// Wait until every write queued so far has finished. A marker is chained behind each
-    /// claim's last write, so the per-claim order holds for writes queued meanwhile.
+    /// Wait until every write queued so far has finished; those still waiting for their time
+    /// are sent now (an orderly shutdown does not wait out the delay). A marker is chained
+    /// behind each claim's last write, so the per-claim order holds for writes queued meanwhile.
     pub(super) async fn flush(&self) {
+        self.release_now(|_| true);
         let uids: Vec<String> = self
             .tails
             .lock()

@@ -1000,6 +1000,42 @@ async fn prepare_status_writes_wait_and_only_the_last_prepare_writes() {
     assert_eq!(node.api.device_status("train").len(), 1);
 }
 
+/// A device that turns unhealthy while a prepare's status write still waits for its time: the
+/// health write comes after the prepare's, so the claim ends up showing the fault, not the
+/// healthy status the prepare computed.
+#[tokio::test]
+async fn a_health_change_during_the_status_delay_is_written_after_the_prepare_status() {
+    let node = Node::new();
+    node.api.add("train", fractional(UID_A));
+    let mut opts = node.opts.clone();
+    opts.status_write_delay = std::time::Duration::from_millis(300);
+    let preparer = ClaimPreparer::with_api(
+        opts,
+        Arc::new(inventory()),
+        node.api.clone(),
+        watch::channel(BTreeMap::new()).1,
+        current_boot_id(),
+    )
+    .await
+    .unwrap();
+    prepare_one(&preparer, "train", UID_A).await.unwrap();
+    preparer.report_device_health(BTreeMap::from([(
+        "gpu-0".to_string(),
+        "XID 79".to_string(),
+    )]));
+    preparer.flush_status_writes().await;
+    let status = node.api.device_status("train");
+    assert_eq!(status.len(), 1);
+    let ready = status[0]
+        .conditions
+        .iter()
+        .flatten()
+        .find(|c| c.type_ == "Ready")
+        .expect("a Ready condition");
+    assert_eq!(ready.status, "False", "{ready:?}");
+    assert!(ready.message.contains("XID 79"), "{ready:?}");
+}
+
 #[tokio::test]
 async fn restart_removes_orphans_and_rolls_back_unfinished_prepares() {
     let node = Node::new();
