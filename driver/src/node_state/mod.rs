@@ -109,7 +109,10 @@ impl Drop for HeldLock {
 }
 
 /// The node's prepared claims as files and checkpoint. Methods that touch files block: call them
-/// off the runtime's threads. Send + Sync; share it in an `Arc`.
+/// off the runtime's threads, except [`NodeState::prepare`] and [`NodeState::remove`] of a claim
+/// without MIG devices, which are a few system calls on the CDI folder's tmpfs and one append to
+/// the checkpoint log (a compaction, once in about 500 changes, a few fsyncs). Send + Sync; share
+/// it in an `Arc`.
 pub struct NodeState {
     layout: NodeLayout,
     checkpoint: checkpoint::Store,
