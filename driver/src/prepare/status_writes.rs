@@ -79,7 +79,7 @@ impl StatusQueue {
         write: impl std::future::Future<Output = ()> + Send + 'static,
     ) {
         self.release_now(|w| w.write.claim.uid == uid);
-        self.push_after(uid, write);
+        self.push_after(uid, None, write);
     }
 
     /// A prepare's write: made `delay` from now, unless a later prepare of the claim queued its
@@ -120,10 +120,9 @@ impl StatusQueue {
                 }
             };
             tokio::time::sleep_until(next).await;
-            // One at a time, when a write can start: a burst of writes coming due at once stays
-            // data until then instead of becoming a task each.
-            let free = self.in_flight.acquire().await;
-            drop(free);
+            // One at a time, in a slot taken for it: a burst of writes coming due at once stays
+            // data until a write can start, instead of becoming a task each.
+            let slot = self.in_flight.clone().acquire_owned().await.ok();
             let first = {
                 let mut delayed = self.delayed.lock().expect("status queue is never poisoned");
                 let now = tokio::time::Instant::now();
@@ -133,7 +132,7 @@ impl StatusQueue {
                 }
             };
             if let Some(write) = first {
-                self.send(write);
+                self.send(write, slot);
             }
         }
     }
@@ -152,12 +151,17 @@ impl StatusQueue {
             now
         };
         for write in released {
-            self.send(write);
+            self.send(write, None);
         }
     }
 
-    /// Sends a delayed write now, unless a later prepare of its claim queued one of its own.
-    fn send(&self, DelayedWrite { seq, write, .. }: DelayedWrite) {
+    /// Sends a delayed write now, unless a later prepare of its claim queued one of its own;
+    /// `slot`, an in-flight slot taken for it, or `None` to wait for one.
+    fn send(
+        &self,
+        DelayedWrite { seq, write, .. }: DelayedWrite,
+        slot: Option<tokio::sync::OwnedSemaphorePermit>,
+    ) {
         let uid = write.claim.uid.clone();
         let current = {
             let mut latest = self
@@ -171,12 +175,17 @@ impl StatusQueue {
             current
         };
         if current {
-            self.push_after(&uid, write.run());
+            self.push_after(&uid, slot, write.run());
         }
     }
 
-    /// `write`, after the claim's earlier writes.
-    fn push_after(&self, uid: &str, write: impl std::future::Future<Output = ()> + Send + 'static) {
+    /// `write`, after the claim's earlier writes, in `slot` or in the next free one.
+    fn push_after(
+        &self,
+        uid: &str,
+        slot: Option<tokio::sync::OwnedSemaphorePermit>,
+        write: impl std::future::Future<Output = ()> + Send + 'static,
+    ) {
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
         let tails = self.tails.clone();
         let owned_uid = uid.to_string();
@@ -184,10 +193,20 @@ impl StatusQueue {
         let previous = map.remove(uid).map(|(_, handle)| handle);
         let in_flight = self.in_flight.clone();
         let handle = tokio::spawn(async move {
-            if let Some(previous) = previous {
-                let _ = previous.await;
-            }
-            let permit = in_flight.acquire_owned().await;
+            let slot = match previous {
+                Some(previous) => {
+                    // Never hold a slot while waiting for the claim's earlier write: that one
+                    // may itself be waiting for a slot.
+                    drop(slot);
+                    let _ = previous.await;
+                    None
+                }
+                None => slot,
+            };
+            let permit = match slot {
+                Some(slot) => Ok(slot),
+                None => in_flight.acquire_owned().await,
+            };
             write.await;
             drop(permit);
             let mut map = tails.lock().expect("status queue is never poisoned");
