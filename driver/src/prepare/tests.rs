@@ -69,6 +69,10 @@ struct FakeApi {
     events: Mutex<Vec<Event>>,
     /// A claim name whose read waits until notified.
     gate: Mutex<Option<(String, Arc<Notify>)>>,
+    /// Milliseconds each read takes, and the most reads seen in flight at once.
+    read_delay_ms: std::sync::atomic::AtomicU64,
+    reads_in_flight: AtomicUsize,
+    most_reads_in_flight: AtomicUsize,
 }
 
 impl FakeApi {
@@ -166,6 +170,14 @@ impl ClaimApi for FakeApi {
                     notify.notified().await;
                 }
             }
+            let in_flight = self.reads_in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+            self.most_reads_in_flight
+                .fetch_max(in_flight, Ordering::SeqCst);
+            let delay = self.read_delay_ms.load(Ordering::SeqCst);
+            if delay > 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
+            }
+            self.reads_in_flight.fetch_sub(1, Ordering::SeqCst);
             self.read_attempts.fetch_add(1, Ordering::SeqCst);
             self.reads.lock().unwrap().push(read.clone());
             if self.down.load(Ordering::SeqCst) {
@@ -998,6 +1010,43 @@ async fn prepare_status_writes_wait_and_only_the_last_prepare_writes() {
     preparer.flush_status_writes().await;
     assert_eq!(node.api.status_writes.load(Ordering::SeqCst), 1);
     assert_eq!(node.api.device_status("train").len(), 1);
+}
+
+/// A burst of prepares (pods starting together) reads its claims at most four at a time: each
+/// read in flight is an HTTP/1.1 connection the client keeps afterwards.
+#[tokio::test]
+async fn a_burst_of_prepares_holds_at_most_four_claim_reads_in_flight() {
+    let node = Node::new();
+    let claims: Vec<(String, String)> = (0..12)
+        .map(|i| {
+            let uid = format!("{i:08x}-6f1e-4a52-9d0e-6d1f3f7a5b10");
+            let name = format!("train-{i}");
+            node.api.add(
+                &name,
+                allocated_claim(
+                    &uid,
+                    &[(
+                        "gpu",
+                        NODE,
+                        "gpu-0",
+                        Some(&format!("{i:04x}")),
+                        Some("1Gi"),
+                        Some("5"),
+                    )],
+                    json!([]),
+                ),
+            );
+            (name, uid)
+        })
+        .collect();
+    node.api.read_delay_ms.store(20, Ordering::SeqCst);
+    let preparer = node.start().await;
+    let refs = claims.iter().map(|(name, uid)| r(name, uid)).collect();
+    let answers = preparer.prepare(refs).await;
+    for (claim, answer) in &answers {
+        assert!(answer.is_ok(), "{claim}: {:?}", answer.as_ref().err());
+    }
+    assert_eq!(node.api.most_reads_in_flight.load(Ordering::SeqCst), 4);
 }
 
 /// A device that turns unhealthy while a prepare's status write still waits for its time: the
