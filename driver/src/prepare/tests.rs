@@ -1054,19 +1054,10 @@ async fn a_burst_of_prepares_holds_at_most_four_claim_reads_in_flight() {
 /// healthy status the prepare computed.
 #[tokio::test]
 async fn a_health_change_during_the_status_delay_is_written_after_the_prepare_status() {
-    let node = Node::new();
+    let mut node = Node::new();
     node.api.add("train", fractional(UID_A));
-    let mut opts = node.opts.clone();
-    opts.status_write_delay = std::time::Duration::from_millis(300);
-    let preparer = ClaimPreparer::with_api(
-        opts,
-        Arc::new(inventory()),
-        node.api.clone(),
-        watch::channel(BTreeMap::new()).1,
-        current_boot_id(),
-    )
-    .await
-    .unwrap();
+    node.opts.status_write_delay = std::time::Duration::from_millis(300);
+    let preparer = node.start().await;
     prepare_one(&preparer, "train", UID_A).await.unwrap();
     preparer.report_device_health(BTreeMap::from([(
         "gpu-0".to_string(),
