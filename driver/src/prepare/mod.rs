@@ -542,7 +542,7 @@ impl ClaimPreparer {
             based_on: object.metadata.resource_version.clone(),
         };
         self.status_writes
-            .push_prepare_write(&claim.uid, self.opts.status_write_delay, write);
+            .push_prepare_write(self.opts.status_write_delay, write);
         Ok(devices)
     }
 

@@ -19,26 +19,23 @@ use super::{status, SeenClaims, API_WRITE_TIMEOUT};
 use crate::node_state::checkpoint::ClaimState;
 use crate::node_state::NodeState;
 
+/// The last write sent for a claim: its sequence number and task.
+type QueueTail = (u64, tokio::task::JoinHandle<()>);
+
 /// The claims' `status.devices` writes, off the kubelet's critical path: each claim's writes run
 /// in spawned tasks chained one after the other, so a re-prepare's write never gets overtaken by
 /// an earlier one of the same claim. Claims do not wait for each other.
-/// The last write queued for a claim: its sequence number and task.
-type QueueTail = (u64, tokio::task::JoinHandle<()>);
-
 #[derive(Clone)]
 pub(super) struct StatusQueue {
-    /// Per claim uid: the sequence number and handle of the last write queued.
+    /// Per claim uid: the sequence number and handle of the last write sent.
     tails: Arc<Mutex<HashMap<String, QueueTail>>>,
-    /// Per claim uid: the sequence number of the last prepare write queued; an earlier one that
-    /// comes due after it was queued is dropped.
-    latest_prepare_write: Arc<Mutex<HashMap<String, u64>>>,
     next_seq: Arc<std::sync::atomic::AtomicU64>,
     /// Writes of different claims in flight at once. kube's client speaks HTTP/1.1, so each one
     /// holds a connection of its own (~50 KiB): against a slow API server an unbounded queue
     /// turned a burst of prepares into hundreds of connections.
     in_flight: Arc<tokio::sync::Semaphore>,
-    /// Prepare writes not yet due, kept as data: a task each, sleeping until due, held the
-    /// whole future of the write (its requests and a claim read), several times the write itself.
+    /// Prepare writes not yet due, kept as data (a task each, sleeping until due, held the
+    /// whole future of the write, several times the write itself); at most one per claim.
     delayed: Arc<Mutex<Delayed>>,
 }
 
@@ -52,7 +49,6 @@ struct Delayed {
 
 struct DelayedWrite {
     due: tokio::time::Instant,
-    seq: u64,
     write: StatusWrite,
 }
 
@@ -62,7 +58,6 @@ impl Default for StatusQueue {
     fn default() -> Self {
         Self {
             tails: Arc::default(),
-            latest_prepare_write: Arc::default(),
             next_seq: Arc::default(),
             in_flight: Arc::new(tokio::sync::Semaphore::new(STATUS_WRITES_IN_FLIGHT)),
             delayed: Arc::default(),
@@ -82,24 +77,17 @@ impl StatusQueue {
         self.push_after(uid, None, write);
     }
 
-    /// A prepare's write: made `delay` from now, unless a later prepare of the claim queued its
-    /// own meanwhile (or the claim is unprepared by then, which [`StatusWrite`] checks).
-    pub(super) fn push_prepare_write(
-        &self,
-        uid: &str,
-        delay: std::time::Duration,
-        write: StatusWrite,
-    ) {
-        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
-        self.latest_prepare_write
-            .lock()
-            .expect("status queue is never poisoned")
-            .insert(uid.to_string(), seq);
+    /// A prepare's write: made `delay` from now, in place of the claim's earlier prepare write if
+    /// that one still waits (unless the claim is unprepared by then, which [`StatusWrite`] checks).
+    pub(super) fn push_prepare_write(&self, delay: std::time::Duration, write: StatusWrite) {
         let due = tokio::time::Instant::now() + delay;
         let mut delayed = self.delayed.lock().expect("status queue is never poisoned");
+        delayed
+            .queue
+            .retain(|w| w.write.claim.uid != write.claim.uid);
         // The delay is the same for every write of a driver: this is the end of the queue.
         let at = delayed.queue.partition_point(|w| w.due <= due);
-        delayed.queue.insert(at, DelayedWrite { due, seq, write });
+        delayed.queue.insert(at, DelayedWrite { due, write });
         if !delayed.releasing {
             delayed.releasing = true;
             tokio::spawn(self.clone().release_when_due());
@@ -131,8 +119,9 @@ impl StatusQueue {
                     _ => None,
                 }
             };
-            if let Some(write) = first {
-                self.send(write, slot);
+            if let Some(DelayedWrite { write, .. }) = first {
+                let uid = write.claim.uid.clone();
+                self.push_after(&uid, slot, write.run());
             }
         }
     }
@@ -150,32 +139,9 @@ impl StatusQueue {
             delayed.queue = later;
             now
         };
-        for write in released {
-            self.send(write, None);
-        }
-    }
-
-    /// Sends a delayed write now, unless a later prepare of its claim queued one of its own;
-    /// `slot`, an in-flight slot taken for it, or `None` to wait for one.
-    fn send(
-        &self,
-        DelayedWrite { seq, write, .. }: DelayedWrite,
-        slot: Option<tokio::sync::OwnedSemaphorePermit>,
-    ) {
-        let uid = write.claim.uid.clone();
-        let current = {
-            let mut latest = self
-                .latest_prepare_write
-                .lock()
-                .expect("status queue is never poisoned");
-            let current = latest.get(&uid) == Some(&seq);
-            if current {
-                latest.remove(&uid);
-            }
-            current
-        };
-        if current {
-            self.push_after(&uid, slot, write.run());
+        for DelayedWrite { write, .. } in released {
+            let uid = write.claim.uid.clone();
+            self.push_after(&uid, None, write.run());
         }
     }
 
