@@ -3,11 +3,9 @@
 //! GPU and compute instance ids, the card, its memory and SMs, and its compute in weight units.
 
 use gpupool_api::inventory::{Gpu, MigProfile};
-use gpupool_api::names::{DEVICE_TYPE_MIG, DRIVER_NAME};
+use gpupool_api::names::DEVICE_TYPE_MIG;
 use gpupool_api::quantity;
 use k8s_openapi::api::resource::v1::AllocatedDeviceStatus;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
-use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
 use k8s_openapi::jiff::Timestamp;
 use serde_json::{json, Value};
 
@@ -69,24 +67,13 @@ pub fn device_status(
         quantity::format_bytes(limits.memory_bytes),
         profile.multiprocessors,
     );
-    AllocatedDeviceStatus {
-        driver: DRIVER_NAME.to_string(),
-        pool: device.pool.clone(),
-        device: device.device.clone(),
-        share_id: device.share_id.clone(),
-        conditions: Some(vec![Condition {
-            type_: "Ready".into(),
-            status: "True".into(),
-            reason: "Prepared".into(),
-            message,
-            last_transition_time: Time(now),
-            observed_generation: generation,
-        }]),
-        data: Some(RawExtension(device_data(
-            gpu, profile, record, limits, weight,
-        ))),
-        network_data: None,
-    }
+    super::status::prepared_entry(
+        device,
+        ("Prepared", message),
+        device_data(gpu, profile, record, limits, weight),
+        generation,
+        now,
+    )
 }
 
 #[cfg(test)]

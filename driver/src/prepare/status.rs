@@ -89,6 +89,28 @@ pub fn device_status(
     generation: Option<i64>,
     now: Timestamp,
 ) -> AllocatedDeviceStatus {
+    let reason = if warning.is_some() {
+        "PreparedNotEnforced"
+    } else {
+        "Prepared"
+    };
+    prepared_entry(
+        device,
+        (reason, ready_message(limits, warning)),
+        device_data(gpu, limits, weight, warning),
+        generation,
+        now,
+    )
+}
+
+/// The entry of a prepared device: Ready, for `reason` with `message`, and what it is in `data`.
+pub(super) fn prepared_entry(
+    device: &AllocatedDevice,
+    (reason, message): (&str, String),
+    data: Value,
+    generation: Option<i64>,
+    now: Timestamp,
+) -> AllocatedDeviceStatus {
     AllocatedDeviceStatus {
         driver: DRIVER_NAME.to_string(),
         pool: device.pool.clone(),
@@ -97,16 +119,12 @@ pub fn device_status(
         conditions: Some(vec![Condition {
             type_: "Ready".into(),
             status: "True".into(),
-            reason: if warning.is_some() {
-                "PreparedNotEnforced".into()
-            } else {
-                "Prepared".into()
-            },
-            message: ready_message(limits, warning),
+            reason: reason.into(),
+            message,
             last_transition_time: Time(now),
             observed_generation: generation,
         }]),
-        data: Some(RawExtension(device_data(gpu, limits, weight, warning))),
+        data: Some(RawExtension(data)),
         network_data: None,
     }
 }
