@@ -12,13 +12,13 @@
 //!
 //! Our own code never calls `libc::dlsym` (it would resolve to our export): it uses [`real_dlsym`].
 
-use crate::hooks::Sym;
+use crate::entry_points::Sym;
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
 
 /// glibc's `dlsym`, found once in an ELF constructor (or by the trampoline itself if another
 /// library's constructor calls `dlsym` before ours ran).
-static REAL_DLSYM: AtomicUsize = AtomicUsize::new(0);
+pub static REAL_DLSYM: AtomicUsize = AtomicUsize::new(0);
 
 type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
 
@@ -29,7 +29,7 @@ const GLIBC_BASE_VERSION: &CStr = c"GLIBC_2.17";
 
 /// Finds glibc's `dlsym` by version: `GLIBC_2.34` (where it moved into libc), else the
 /// architecture's base version (older glibc, where it lives in libdl).
-extern "C" fn resolve_real_dlsym() -> usize {
+pub extern "C" fn resolve_real_dlsym() -> usize {
     let current = REAL_DLSYM.load(Ordering::Acquire);
     if current != 0 {
         return current;
@@ -54,159 +54,12 @@ static FIND_REAL_DLSYM: extern "C" fn() = {
     constructor
 };
 
-/// The exported `dlsym` (x86_64). `rdi` = handle, `rsi` = name.
-///
-/// # Safety
-/// glibc's `dlsym` contract.
-#[cfg(target_arch = "x86_64")]
-#[unsafe(naked)]
-#[no_mangle]
-pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void {
-    core::arch::naked_asm!(
-        "mov rax, qword ptr [rip + {real}]",
-        "test rax, rax",
-        "jz 5f",
-        "2:",
-        "cmp rdi, -1", // RTLD_NEXT: always glibc's
-        "je 3f",
-        "test rsi, rsi",
-        "jz 3f",
-        "movzx ecx, byte ptr [rsi]",
-        "cmp ecx, 0x63", // 'c'
-        "je 4f",
-        "cmp ecx, 0x6e", // 'n'
-        "jne 3f",
-        "cmp byte ptr [rsi + 1], 0x76", // 'v' (byte 1 exists: byte 0 was not NUL)
-        "je 6f",
-        "3:",
-        "jmp rax",
-        "4:",
-        "cmp byte ptr [rsi + 1], 0x75", // 'u'
-        "jne 3b",
-        "6:",
-        "jmp {hook}",
-        "5:",
-        // Not resolved yet (a constructor running before ours): resolve, keeping the arguments
-        // and a 16-byte aligned stack for the call.
-        "push rdi",
-        "push rsi",
-        "sub rsp, 8",
-        "call {resolve}",
-        "add rsp, 8",
-        "pop rsi",
-        "pop rdi",
-        "test rax, rax",
-        "jnz 2b",
-        "ret",
-        real = sym REAL_DLSYM,
-        hook = sym dlsym_hook,
-        resolve = sym resolve_real_dlsym,
-    )
-}
-
-/// The exported `dlsym` (aarch64). `x0` = handle, `x1` = name.
-///
-/// # Safety
-/// glibc's `dlsym` contract.
-#[cfg(target_arch = "aarch64")]
-#[unsafe(naked)]
-#[no_mangle]
-pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void {
-    core::arch::naked_asm!(
-        "adrp x16, {real}",
-        "ldr x16, [x16, :lo12:{real}]",
-        "cbz x16, 5f",
-        "2:",
-        "cmn x0, #1", // RTLD_NEXT
-        "b.eq 3f",
-        "cbz x1, 3f",
-        "ldrb w17, [x1]",
-        "cmp w17, #0x63", // 'c'
-        "b.eq 4f",
-        "cmp w17, #0x6e", // 'n'
-        "b.ne 3f",
-        "ldrb w17, [x1, #1]",
-        "cmp w17, #0x76", // 'v'
-        "b.eq 6f",
-        "3:",
-        "br x16",
-        "4:",
-        "ldrb w17, [x1, #1]",
-        "cmp w17, #0x75", // 'u'
-        "b.ne 3b",
-        "6:",
-        "b {hook}",
-        "5:",
-        "stp x29, x30, [sp, #-32]!",
-        "mov x29, sp",
-        "stp x0, x1, [sp, #16]",
-        "bl {resolve}",
-        "mov x16, x0",
-        "ldp x0, x1, [sp, #16]",
-        "ldp x29, x30, [sp], #32",
-        "cbnz x16, 2b",
-        "mov x0, #0",
-        "ret",
-        real = sym REAL_DLSYM,
-        hook = sym dlsym_hook,
-        resolve = sym resolve_real_dlsym,
-    )
-}
-
 /// glibc's `dlsym`. Panics only if glibc has none, which cannot happen in a process that loaded us.
 pub fn real_dlsym() -> DlsymFn {
     let addr = resolve_real_dlsym();
     assert!(addr != 0, "glibc's dlsym not found");
     // SAFETY: addr is glibc's dlsym, whose signature is DlsymFn.
     unsafe { std::mem::transmute::<usize, DlsymFn>(addr) }
-}
-
-/// `dlsym` for a `cu*` or `nv*` name through a handle that is not `RTLD_NEXT`.
-unsafe extern "C" fn dlsym_hook(handle: *mut c_void, symbol: *const c_char) -> *mut c_void {
-    // SAFETY: the caller's arguments, passed on unchanged.
-    let found = unsafe { real_dlsym()(handle, symbol) };
-    if found.is_null() {
-        return found;
-    }
-    // Anything going wrong in here leaves the caller with the real symbol.
-    std::panic::catch_unwind(|| unsafe { wrap_found(CStr::from_ptr(symbol), found) })
-        .unwrap_or(found)
-}
-
-unsafe fn wrap_found(symbol: &CStr, found: *mut c_void) -> *mut c_void {
-    let Some(sym) = Sym::from_name(symbol.to_bytes()) else {
-        return found; // not a function we wrap: untouched
-    };
-    if in_our_object(found as usize) {
-        // RTLD_DEFAULT found our own export, which is already the wrapper; but without us the
-        // caller would have found nothing unless the driver is loaded and has the symbol.
-        let library = library_of(sym);
-        if library.handle(false).is_none() || library.lookup(symbol, false).is_none() {
-            return std::ptr::null_mut();
-        }
-        return found;
-    }
-    // The wrapper will call `found` for the rest of the process's life: the library must stay.
-    library_of(sym).keep_containing(found as usize);
-    match EXPORT_REAL[sym as usize].compare_exchange(
-        0,
-        found as usize,
-        Ordering::AcqRel,
-        Ordering::Acquire,
-    ) {
-        Ok(_) => {}
-        Err(existing) if existing == found as usize => {}
-        Err(_) => {
-            // A second copy of the driver in one process: our wrapper calls the first. Hand the
-            // caller its own function, unwrapped, rather than the wrong library's.
-            warn_once(
-                sym,
-                "resolves to two different libraries in this process; the second is not limited",
-            );
-            return found;
-        }
-    }
-    sym.exported_wrapper() as *mut c_void
 }
 
 /// Which slot table a wrapper's real pointer lives in.
@@ -247,6 +100,16 @@ pub fn real(sym: Sym, origin: Origin) -> Option<usize> {
         Origin::ProcAddr => {
             Some(PROCADDR_REAL[sym as usize].load(Ordering::Acquire)).filter(|&a| a != 0)
         }
+    }
+}
+
+/// Records the function `dlsym` found for `sym`'s exported wrapper. Err(the other address) when a
+/// different one was recorded before (a second copy of the driver in one process).
+pub fn set_export_real(sym: Sym, addr: usize) -> Result<(), usize> {
+    match EXPORT_REAL[sym as usize].compare_exchange(0, addr, Ordering::AcqRel, Ordering::Acquire) {
+        Ok(_) => Ok(()),
+        Err(existing) if existing == addr => Ok(()),
+        Err(existing) => Err(existing),
     }
 }
 

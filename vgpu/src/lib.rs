@@ -13,6 +13,7 @@ pub mod accounting;
 pub mod controller;
 pub mod cuda;
 pub mod driver;
+pub mod entry_points;
 pub mod env;
 pub mod gate;
 pub mod hooks;

@@ -9,8 +9,8 @@
 use crate::controller::ProcessSample;
 use crate::cuda::*;
 use crate::driver;
+use crate::entry_points::Sym;
 use crate::env::Uuid;
-use crate::hooks::Sym;
 use crate::interpose::{real, Origin, NVML};
 use std::ffi::{c_char, c_uint, CStr, CString};
 

@@ -1,280 +1,17 @@
-//! The wrappers: one per (function, ABI variant, stream variant), each calling its own real
-//! pointer. Each exists twice: exported under the driver's name (found by `dlsym` on the driver's
-//! handle through our `dlsym`, by programs linked against the driver, and by `cuGetProcAddress`
-//! when the driver returns its exported function), and unexported for an address
-//! `cuGetProcAddress` returned that is not an exported symbol (see `symbols.rs`).
-//!
-//! Every wrapper runs its body inside `catch_unwind`: a panic of ours becomes
-//! `CUDA_ERROR_UNKNOWN` / `NVML_ERROR_UNKNOWN` and a stderr line, never an abort of the program.
-//! No lock of ours is held while the real driver runs.
+//! Memory: the views (`cuMemGetInfo`, `cuDeviceTotalMem`, NVML's memory info) and every
+//! allocation path, charged before the driver is asked; contexts (their memory, the host PID).
 
-#![allow(clippy::missing_safety_doc, clippy::too_many_arguments)]
-
+use super::*;
 use crate::accounting::{array_bytes, mipmapped_bytes, Charged};
-use crate::cuda::*;
 use crate::driver;
-use crate::gate;
-use crate::interpose::{library_of, real, set_procaddr_real, warn_once, Origin, CUDA, NVML};
 use crate::process::{self, Process};
-use crate::symbols;
 use crate::view::{clamp_u32, MemoryView};
-use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
-use std::panic::AssertUnwindSafe;
-
-macro_rules! entry_points {
-    ($( $name:ident ( $($arg:ident : $ty:ty),* $(,)? ) => $handler:path ; )*) => {
-        /// A wrapped entry point (one ABI variant).
-        #[allow(non_camel_case_types)]
-        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-        pub enum Sym { $($name,)* }
-
-        impl Sym {
-            pub const ALL: &'static [Sym] = &[$(Sym::$name,)*];
-            pub const COUNT: usize = Sym::ALL.len();
-
-            pub fn name(self) -> &'static str {
-                match self { $(Sym::$name => stringify!($name),)* }
-            }
-
-            pub fn c_name(self) -> &'static CStr {
-                match self {
-                    $(Sym::$name => match CStr::from_bytes_with_nul(concat!(stringify!($name), "\0").as_bytes()) {
-                        Ok(name) => name,
-                        Err(_) => unreachable!(),
-                    },)*
-                }
-            }
-
-            pub fn from_name(name: &[u8]) -> Option<Sym> {
-                $( if name == stringify!($name).as_bytes() { return Some(Sym::$name); } )*
-                None
-            }
-
-            pub fn exported_wrapper(self) -> usize {
-                match self { $(Sym::$name => exported::$name as *const () as usize,)* }
-            }
-
-            pub fn procaddr_wrapper(self) -> usize {
-                match self { $(Sym::$name => procaddr::$name as *const () as usize,)* }
-            }
-        }
-
-        /// The real functions' types, by the name of the variant.
-        #[allow(non_camel_case_types)]
-        pub mod pfn {
-            use super::*;
-            $( pub type $name = unsafe extern "C" fn($($ty),*) -> c_int; )*
-        }
-
-        /// Exported under the driver's names.
-        pub mod exported {
-            use super::*;
-            $(
-                #[no_mangle]
-                #[allow(non_snake_case)]
-                pub unsafe extern "C" fn $name($($arg: $ty),*) -> c_int {
-                    call(Sym::$name, Origin::Export, |addr| {
-                        // SAFETY: addr is the driver's function of this variant, of this type.
-                        let real: pfn::$name = unsafe { std::mem::transmute::<usize, pfn::$name>(addr) };
-                        unsafe { $handler(real, $($arg),*) }
-                    })
-                }
-            )*
-        }
-
-        /// For addresses `cuGetProcAddress` returned that match no exported symbol.
-        pub mod procaddr {
-            use super::*;
-            $(
-                #[allow(non_snake_case)]
-                pub unsafe extern "C" fn $name($($arg: $ty),*) -> c_int {
-                    call(Sym::$name, Origin::ProcAddr, |addr| {
-                        // SAFETY: as above; the ABI was chosen by version and flags (symbols.rs).
-                        let real: pfn::$name = unsafe { std::mem::transmute::<usize, pfn::$name>(addr) };
-                        unsafe { $handler(real, $($arg),*) }
-                    })
-                }
-            )*
-        }
-    };
-}
-
-/// Runs a wrapper's body with the real function's address, turning a panic into an error code.
-fn call(sym: Sym, origin: Origin, body: impl FnOnce(usize) -> c_int) -> c_int {
-    let nvml = std::ptr::eq(library_of(sym), &NVML);
-    let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| match real(sym, origin) {
-        Some(addr) => body(addr),
-        None => {
-            warn_once(sym, "is not in the driver library; the call fails");
-            if nvml {
-                13 // NVML_ERROR_FUNCTION_NOT_FOUND
-            } else {
-                CUDA_ERROR_NOT_FOUND
-            }
-        }
-    }));
-    outcome.unwrap_or_else(|_| {
-        log_error!(
-            "internal error in the {} wrapper; the call returns an error instead",
-            sym.name()
-        );
-        if nvml {
-            NVML_ERROR_UNKNOWN
-        } else {
-            CUDA_ERROR_UNKNOWN
-        }
-    })
-}
-
-entry_points! {
-    cuInit(flags: c_uint) => init;
-    cuGetProcAddress(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, flags: u64) => get_proc_address;
-    cuGetProcAddress_v2(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, flags: u64, status: *mut c_int) => get_proc_address_v2;
-    cuDeviceTotalMem(bytes: *mut c_uint, device: CUdevice) => device_total_mem;
-    cuDeviceTotalMem_v2(bytes: *mut usize, device: CUdevice) => device_total_mem;
-    cuMemGetInfo(free: *mut c_uint, total: *mut c_uint) => mem_get_info;
-    cuMemGetInfo_v2(free: *mut usize, total: *mut usize) => mem_get_info;
-    cuMemAlloc(dptr: *mut CUdeviceptr_v1, bytes: c_uint) => mem_alloc;
-    cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytes: usize) => mem_alloc;
-    cuMemAllocPitch(dptr: *mut CUdeviceptr_v1, pitch: *mut c_uint, width: c_uint, height: c_uint, element: c_uint) => mem_alloc_pitch_v1;
-    cuMemAllocPitch_v2(dptr: *mut CUdeviceptr, pitch: *mut usize, width: usize, height: usize, element: c_uint) => mem_alloc_pitch;
-    cuMemFree(dptr: CUdeviceptr_v1) => mem_free;
-    cuMemFree_v2(dptr: CUdeviceptr) => mem_free;
-    cuMemAllocManaged(dptr: *mut CUdeviceptr, bytes: usize, flags: c_uint) => mem_alloc_managed;
-    cuMemCreate(handle: *mut CUmemGenericAllocationHandle, size: usize, prop: *const CUmemAllocationPropHead, flags: u64) => mem_create;
-    cuMemRelease(handle: CUmemGenericAllocationHandle) => mem_release;
-    cuMemAllocAsync(dptr: *mut CUdeviceptr, bytes: usize, stream: CUstream) => mem_alloc_async;
-    cuMemAllocAsync_ptsz(dptr: *mut CUdeviceptr, bytes: usize, stream: CUstream) => mem_alloc_async;
-    cuMemAllocFromPoolAsync(dptr: *mut CUdeviceptr, bytes: usize, pool: CUmemoryPool, stream: CUstream) => mem_alloc_from_pool_async;
-    cuMemAllocFromPoolAsync_ptsz(dptr: *mut CUdeviceptr, bytes: usize, pool: CUmemoryPool, stream: CUstream) => mem_alloc_from_pool_async;
-    cuMemFreeAsync(dptr: CUdeviceptr, stream: CUstream) => mem_free_async;
-    cuMemFreeAsync_ptsz(dptr: CUdeviceptr, stream: CUstream) => mem_free_async;
-    cuMemPoolCreate(pool: *mut CUmemoryPool, props: *const CUmemPoolPropsHead) => mem_pool_create;
-    cuMemPoolDestroy(pool: CUmemoryPool) => mem_pool_destroy;
-    cuDeviceGetDefaultMemPool(pool: *mut CUmemoryPool, device: CUdevice) => device_get_mem_pool;
-    cuDeviceGetMemPool(pool: *mut CUmemoryPool, device: CUdevice) => device_get_mem_pool;
-    cuArrayCreate(handle: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR_v1) => any_array_create;
-    cuArrayCreate_v2(handle: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR) => any_array_create;
-    cuArray3DCreate(handle: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR_v1) => any_array_create;
-    cuArray3DCreate_v2(handle: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR) => any_array_create;
-    cuMipmappedArrayCreate(handle: *mut CUmipmappedArray, desc: *const CUDA_ARRAY3D_DESCRIPTOR, levels: c_uint) => mipmapped_array_create;
-    cuArrayDestroy(array: CUarray) => array_destroy;
-    cuMipmappedArrayDestroy(array: CUmipmappedArray) => mipmapped_array_destroy;
-    cuDevicePrimaryCtxRetain(ctx: *mut CUcontext, device: CUdevice) => primary_ctx_retain;
-    cuDevicePrimaryCtxRelease(device: CUdevice) => primary_ctx_release;
-    cuDevicePrimaryCtxRelease_v2(device: CUdevice) => primary_ctx_release;
-    cuDevicePrimaryCtxReset(device: CUdevice) => primary_ctx_reset;
-    cuDevicePrimaryCtxReset_v2(device: CUdevice) => primary_ctx_reset;
-    cuCtxDestroy(ctx: CUcontext) => ctx_destroy;
-    cuCtxDestroy_v2(ctx: CUcontext) => ctx_destroy;
-    cuCtxCreate(ctx: *mut CUcontext, flags: c_uint, device: CUdevice) => ctx_create;
-    cuCtxCreate_v2(ctx: *mut CUcontext, flags: c_uint, device: CUdevice) => ctx_create;
-    cuCtxCreate_v3(ctx: *mut CUcontext, params: *mut c_void, count: c_int, flags: c_uint, device: CUdevice) => ctx_create_v3;
-    cuCtxCreate_v4(ctx: *mut CUcontext, params: *mut c_void, flags: c_uint, device: CUdevice) => ctx_create_v4;
-    cuLaunchKernel(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) => launch_kernel;
-    cuLaunchKernel_ptsz(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) => launch_kernel;
-    cuLaunchKernelEx(config: *const CUlaunchConfigHead, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) => launch_kernel_ex;
-    cuLaunchKernelEx_ptsz(config: *const CUlaunchConfigHead, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) => launch_kernel_ex;
-    cuLaunchCooperativeKernel(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: CUstream, params: *mut *mut c_void) => launch_cooperative;
-    cuLaunchCooperativeKernel_ptsz(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: CUstream, params: *mut *mut c_void) => launch_cooperative;
-    cuGraphLaunch(exec: CUgraphExec, stream: CUstream) => graph_launch;
-    cuGraphLaunch_ptsz(exec: CUgraphExec, stream: CUstream) => graph_launch;
-    nvmlDeviceGetMemoryInfo(device: nvmlDevice_t, memory: *mut nvmlMemory_t) => nvml_memory_info;
-    nvmlDeviceGetMemoryInfo_v2(device: nvmlDevice_t, memory: *mut nvmlMemory_v2_t) => nvml_memory_info;
-}
-
-// ---- initialisation and lookup -------------------------------------------------------------
-
-unsafe fn init(real: pfn::cuInit, flags: c_uint) -> CUresult {
-    if process::get().is_none() {
-        return CUDA_ERROR_NOT_INITIALIZED;
-    }
-    real(flags)
-}
-
-unsafe fn get_proc_address(
-    real: pfn::cuGetProcAddress,
-    symbol: *const c_char,
-    pfn: *mut *mut c_void,
-    version: c_int,
-    flags: u64,
-) -> CUresult {
-    if process::get().is_none() {
-        return CUDA_ERROR_NOT_INITIALIZED;
-    }
-    let rc = real(symbol, pfn, version, flags);
-    substitute(real as usize, rc, symbol, pfn, version, flags);
-    rc
-}
-
-unsafe fn get_proc_address_v2(
-    real: pfn::cuGetProcAddress_v2,
-    symbol: *const c_char,
-    pfn: *mut *mut c_void,
-    version: c_int,
-    flags: u64,
-    status: *mut c_int,
-) -> CUresult {
-    if process::get().is_none() {
-        return CUDA_ERROR_NOT_INITIALIZED;
-    }
-    let rc = real(symbol, pfn, version, flags, status);
-    substitute(real as usize, rc, symbol, pfn, version, flags);
-    rc
-}
-
-/// Replaces the function `cuGetProcAddress` returned with our wrapper of the same variant. The
-/// driver keeps its choice (version, per-thread stream): we only recognise it.
-unsafe fn substitute(
-    real_gpa: usize,
-    rc: CUresult,
-    symbol: *const c_char,
-    pfn: *mut *mut c_void,
-    version: c_int,
-    flags: u64,
-) {
-    if rc != CUDA_SUCCESS || symbol.is_null() || pfn.is_null() || (*pfn).is_null() {
-        return;
-    }
-    CUDA.keep_containing(real_gpa);
-    let Some(family) = symbols::family_of(CStr::from_ptr(symbol).to_bytes()) else {
-        return;
-    };
-    let addr = *pfn as usize;
-    let variants = || {
-        family
-            .variants
-            .iter()
-            .filter_map(|v| Sym::from_name(v.name.as_bytes()))
-    };
-    for sym in variants() {
-        if real(sym, Origin::Export) == Some(addr) {
-            *pfn = sym.exported_wrapper() as *mut c_void;
-            return;
-        }
-    }
-    match symbols::select(family, version, flags).and_then(|v| Sym::from_name(v.name.as_bytes())) {
-        Some(sym) if set_procaddr_real(sym, addr) => {
-            log_debug!("cuGetProcAddress({}, {version}, {flags}) returned no exported symbol; wrapped as {}", family.base, sym.name());
-            *pfn = sym.procaddr_wrapper() as *mut c_void;
-        }
-        Some(sym) => warn_once(
-            sym,
-            "came back from cuGetProcAddress at two addresses; the second is not limited",
-        ),
-        None => {
-            if let Some(first) = variants().next() {
-                warn_once(first, &format!("has no known ABI at CUDA version {version}; cuGetProcAddress's function is returned unwrapped"));
-            }
-        }
-    }
-}
 
 // ---- memory views ---------------------------------------------------------------------------
 
 /// A byte count as an entry point writes it: `size_t`, or 32 bits in the pre-3.2 forms (the view
 /// is clamped there, never wrapped).
-trait Bytes: Copy {
+pub(super) trait Bytes: Copy {
     fn get(self) -> u64;
     fn put(bytes: u64) -> Self;
 }
@@ -298,7 +35,7 @@ impl Bytes for c_uint {
 }
 
 /// `cuMemGetInfo[_v2]`: the current device's view under its limit.
-unsafe fn mem_get_info<T: Bytes>(
+pub(super) unsafe fn mem_get_info<T: Bytes>(
     real: unsafe extern "C" fn(*mut T, *mut T) -> CUresult,
     free: *mut T,
     total: *mut T,
@@ -320,7 +57,7 @@ unsafe fn mem_get_info<T: Bytes>(
 }
 
 /// `cuDeviceTotalMem[_v2]`: the limit.
-unsafe fn device_total_mem<T: Bytes>(
+pub(super) unsafe fn device_total_mem<T: Bytes>(
     real: unsafe extern "C" fn(*mut T, CUdevice) -> CUresult,
     bytes: *mut T,
     device: CUdevice,
@@ -338,7 +75,7 @@ unsafe fn device_total_mem<T: Bytes>(
 }
 
 /// NVML's memory structs, v1 and v2.
-trait NvmlMemory {
+pub(super) trait NvmlMemory {
     fn free(&self) -> u64;
     fn show(&mut self, view: MemoryView);
 }
@@ -365,7 +102,7 @@ impl NvmlMemory for nvmlMemory_v2_t {
 }
 
 /// `nvmlDeviceGetMemoryInfo[_v2]`: the device's view under its limit.
-unsafe fn nvml_memory_info<M: NvmlMemory>(
+pub(super) unsafe fn nvml_memory_info<M: NvmlMemory>(
     real: unsafe extern "C" fn(nvmlDevice_t, *mut M) -> nvmlReturn_t,
     device: nvmlDevice_t,
     memory: *mut M,
@@ -421,7 +158,7 @@ unsafe fn free_real(ptr: CUdeviceptr) {
 }
 
 /// `cuMemAlloc[_v2]`.
-unsafe fn mem_alloc<P: Copy + Into<u64>, S: Bytes>(
+pub(super) unsafe fn mem_alloc<P: Copy + Into<u64>, S: Bytes>(
     real: unsafe extern "C" fn(*mut P, S) -> CUresult,
     dptr: *mut P,
     bytes: S,
@@ -441,7 +178,7 @@ unsafe fn mem_alloc<P: Copy + Into<u64>, S: Bytes>(
     )
 }
 
-unsafe fn mem_alloc_managed(
+pub(super) unsafe fn mem_alloc_managed(
     real: pfn::cuMemAllocManaged,
     dptr: *mut CUdeviceptr,
     bytes: usize,
@@ -501,7 +238,7 @@ unsafe fn pitched(
     }
 }
 
-unsafe fn mem_alloc_pitch(
+pub(super) unsafe fn mem_alloc_pitch(
     real: pfn::cuMemAllocPitch_v2,
     dptr: *mut CUdeviceptr,
     pitch: *mut usize,
@@ -525,7 +262,7 @@ unsafe fn mem_alloc_pitch(
     )
 }
 
-unsafe fn mem_alloc_pitch_v1(
+pub(super) unsafe fn mem_alloc_pitch_v1(
     real: pfn::cuMemAllocPitch,
     dptr: *mut CUdeviceptr_v1,
     pitch: *mut c_uint,
@@ -566,7 +303,7 @@ fn uncharge_pointer(p: &Process, rc: CUresult, ptr: CUdeviceptr) -> CUresult {
 }
 
 /// `cuMemFree[_v2]`.
-unsafe fn mem_free<P: Copy + Into<u64>>(
+pub(super) unsafe fn mem_free<P: Copy + Into<u64>>(
     real: unsafe extern "C" fn(P) -> CUresult,
     ptr: P,
 ) -> CUresult {
@@ -576,7 +313,7 @@ unsafe fn mem_free<P: Copy + Into<u64>>(
     uncharge_pointer(p, real(ptr), ptr.into())
 }
 
-unsafe fn mem_free_async(
+pub(super) unsafe fn mem_free_async(
     real: pfn::cuMemFreeAsync,
     ptr: CUdeviceptr,
     stream: CUstream,
@@ -588,7 +325,7 @@ unsafe fn mem_free_async(
     uncharge_pointer(p, real(ptr, stream), ptr)
 }
 
-unsafe fn mem_alloc_async(
+pub(super) unsafe fn mem_alloc_async(
     real: pfn::cuMemAllocAsync,
     dptr: *mut CUdeviceptr,
     bytes: usize,
@@ -610,7 +347,7 @@ unsafe fn mem_alloc_async(
     )
 }
 
-unsafe fn mem_alloc_from_pool_async(
+pub(super) unsafe fn mem_alloc_from_pool_async(
     real: pfn::cuMemAllocFromPoolAsync,
     dptr: *mut CUdeviceptr,
     bytes: usize,
@@ -637,7 +374,7 @@ unsafe fn mem_alloc_from_pool_async(
     )
 }
 
-unsafe fn mem_pool_create(
+pub(super) unsafe fn mem_pool_create(
     real: pfn::cuMemPoolCreate,
     pool: *mut CUmemoryPool,
     props: *const CUmemPoolPropsHead,
@@ -656,7 +393,7 @@ unsafe fn mem_pool_create(
     rc
 }
 
-unsafe fn mem_pool_destroy(real: pfn::cuMemPoolDestroy, pool: CUmemoryPool) -> CUresult {
+pub(super) unsafe fn mem_pool_destroy(real: pfn::cuMemPoolDestroy, pool: CUmemoryPool) -> CUresult {
     let Some(p) = process::get() else {
         return CUDA_ERROR_NOT_INITIALIZED;
     };
@@ -667,7 +404,7 @@ unsafe fn mem_pool_destroy(real: pfn::cuMemPoolDestroy, pool: CUmemoryPool) -> C
     rc
 }
 
-unsafe fn device_get_mem_pool(
+pub(super) unsafe fn device_get_mem_pool(
     real: pfn::cuDeviceGetMemPool,
     pool: *mut CUmemoryPool,
     device: CUdevice,
@@ -683,7 +420,7 @@ unsafe fn device_get_mem_pool(
     rc
 }
 
-unsafe fn mem_create(
+pub(super) unsafe fn mem_create(
     real: pfn::cuMemCreate,
     handle: *mut CUmemGenericAllocationHandle,
     size: usize,
@@ -710,7 +447,10 @@ unsafe fn mem_create(
     )
 }
 
-unsafe fn mem_release(real: pfn::cuMemRelease, handle: CUmemGenericAllocationHandle) -> CUresult {
+pub(super) unsafe fn mem_release(
+    real: pfn::cuMemRelease,
+    handle: CUmemGenericAllocationHandle,
+) -> CUresult {
     let Some(p) = process::get() else {
         return CUDA_ERROR_NOT_INITIALIZED;
     };
@@ -800,7 +540,7 @@ unsafe fn create_array(
 
 /// What an array descriptor says, whatever its ABI (`CUDA_ARRAY_DESCRIPTOR`, the 3-D one, and
 /// their 32-bit `_v1` forms): width, height, depth, format, channels, flags.
-trait Descriptor {
+pub(super) trait Descriptor {
     fn shape(&self) -> (u64, u64, u64, c_uint, c_uint, c_uint);
 }
 
@@ -859,7 +599,7 @@ unsafe fn array_create<D: Descriptor>(
 }
 
 /// `cuArrayCreate[_v2]` and `cuArray3DCreate[_v2]`.
-unsafe fn any_array_create<D: Descriptor>(
+pub(super) unsafe fn any_array_create<D: Descriptor>(
     real: unsafe extern "C" fn(*mut CUarray, *const D) -> CUresult,
     handle: *mut CUarray,
     desc: *const D,
@@ -867,7 +607,7 @@ unsafe fn any_array_create<D: Descriptor>(
     array_create(ArrayKind::Array, handle, desc, None, || real(handle, desc))
 }
 
-unsafe fn mipmapped_array_create(
+pub(super) unsafe fn mipmapped_array_create(
     real: pfn::cuMipmappedArrayCreate,
     handle: *mut CUmipmappedArray,
     desc: *const CUDA_ARRAY3D_DESCRIPTOR,
@@ -900,11 +640,11 @@ unsafe fn any_array_destroy(
     rc
 }
 
-unsafe fn array_destroy(real: pfn::cuArrayDestroy, array: CUarray) -> CUresult {
+pub(super) unsafe fn array_destroy(real: pfn::cuArrayDestroy, array: CUarray) -> CUresult {
     any_array_destroy(real, array, ArrayKind::Array)
 }
 
-unsafe fn mipmapped_array_destroy(
+pub(super) unsafe fn mipmapped_array_destroy(
     real: pfn::cuMipmappedArrayDestroy,
     array: CUmipmappedArray,
 ) -> CUresult {
@@ -934,7 +674,7 @@ unsafe fn with_context_probe(
     rc
 }
 
-unsafe fn primary_ctx_retain(
+pub(super) unsafe fn primary_ctx_retain(
     real: pfn::cuDevicePrimaryCtxRetain,
     ctx: *mut CUcontext,
     device: CUdevice,
@@ -949,7 +689,10 @@ unsafe fn primary_ctx_retain(
 }
 
 /// A primary context's reset destroys it with everything allocated in it.
-unsafe fn primary_ctx_reset(real: pfn::cuDevicePrimaryCtxReset_v2, device: CUdevice) -> CUresult {
+pub(super) unsafe fn primary_ctx_reset(
+    real: pfn::cuDevicePrimaryCtxReset_v2,
+    device: CUdevice,
+) -> CUresult {
     let Some(p) = process::get() else {
         return CUDA_ERROR_NOT_INITIALIZED;
     };
@@ -961,7 +704,7 @@ unsafe fn primary_ctx_reset(real: pfn::cuDevicePrimaryCtxReset_v2, device: CUdev
 }
 
 /// The last release of a primary context destroys it (the driver says so through its state).
-unsafe fn primary_ctx_release(
+pub(super) unsafe fn primary_ctx_release(
     real: pfn::cuDevicePrimaryCtxRelease_v2,
     device: CUdevice,
 ) -> CUresult {
@@ -979,7 +722,7 @@ unsafe fn primary_ctx_release(
     rc
 }
 
-unsafe fn ctx_destroy(real: pfn::cuCtxDestroy_v2, ctx: CUcontext) -> CUresult {
+pub(super) unsafe fn ctx_destroy(real: pfn::cuCtxDestroy_v2, ctx: CUcontext) -> CUresult {
     let Some(p) = process::get() else {
         return CUDA_ERROR_NOT_INITIALIZED;
     };
@@ -990,7 +733,7 @@ unsafe fn ctx_destroy(real: pfn::cuCtxDestroy_v2, ctx: CUcontext) -> CUresult {
     rc
 }
 
-unsafe fn ctx_create(
+pub(super) unsafe fn ctx_create(
     real: pfn::cuCtxCreate_v2,
     ctx: *mut CUcontext,
     flags: c_uint,
@@ -999,7 +742,7 @@ unsafe fn ctx_create(
     with_context_probe(device, false, || real(ctx, flags, device))
 }
 
-unsafe fn ctx_create_v3(
+pub(super) unsafe fn ctx_create_v3(
     real: pfn::cuCtxCreate_v3,
     ctx: *mut CUcontext,
     params: *mut c_void,
@@ -1010,7 +753,7 @@ unsafe fn ctx_create_v3(
     with_context_probe(device, false, || real(ctx, params, count, flags, device))
 }
 
-unsafe fn ctx_create_v4(
+pub(super) unsafe fn ctx_create_v4(
     real: pfn::cuCtxCreate_v4,
     ctx: *mut CUcontext,
     params: *mut c_void,
@@ -1018,195 +761,4 @@ unsafe fn ctx_create_v4(
     device: CUdevice,
 ) -> CUresult {
     with_context_probe(device, false, || real(ctx, params, flags, device))
-}
-
-// ---- launches -------------------------------------------------------------------------------
-
-unsafe fn launch_kernel(
-    real: pfn::cuLaunchKernel,
-    f: CUfunction,
-    gx: c_uint,
-    gy: c_uint,
-    gz: c_uint,
-    bx: c_uint,
-    by: c_uint,
-    bz: c_uint,
-    shared: c_uint,
-    stream: CUstream,
-    params: *mut *mut c_void,
-    extra: *mut *mut c_void,
-) -> CUresult {
-    if let Err(rc) = gate::before_launch(stream) {
-        return rc;
-    }
-    real(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra)
-}
-
-unsafe fn launch_kernel_ex(
-    real: pfn::cuLaunchKernelEx,
-    config: *const CUlaunchConfigHead,
-    f: CUfunction,
-    params: *mut *mut c_void,
-    extra: *mut *mut c_void,
-) -> CUresult {
-    let stream = if config.is_null() {
-        std::ptr::null_mut()
-    } else {
-        (*config).stream
-    };
-    if let Err(rc) = gate::before_launch(stream) {
-        return rc;
-    }
-    real(config, f, params, extra)
-}
-
-unsafe fn launch_cooperative(
-    real: pfn::cuLaunchCooperativeKernel,
-    f: CUfunction,
-    gx: c_uint,
-    gy: c_uint,
-    gz: c_uint,
-    bx: c_uint,
-    by: c_uint,
-    bz: c_uint,
-    shared: c_uint,
-    stream: CUstream,
-    params: *mut *mut c_void,
-) -> CUresult {
-    if let Err(rc) = gate::before_launch(stream) {
-        return rc;
-    }
-    real(f, gx, gy, gz, bx, by, bz, shared, stream, params)
-}
-
-unsafe fn graph_launch(real: pfn::cuGraphLaunch, exec: CUgraphExec, stream: CUstream) -> CUresult {
-    if let Err(rc) = gate::before_launch(stream) {
-        return rc;
-    }
-    real(exec, stream)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
-    // These tests run in the test binary, where no libcuda is loaded: no exported symbol can match
-    // a returned address, so `substitute` takes the version/flags route. Each test uses its own
-    // entry points: a wrapper's cuGetProcAddress target is recorded once per process.
-
-    static CALLS: AtomicUsize = AtomicUsize::new(0);
-
-    unsafe extern "C" fn fake_release(handle: CUmemGenericAllocationHandle) -> CUresult {
-        CALLS.fetch_add(handle as usize, Ordering::SeqCst);
-        CUDA_SUCCESS
-    }
-
-    unsafe extern "C" fn fake_launch_ptsz(exec: CUgraphExec, _stream: CUstream) -> CUresult {
-        CALLS.fetch_add(exec as usize, Ordering::SeqCst);
-        CUDA_SUCCESS
-    }
-
-    unsafe extern "C" fn fake_other(_: CUmemGenericAllocationHandle) -> CUresult {
-        CUDA_ERROR_UNKNOWN
-    }
-
-    unsafe fn substituted(symbol: &CStr, returned: usize, version: c_int, flags: u64) -> usize {
-        let mut pfn = returned as *mut c_void;
-        substitute(
-            fake_other as *const () as usize,
-            CUDA_SUCCESS,
-            symbol.as_ptr(),
-            &mut pfn,
-            version,
-            flags,
-        );
-        pfn as usize
-    }
-
-    #[test]
-    fn an_address_matching_no_export_gets_the_wrapper_of_the_abi_the_version_selects() {
-        unsafe {
-            let wrapped = substituted(
-                c"cuMemRelease",
-                fake_release as *const () as usize,
-                12090,
-                0,
-            );
-            assert_eq!(wrapped, Sym::cuMemRelease.procaddr_wrapper());
-            // The wrapper calls the address the driver returned.
-            let before = CALLS.load(Ordering::SeqCst);
-            let call: pfn::cuMemRelease = std::mem::transmute::<usize, pfn::cuMemRelease>(wrapped);
-            assert_eq!(call(5), CUDA_SUCCESS);
-            assert_eq!(CALLS.load(Ordering::SeqCst) - before, 5);
-            // Asked again with another address for the same ABI: never two targets for one wrapper.
-            let other = substituted(c"cuMemRelease", fake_other as *const () as usize, 12090, 0);
-            assert_eq!(
-                other, fake_other as *const () as usize,
-                "passed through unwrapped"
-            );
-        }
-    }
-
-    #[test]
-    fn the_per_thread_flag_selects_the_ptsz_wrapper() {
-        unsafe {
-            let flags = CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM;
-            let wrapped = substituted(
-                c"cuGraphLaunch",
-                fake_launch_ptsz as *const () as usize,
-                12090,
-                flags,
-            );
-            assert_eq!(wrapped, Sym::cuGraphLaunch_ptsz.procaddr_wrapper());
-            let before = CALLS.load(Ordering::SeqCst);
-            let call: pfn::cuGraphLaunch_ptsz =
-                std::mem::transmute::<usize, pfn::cuGraphLaunch_ptsz>(wrapped);
-            assert_eq!(call(7 as CUgraphExec, std::ptr::null_mut()), CUDA_SUCCESS);
-            assert_eq!(CALLS.load(Ordering::SeqCst) - before, 7);
-        }
-    }
-
-    #[test]
-    fn an_unknown_version_or_symbol_is_passed_through_untouched() {
-        unsafe {
-            let address = fake_other as *const () as usize;
-            // cuMemAllocAsync did not exist at CUDA 10.0: no ABI to guess.
-            assert_eq!(substituted(c"cuMemAllocAsync", address, 10000, 0), address);
-            assert_eq!(substituted(c"cuMemcpyHtoD_v2", address, 12090, 0), address);
-        }
-    }
-
-    #[test]
-    fn failed_lookups_are_left_alone() {
-        // Drivers answer CUDA_ERROR_NOT_FOUND; cuda.h's comment says CUDA_SUCCESS with NULL.
-        for rc in [CUDA_ERROR_NOT_FOUND, CUDA_SUCCESS] {
-            unsafe {
-                let mut pfn = std::ptr::null_mut();
-                substitute(0, rc, c"cuMemFree".as_ptr(), &mut pfn, 12090, 0);
-                assert!(pfn.is_null(), "{rc}");
-                substitute(0, rc, c"cuMemAllocAsync".as_ptr(), &mut pfn, 11010, 0);
-                assert!(pfn.is_null(), "{rc}");
-            }
-        }
-    }
-
-    #[test]
-    fn every_wrapper_is_named_and_found_by_its_name() {
-        for sym in Sym::ALL {
-            assert_eq!(Sym::from_name(sym.name().as_bytes()), Some(*sym));
-            assert_eq!(sym.c_name().to_bytes(), sym.name().as_bytes());
-            assert_ne!(sym.exported_wrapper(), sym.procaddr_wrapper());
-        }
-        // Every variant the cuGetProcAddress tables know has a wrapper.
-        for family in symbols::FAMILIES {
-            for variant in family.variants {
-                assert!(
-                    Sym::from_name(variant.name.as_bytes()).is_some(),
-                    "{}",
-                    variant.name
-                );
-            }
-        }
-    }
 }
