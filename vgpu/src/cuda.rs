@@ -14,6 +14,7 @@ pub type CUcontext = *mut c_void;
 pub type CUstream = *mut c_void;
 pub type CUfunction = *mut c_void;
 pub type CUgraphExec = *mut c_void;
+pub type CUevent = *mut c_void;
 pub type CUarray = *mut c_void;
 pub type CUmipmappedArray = *mut c_void;
 pub type CUmemoryPool = *mut c_void;
@@ -26,7 +27,21 @@ pub const CUDA_ERROR_OUT_OF_MEMORY: CUresult = 2;
 /// runtime reports it as "initialization error", which frameworks treat as "no usable CUDA".
 pub const CUDA_ERROR_NOT_INITIALIZED: CUresult = 3;
 pub const CUDA_ERROR_NOT_FOUND: CUresult = 500;
+/// `cuEventQuery`: the work before the event has not finished.
+pub const CUDA_ERROR_NOT_READY: CUresult = 600;
 pub const CUDA_ERROR_UNKNOWN: CUresult = 999;
+
+/// The special stream handles: the legacy NULL stream and the calling thread's per-thread
+/// default stream, named explicitly (a NULL stream means either, depending on the entry point).
+pub const CU_STREAM_LEGACY: usize = 0x1;
+pub const CU_STREAM_PER_THREAD: usize = 0x2;
+
+/// `cuEventCreate` flags: no timing (cheaper to record).
+pub const CU_EVENT_DISABLE_TIMING: c_uint = 0x2;
+
+/// `CUstreamCaptureStatus` and `CUstreamCaptureMode`.
+pub const CU_STREAM_CAPTURE_STATUS_NONE: c_int = 0;
+pub const CU_STREAM_CAPTURE_MODE_RELAXED: c_int = 2;
 
 /// `cuGetProcAddress` flags.
 pub const CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM: u64 = 1 << 1;
@@ -175,24 +190,6 @@ pub struct nvmlProcessInfo_t {
     pub compute_instance_id: c_uint,
 }
 
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub struct nvmlProcessUtilizationSample_t {
-    pub pid: c_uint,
-    pub time_stamp: u64,
-    pub sm_util: c_uint,
-    pub mem_util: c_uint,
-    pub enc_util: c_uint,
-    pub dec_util: c_uint,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub struct nvmlUtilization_t {
-    pub gpu: c_uint,
-    pub memory: c_uint,
-}
-
 /// Buffer size for `nvmlDeviceGetUUID` (`NVML_DEVICE_UUID_V2_BUFFER_SIZE`).
 pub const NVML_UUID_BUFFER: usize = 96;
 
@@ -203,5 +200,4 @@ const _: () = {
     assert!(std::mem::offset_of!(CUmemAllocationPropHead, location) == 8);
     assert!(std::mem::size_of::<nvmlMemory_v2_t>() == 40);
     assert!(std::mem::size_of::<nvmlProcessInfo_t>() == 24);
-    assert!(std::mem::size_of::<nvmlProcessUtilizationSample_t>() == 32);
 };

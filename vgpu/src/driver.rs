@@ -70,6 +70,12 @@ lazy_fns! {
     CUDA cuCtxGetDevice: fn(device: *mut CUdevice) -> CUresult;
     CUDA cuCtxGetCurrent: fn(context: *mut CUcontext) -> CUresult;
     CUDA cuStreamGetDevice: fn(stream: CUstream, device: *mut CUdevice) -> CUresult;
+    CUDA cuStreamIsCapturing: fn(stream: CUstream, status: *mut c_int) -> CUresult;
+    CUDA cuThreadExchangeStreamCaptureMode: fn(mode: *mut c_int) -> CUresult;
+    CUDA cuEventCreate: fn(event: *mut CUevent, flags: c_uint) -> CUresult;
+    CUDA cuEventRecord: fn(event: CUevent, stream: CUstream) -> CUresult;
+    CUDA cuEventQuery: fn(event: CUevent) -> CUresult;
+    CUDA cuEventDestroy_v2: fn(event: CUevent) -> CUresult;
     CUDA cuDevicePrimaryCtxGetState: fn(device: CUdevice, flags: *mut c_uint, active: *mut c_int) -> CUresult;
     CUDA cuArrayGetMemoryRequirements: fn(req: *mut CUDA_ARRAY_MEMORY_REQUIREMENTS, array: CUarray, device: CUdevice) -> CUresult;
     CUDA cuMipmappedArrayGetMemoryRequirements: fn(req: *mut CUDA_ARRAY_MEMORY_REQUIREMENTS, array: CUmipmappedArray, device: CUdevice) -> CUresult;
@@ -79,6 +85,4 @@ lazy_fns! {
     NVML nvmlDeviceGetComputeRunningProcesses_v3: fn(device: nvmlDevice_t, count: *mut c_uint, infos: *mut nvmlProcessInfo_t) -> nvmlReturn_t;
     NVML nvmlDeviceGetComputeRunningProcesses_v2: fn(device: nvmlDevice_t, count: *mut c_uint, infos: *mut nvmlProcessInfo_t) -> nvmlReturn_t;
     NVML nvmlDeviceGetComputeRunningProcesses: fn(device: nvmlDevice_t, count: *mut c_uint, infos: *mut nvmlProcessInfo_v1_t) -> nvmlReturn_t;
-    NVML nvmlDeviceGetProcessUtilization: fn(device: nvmlDevice_t, samples: *mut nvmlProcessUtilizationSample_t, count: *mut c_uint, last_seen: u64) -> nvmlReturn_t;
-    NVML nvmlDeviceGetUtilizationRates: fn(device: nvmlDevice_t, utilization: *mut nvmlUtilization_t) -> nvmlReturn_t;
 }

@@ -19,12 +19,17 @@ pub const PRIORITY: &str = "CUDA_TASK_PRIORITY";
 pub const LOG_LEVEL: &str = "LIBCUDA_LOG_LEVEL";
 pub const DEVICE_UUID: &str = "GPUPOOL_DEVICE_UUID";
 pub const MAX_LAUNCH_WAIT_MS: &str = "GPUPOOL_VGPU_MAX_LAUNCH_WAIT_MS";
+/// `GPUPOOL_VGPU_ARBITER_<i>`: the card's arbiter file, shared by every container on the card
+/// (written and mounted by the driver).
+pub const ARBITER: &str = "GPUPOOL_VGPU_ARBITER";
 
 /// Where the shared accounting file lives when `CUDA_DEVICE_MEMORY_SHARED_CACHE` is unset.
 pub const DEFAULT_SHARED_CACHE: &str = "/tmp/gpupool-vgpu.cache";
 
-/// The duty-cycle period of the SM limiter; a launch never waits longer than this by default.
-pub const DEFAULT_MAX_LAUNCH_WAIT: Duration = Duration::from_millis(100);
+/// The longest a launch waits for its container's turn on the card by default: well over the
+/// longest wait of a fair turn (a round of the others' leases and their queued work, ~50 ms),
+/// short enough that a rank held here cannot hang a collective its peer's kernel spins in.
+pub const DEFAULT_MAX_LAUNCH_WAIT: Duration = Duration::from_millis(250);
 
 /// A GPU's UUID as `cuDeviceGetUuid` returns it (16 bytes); NVML prints it as
 /// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
@@ -117,6 +122,9 @@ pub struct Config {
     /// `CUDA_TASK_PRIORITY`: recorded in the shared file for tools, not acted on.
     pub priority: Option<i32>,
     pub max_launch_wait: Duration,
+    /// The card's arbiter file per claim index (`GPUPOOL_VGPU_ARBITER_<i>`); None: the container
+    /// arbitrates only among its own processes.
+    pub arbiter: [Option<String>; MAX_DEVICES],
 }
 
 impl Config {
@@ -237,6 +245,7 @@ where
     let mut policy = UtilizationPolicy::Default;
     let mut priority = None;
     let mut max_launch_wait = DEFAULT_MAX_LAUNCH_WAIT;
+    let mut arbiter: [Option<String>; MAX_DEVICES] = Default::default();
 
     // Sorted so that the error lines come out in a stable order.
     let sorted: BTreeMap<String, Option<String>> = vars.into_iter().collect();
@@ -244,6 +253,7 @@ where
         let relevant = name.starts_with(MEMORY_LIMIT)
             || name.starts_with(SM_LIMIT)
             || name.starts_with(DEVICE_UUID)
+            || name.starts_with(ARBITER)
             || [SHARED_CACHE, POLICY, PRIORITY, MAX_LAUNCH_WAIT_MS].contains(&name.as_str());
         if !relevant {
             if name == LOG_LEVEL && value.as_deref().is_some_and(|v| v.parse::<i64>().is_err()) {
@@ -312,6 +322,13 @@ where
                     sm_indexed.insert(i, p);
                 }
             }
+        } else if let Some(index) = split_indexed(name, ARBITER) {
+            match index {
+                Ok(Some(_)) if !value.starts_with('/') => fail("not an absolute path"),
+                Ok(Some(i)) => arbiter[i] = Some(value.to_string()),
+                Ok(None) => fail("needs a device index: GPUPOOL_VGPU_ARBITER_<i>"),
+                Err(_) => fail("the device index is not 0..15"),
+            }
         } else if let Some(index) = split_indexed(name, DEVICE_UUID) {
             match (index, Uuid::parse(value)) {
                 (Ok(Some(i)), Some(uuid)) => device_uuid[i] = Some(uuid),
@@ -346,6 +363,7 @@ where
         policy,
         priority,
         max_launch_wait,
+        arbiter,
     };
     Parsed {
         config: Ok(config),
@@ -571,6 +589,34 @@ mod tests {
         assert!(env(&[("GPUPOOL_VGPU_MAX_LAUNCH_WAIT_MS", "soon")])
             .config
             .is_err());
+    }
+
+    #[test]
+    fn arbiter_paths_are_absolute_and_per_device() {
+        let config = env(&[("GPUPOOL_VGPU_ARBITER_1", "/run/gpupool/arbiter/GPU-1")])
+            .config
+            .unwrap();
+        assert_eq!(
+            config.arbiter[1].as_deref(),
+            Some("/run/gpupool/arbiter/GPU-1")
+        );
+        assert_eq!(config.arbiter[0], None);
+        for (name, value, reason) in [
+            ("GPUPOOL_VGPU_ARBITER_0", "arbiter", "not an absolute path"),
+            (
+                "GPUPOOL_VGPU_ARBITER",
+                "/a",
+                "needs a device index: GPUPOOL_VGPU_ARBITER_<i>",
+            ),
+            (
+                "GPUPOOL_VGPU_ARBITER_16",
+                "/a",
+                "the device index is not 0..15",
+            ),
+        ] {
+            let errors = env(&[(name, value)]).config.unwrap_err();
+            assert_eq!(errors[0].reason, reason, "{name}={value}");
+        }
     }
 
     #[test]

@@ -4,14 +4,16 @@
 //! ```text
 //! 0     header (4 KiB): magic, layout version, sizes and offsets, the limits and policy the file
 //!       was made with, the claim index -> GPU UUID map, the time of the last reap
-//! 4096  16 device records (256 B each): the SM limiter's shared state for claim index i
+//! 4096  16 device records (256 B each): reserved (the compute limiter's state is in each card's
+//!       arbiter file, `arbiter.rs`; the space is kept so that version 1's offsets stay valid for
+//!       the processes of a container that run an older library)
 //! 8192  1024 process slots (320 B each): owner PIDs, then per claim index the bytes the process
 //!       has allocated ("tracked") and its context memory
 //! ```
 //! All integers are in the machine's byte order: the file is shared by processes of one container on
 //! one host, never carried elsewhere. Coordination uses OFD locks on byte ranges (`shared.rs`):
-//! byte 0 is the header lock, each device record's range its sampler lock, each slot's range is held
-//! by the slot's owner for as long as it lives.
+//! byte 0 is the header lock, each slot's range is held by the slot's owner for as long as it
+//! lives.
 
 use crate::env::{Config, Uuid, MAX_DEVICES};
 use std::fmt;
@@ -57,27 +59,6 @@ const HEADER_USED: u64 = H_UUID_MAP + MAX_DEVICES as u64 * UUID_ENTRY;
 /// The byte the header lock covers.
 pub const HEADER_LOCK: (u64, u64) = (0, 1);
 
-// Device record fields (relative to the record).
-/// Open fraction of the period, parts per million (atomic). 0 before the first process set it.
-pub const D_DUTY_PPM: u64 = 0;
-/// The limit (percent) the duty was last computed for.
-pub const D_TARGET_PCT: u64 = 4;
-/// Phase origin of the duty cycle, CLOCK_MONOTONIC ns: all processes of the container open and
-/// close together.
-pub const D_EPOCH_NS: u64 = 8;
-pub const D_PERIOD_NS: u64 = 16;
-pub const D_LAST_SAMPLE_NS: u64 = 24;
-/// NVML's timestamp cursor for `nvmlDeviceGetProcessUtilization` (microseconds).
-pub const D_LAST_SEEN_US: u64 = 32;
-/// The container's last measured utilisation, in tenths of a percent (for tools and tests).
-pub const D_MEASURED_PERMILLE: u64 = 40;
-/// How the last measurement was made ([`crate::controller::Measurement`] code).
-pub const D_MODE: u64 = 44;
-/// Launches that waited their whole bound and went ahead anyway.
-pub const D_BOUNDED_WAITS: u64 = 48;
-/// 1 while another container's process uses the card (the DEFAULT policy throttles only then).
-pub const D_CONTENDED: u64 = 56;
-
 // Slot fields (relative to the slot).
 pub const S_IN_USE: u64 = 0;
 /// PID as the owner sees itself (its own PID namespace).
@@ -87,10 +68,6 @@ pub const S_HOST_PID: u64 = 8;
 pub const S_START_NS: u64 = 16;
 /// 16 x { tracked u64, context u64 }.
 pub const S_DEVICES: u64 = 64;
-
-pub fn device_record(index: usize) -> u64 {
-    DEVICES_OFFSET + index as u64 * DEVICE_RECORD_SIZE
-}
 
 pub fn slot(index: usize) -> u64 {
     SLOTS_OFFSET + index as u64 * SLOT_SIZE
@@ -305,7 +282,6 @@ fn get_u64(buf: &[u8], at: u64) -> u64 {
 
 // The header's fields must fit in the header, and every record must be 8-byte aligned for atomics.
 const _: () = assert!(HEADER_USED <= HEADER_SIZE);
-const _: () = assert!(D_CONTENDED + 4 <= DEVICE_RECORD_SIZE);
 const _: () = assert!(S_DEVICES + MAX_DEVICES as u64 * 16 <= SLOT_SIZE);
 const _: () = assert!(
     SLOT_SIZE.is_multiple_of(8)
@@ -399,8 +375,6 @@ mod tests {
 
     #[test]
     fn records_and_slots_do_not_overlap() {
-        assert_eq!(device_record(0), HEADER_SIZE);
-        assert_eq!(device_record(MAX_DEVICES), SLOTS_OFFSET);
         assert_eq!(slot(0), SLOTS_OFFSET);
         assert_eq!(slot(SLOT_COUNT as usize), FILE_SIZE);
         assert_eq!(slot_context(0, MAX_DEVICES - 1) + 8, slot(1));

@@ -10,18 +10,19 @@
 #[macro_use]
 pub mod log;
 pub mod accounting;
-pub mod controller;
+pub mod arbiter;
 pub mod cuda;
 pub mod driver;
 pub mod entry_points;
 pub mod env;
-pub mod gate;
 pub mod hooks;
 pub mod interpose;
 pub mod layout;
+pub mod limiter;
 pub mod nvml;
 pub mod process;
-pub mod sampler;
+pub mod schedule;
 pub mod shared;
 pub mod symbols;
+pub mod sys;
 pub mod view;

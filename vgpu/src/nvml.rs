@@ -1,12 +1,10 @@
-//! Our own use of NVML: per-process memory (context memory), per-process and device utilisation
-//! (the SM limiter), the process list (host PIDs, other tenants). Loaded on first need, once per
+//! Our own use of NVML: per-process memory (context memory) and the process list (host PIDs). Loaded on first need, once per
 //! process; a process without `libnvidia-ml.so.1` (or whose NVML does not initialise) runs
 //! without it, and says so once.
 
 // NVML device handles are opaque pointers we pass back to NVML, never dereference.
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
-use crate::controller::ProcessSample;
 use crate::cuda::*;
 use crate::driver;
 use crate::entry_points::Sym;
@@ -21,10 +19,6 @@ pub struct CardProcess {
     /// None when NVML cannot say (`NVML_VALUE_NOT_AVAILABLE`).
     pub used_bytes: Option<u64>,
 }
-
-/// NVML cannot answer this query (not supported, or not permitted here).
-#[derive(Debug)]
-pub struct Unsupported;
 
 /// Proof that NVML loaded and initialised in this process.
 pub struct Nvml(());
@@ -98,43 +92,6 @@ impl Nvml {
                 .map(|p: &nvmlProcessInfo_v1_t| convert(p.pid, p.used_gpu_memory))
                 .collect(),
         )
-    }
-
-    /// Per-process utilisation samples newer than `since_us`. `Ok(empty)` when NVML has no new
-    /// sample at all; `Err` when the query is not supported.
-    pub fn process_utilisation(
-        &self,
-        device: nvmlDevice_t,
-        since_us: u64,
-    ) -> Result<Vec<ProcessSample>, Unsupported> {
-        let samples = list_with(|count, buf| {
-            match unsafe { driver::nvmlDeviceGetProcessUtilization(device, buf, count, since_us) } {
-                // No sample newer than the cursor: an empty batch, not a failure.
-                Some(NVML_ERROR_NOT_FOUND) => {
-                    // SAFETY: count is our own.
-                    unsafe { *count = 0 };
-                    Some(NVML_SUCCESS)
-                }
-                other => other,
-            }
-        })
-        .ok_or(Unsupported)?;
-        Ok(samples
-            .iter()
-            .map(|s: &nvmlProcessUtilizationSample_t| ProcessSample {
-                pid: s.pid,
-                timestamp_us: s.time_stamp,
-                sm_percent: s.sm_util,
-            })
-            .collect())
-    }
-
-    /// The whole card's utilisation in percent.
-    pub fn device_utilisation(&self, device: nvmlDevice_t) -> Option<u32> {
-        let mut utilisation = nvmlUtilization_t::default();
-        (unsafe { driver::nvmlDeviceGetUtilizationRates(device, &mut utilisation) }?
-            == NVML_SUCCESS)
-            .then_some(utilisation.gpu)
     }
 }
 

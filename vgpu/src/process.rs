@@ -7,12 +7,14 @@
 //! and never freed. A forked child starts over (see [`after_fork_in_child`]).
 
 use crate::accounting::{Allocations, Charged};
+use crate::arbiter::{self, Arbiter, Member};
 use crate::cuda::*;
 use crate::driver;
 use crate::env::{self, Config, Uuid, MAX_DEVICES};
 use crate::layout;
 use crate::nvml::Nvml;
-use crate::shared::{now_ns, Attached, Charge, Reaped, SharedFile};
+use crate::shared::{Attached, Charge, Reaped, SharedFile};
+use crate::sys::now_ns;
 use crate::view::{memory_view, MemoryView};
 use std::sync::atomic::{
     AtomicBool, AtomicI32, AtomicPtr, AtomicU32, AtomicU8, AtomicUsize, Ordering,
@@ -86,7 +88,8 @@ pub struct Process {
     host_pid: AtomicU32,
     /// In the host's PID namespace our own PID is NVML's, once NVML lists us.
     initial_pid_namespace: bool,
-    pub sampler_started: AtomicBool,
+    /// The card's arbiter per claim index with an SM limit (the compute limiter's turns).
+    arbiters: [Option<Arbiter>; MAX_DEVICES],
 }
 
 /// The process state, created on first use; None when the environment is refused (fail closed).
@@ -200,6 +203,14 @@ fn create() -> Option<Process> {
     } else {
         None
     };
+    let arbiters = match (&file, config.throttles()) {
+        (Some(file), true) => open_arbiters(&config, file)?,
+        _ => Default::default(),
+    };
+    if arbiters.iter().any(Option::is_some) && !ATEXIT_REGISTERED.swap(true, Ordering::AcqRel) {
+        // SAFETY: registers a handler that gives the card and our records back.
+        unsafe { libc::atexit(release_slot_at_exit) };
+    }
     register_atfork();
     Some(Process {
         config,
@@ -218,8 +229,55 @@ fn create() -> Option<Process> {
         nvml_devices: Mutex::new([0; MAX_DEVICES]),
         host_pid: AtomicU32::new(0),
         initial_pid_namespace: in_initial_pid_namespace(),
-        sampler_started: AtomicBool::new(false),
+        arbiters,
     })
+}
+
+/// Where a claim index's arbiter is: the driver's file for the card, else one of the container's
+/// own, next to its accounting file (its processes then take turns among themselves only).
+pub fn arbiter_path(config: &Config, index: usize) -> String {
+    config.arbiter[index]
+        .clone()
+        .unwrap_or_else(|| format!("{}.arbiter-{index}", config.shared_cache))
+}
+
+/// Joins the arbiter of every card with an SM limit, as a member of the tenant the container's
+/// accounting file identifies. A file that cannot be opened refuses CUDA (fail closed): the limit
+/// would not hold.
+fn open_arbiters(config: &Config, file: &SharedFile) -> Option<[Option<Arbiter>; MAX_DEVICES]> {
+    let Some(identity) = file.identity() else {
+        log_error!(
+            "cannot read the identity of {}; CUDA is refused in this process (fail closed)",
+            file.path()
+        );
+        return None;
+    };
+    let mut arbiters: [Option<Arbiter>; MAX_DEVICES] = Default::default();
+    for (index, limit) in config.sm_limit.iter().enumerate() {
+        let Some(weight) = *limit else { continue };
+        let path = arbiter_path(config, index);
+        let member = Member {
+            key: arbiter::tenant_key(identity),
+            weight,
+            force: config.policy == env::UtilizationPolicy::Force,
+        };
+        match Arbiter::open(&path, member) {
+            Ok(opened) => {
+                if config.arbiter[index].is_none() {
+                    log_info!("device {index}: no {}_{index}: the card's turns are taken among this container's processes only ({path})", env::ARBITER);
+                }
+                arbiters[index] = Some(opened);
+            }
+            Err(error) => {
+                log_error!(
+                    "{error} ({}_{index}); CUDA is refused in this process (fail closed)",
+                    env::ARBITER
+                );
+                return None;
+            }
+        }
+    }
+    Some(arbiters)
 }
 
 /// In the host's PID namespace our PID is what NVML reports. (The initial namespace's inode is
@@ -248,6 +306,9 @@ extern "C" fn after_fork_in_child() {
         if let Some(file) = unsafe { &(*old).file } {
             unsafe { libc::close(file.fd()) };
         }
+        for arbiter in unsafe { (*old).arbiters.iter().flatten() } {
+            unsafe { libc::close(arbiter.fd()) };
+        }
     }
     REFUSED.store(false, Ordering::Release);
     GATE.store(GATE_UNINIT, Ordering::Release);
@@ -266,6 +327,9 @@ extern "C" fn release_slot_at_exit() {
     if let (Some(file), Some(slot)) = (process.file.as_ref(), process.slot_if_claimed()) {
         file.release_slot(slot);
     }
+    for arbiter in process.arbiters.iter().flatten() {
+        arbiter.leave();
+    }
 }
 
 fn cuda_ok(rc: Option<CUresult>) -> bool {
@@ -281,6 +345,11 @@ impl Process {
 
     pub fn file(&self) -> Option<&SharedFile> {
         self.file.as_ref()
+    }
+
+    /// The card's arbiter of a claim index with an SM limit.
+    pub fn arbiter(&self, index: usize) -> Option<&Arbiter> {
+        self.arbiters.get(index)?.as_ref()
     }
 
     /// Whether the memory of a claim index is limited.

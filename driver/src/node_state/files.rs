@@ -72,13 +72,36 @@ pub(super) fn ensure_shared_dir(dir: &Path) -> io::Result<()> {
     Ok(())
 }
 
-/// Create the host folders a spec mounts that this driver owns (the claim's folders, the
-/// HAMi-core lock folder), so a spec written again after a reboot still has its mount sources.
+/// A card's arbiter file: created empty if missing (gpupool's library lays it out), 0666 (the
+/// containers of a card may run as any user), in a 0711 folder (containers see only the file).
+pub(super) fn ensure_arbiter_file(path: &Path) -> io::Result<()> {
+    if let Some(dir) = path.parent() {
+        if !dir.is_dir() {
+            fs::create_dir_all(dir)?;
+            fs::set_permissions(dir, Permissions::from_mode(0o711))?;
+        }
+    }
+    let file = fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)?;
+    if file.metadata()?.permissions().mode() & 0o7777 != 0o666 {
+        file.set_permissions(Permissions::from_mode(0o666))?;
+    }
+    Ok(())
+}
+
+/// Create the host files a spec mounts that this driver owns (the claim's folders, the HAMi-core
+/// lock folder, the cards' arbiter files), so a spec written again after a reboot still has its
+/// mount sources.
 pub(super) fn ensure_mount_sources(layout: &NodeLayout, uid: &str, spec: &Spec) -> io::Result<()> {
+    let arbiters = layout.arbiter_root();
     for mount in spec.devices.iter().flat_map(|d| &d.container_edits.mounts) {
         let host = Path::new(&mount.host_path);
         if host == layout.vgpu_lock_dir || layout.claim_folders(uid).any(|f| f == host) {
             ensure_shared_dir(host)?;
+        } else if host.parent() == Some(arbiters.as_path()) {
+            ensure_arbiter_file(host)?;
         }
     }
     Ok(())
@@ -143,6 +166,20 @@ mod tests {
         assert_eq!(owned_spec_uid("nvidia.com-gpu.json"), None);
         assert!(remove_spec(&layout, UID).unwrap());
         assert!(!remove_spec(&layout, UID).unwrap());
+    }
+
+    #[test]
+    fn a_cards_arbiter_file_is_made_once_writable_for_all_and_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("run/vgpu-arbiter/GPU-1");
+        ensure_arbiter_file(&path).unwrap();
+        let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode(&path), 0o666);
+        assert_eq!(mode(path.parent().unwrap()), 0o711);
+        // What the library wrote in it stays (a second claim on the card, a spec written again).
+        fs::write(&path, b"tenants").unwrap();
+        ensure_arbiter_file(&path).unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"tenants");
     }
 
     #[test]

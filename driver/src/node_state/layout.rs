@@ -8,7 +8,10 @@
 //! - `<cdi-root>/` (0755): one CDI spec per prepared claim, `gpupool.dev-claim_<uid>.json`, each
 //!   written through a `.<name>.tmp` file first.
 //! - `<run-dir>/` (0711, per boot, normally a tmpfs): the per-claim folders, one tree per kind
-//!   ([`CLAIM_FOLDERS`]), `<run-dir>/<kind>/<uid>/`.
+//!   ([`CLAIM_FOLDERS`]), `<run-dir>/<kind>/<uid>/`; and one arbiter file per card
+//!   (`<run-dir>/vgpu-arbiter/<card uuid>`, 0666 in a 0711 folder), through which gpupool's library
+//!   in every container with an SM limit on that card takes turns holding it. A card's file
+//!   outlives its claims (it holds the card's tenants' history, a few KiB); it goes with the boot.
 //! - the HAMi-core lock folder, `/tmp/vgpulock`, shared by every container on the node.
 //! - the enforcement libraries on the host, which the driver only reads: gpupool's
 //!   (`--gpupool-lib-dir`, installed by the DaemonSet's init container with `install-lib`) and
@@ -37,6 +40,9 @@ pub const LIB_FILE_NAME: &str = "libvgpu.so";
 pub const GPUPOOL_LIB_FILE_NAME: &str = "libgpupool_vgpu.so";
 /// HAMi-core's cross-container lock folder, same path on both sides.
 pub const VGPU_LOCK_DIR: &str = "/tmp/vgpulock";
+
+/// The folder of the cards' arbiter files under the run folder.
+pub const ARBITER_DIR_NAME: &str = "vgpu-arbiter";
 
 /// Every file the driver keeps in its state folder.
 pub const STATE_FILES: &[&str] = &[
@@ -175,6 +181,22 @@ impl NodeLayout {
             .map(move |kind| self.claim_folder(*kind, uid))
     }
 
+    /// The folder of the cards' arbiter files.
+    pub fn arbiter_root(&self) -> PathBuf {
+        self.run_dir.join(ARBITER_DIR_NAME)
+    }
+
+    /// A card's arbiter file. None for a UUID that is not a plain file name (letters, digits and
+    /// dashes, as NVML writes them): nothing reaches a path unchecked.
+    pub fn card_arbiter(&self, card_uuid: &str) -> Option<PathBuf> {
+        let plain = !card_uuid.is_empty()
+            && card_uuid.len() <= 96
+            && card_uuid
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-');
+        plain.then(|| self.arbiter_root().join(card_uuid))
+    }
+
     /// The claim's CDI spec. `uid` must have been checked (a UUID).
     pub fn spec_path(&self, uid: &str) -> PathBuf {
         self.cdi_root.join(cdi_spec_file_name(uid))
@@ -195,4 +217,29 @@ pub fn owned_spec_uid(file_name: &str) -> Option<&str> {
 /// `*.yaml`.
 pub(super) fn spec_temp_name(uid: &str) -> String {
     format!(".{}.tmp", cdi_spec_file_name(uid))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cards_arbiter_is_named_by_its_uuid_and_nothing_else() {
+        let layout = NodeLayout::new(
+            "/state".into(),
+            "/cdi".into(),
+            "/run/gpupool".into(),
+            (Path::new("/lib/a"), Path::new("/lib/b")),
+            false,
+        );
+        assert_eq!(
+            layout.card_arbiter("GPU-1a2b3c4d-0000-1111-2222-333344445555"),
+            Some(PathBuf::from(
+                "/run/gpupool/vgpu-arbiter/GPU-1a2b3c4d-0000-1111-2222-333344445555"
+            ))
+        );
+        for bad in ["", "../x", "GPU-1/..", "a b", &"x".repeat(97)] {
+            assert_eq!(layout.card_arbiter(bad), None, "{bad:?}");
+        }
+    }
 }

@@ -163,6 +163,21 @@ pub fn render(
         }
         if let (Some(lib), true) = (library, d.limits.enforcement != Enforcement::None) {
             edits.env.extend(limits::limit_env(d.limits));
+            // gpupool's library holds an SM limit by taking turns on the card with the other
+            // containers there, through the card's arbiter file (HAMi-core has no such file).
+            if d.limits.enforcement == Enforcement::Gpupool && d.limits.cores > 0 && d.mig.is_none()
+            {
+                if let Some(arbiter) = layout.card_arbiter(&d.gpu.uuid) {
+                    edits.env.push(format!(
+                        "GPUPOOL_VGPU_ARBITER_{}={}",
+                        d.limits.ordinal,
+                        arbiter.display()
+                    ));
+                    edits
+                        .mounts
+                        .push(bind(&arbiter, &arbiter.display().to_string(), false));
+                }
+            }
             edits.env.extend(shared.iter().flatten().cloned());
             edits.env.extend(visible.iter().cloned());
             edits
@@ -308,6 +323,7 @@ mod tests {
         assert_eq!(r.warning, None);
         let edits = &r.spec.devices[0].container_edits;
         let cache_dir = format!("/var/run/gpupool/vgpu-cache/{UID}");
+        let arbiter = format!("/var/run/gpupool/vgpu-arbiter/{}", inv.gpus[1].uuid);
         assert_eq!(
             mounts(edits),
             BTreeSet::from([
@@ -317,11 +333,14 @@ mod tests {
                 ),
                 ("/var/lib/gpupool/ld.so.preload.gpupool", LD_SO_PRELOAD),
                 (cache_dir.as_str(), cache_dir.as_str()),
+                (arbiter.as_str(), arbiter.as_str()),
             ])
         );
         for env in [
             "CUDA_DEVICE_MEMORY_LIMIT_0=16384m".to_string(),
             "CUDA_DEVICE_SM_LIMIT_0=25".to_string(),
+            // Its turns on the card, shared with every other container there.
+            format!("GPUPOOL_VGPU_ARBITER_0={arbiter}"),
             format!("CUDA_VISIBLE_DEVICES={}", inv.gpus[1].uuid),
             // The library maps _0 to this card by UUID, whatever CUDA_VISIBLE_DEVICES becomes.
             format!("GPUPOOL_DEVICE_UUID_0={}", inv.gpus[1].uuid),
@@ -347,8 +366,42 @@ mod tests {
         assert!(edits.env.contains(&"CUDA_DEVICE_SM_LIMIT_0=25".to_string()));
         assert_eq!(
             mounts(edits),
-            BTreeSet::from([(cache_dir.as_str(), cache_dir.as_str())])
+            BTreeSet::from([
+                (cache_dir.as_str(), cache_dir.as_str()),
+                (arbiter.as_str(), arbiter.as_str())
+            ])
         );
+    }
+
+    #[test]
+    fn only_an_sm_limit_under_gpupools_library_gets_the_cards_arbiter() {
+        let inv = inventory();
+        let a = allocated("gpu-1", Some("s1"));
+        for (cores, enforcement) in [
+            (0, Enforcement::Gpupool),
+            (50, Enforcement::HamiCore),
+            (50, Enforcement::None),
+        ] {
+            let l = limits(0, 8192, cores, enforcement);
+            let devices = [SpecDevice {
+                allocated: &a,
+                gpu: &inv.gpus[1],
+                limits: &l,
+                mig: None,
+            }];
+            let r = render(UID, &devices, &layout(false), &everything_exists).unwrap();
+            let edits = &r.spec.devices[0].container_edits;
+            assert!(
+                !edits
+                    .env
+                    .iter()
+                    .any(|e| e.starts_with("GPUPOOL_VGPU_ARBITER"))
+                    && !mounts(edits)
+                        .iter()
+                        .any(|(h, _)| h.contains("vgpu-arbiter")),
+                "{cores} cores under {enforcement:?}: {edits:?}"
+            );
+        }
     }
 
     #[test]

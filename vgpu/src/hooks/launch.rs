@@ -1,7 +1,19 @@
-//! Launches: every launch path goes through the limiter's gate.
+//! Launches: every launch path goes through the limiter's gate (`limiter.rs`), and, once
+//! launched, leaves its mark. The `_ptsz` forms differ only in what a NULL stream means.
 
 use super::*;
-use crate::gate;
+use crate::limiter;
+
+/// The gate, the launch, its mark.
+unsafe fn gated(stream: CUstream, per_thread: bool, launch: impl FnOnce() -> CUresult) -> CUresult {
+    let ticket = match limiter::before_launch(stream, per_thread) {
+        Ok(ticket) => ticket,
+        Err(rc) => return rc,
+    };
+    let rc = launch();
+    limiter::after_launch(ticket, rc);
+    rc
+}
 
 pub(super) unsafe fn launch_kernel(
     real: pfn::cuLaunchKernel,
@@ -17,10 +29,37 @@ pub(super) unsafe fn launch_kernel(
     params: *mut *mut c_void,
     extra: *mut *mut c_void,
 ) -> CUresult {
-    if let Err(rc) = gate::before_launch(stream) {
-        return rc;
+    gated(stream, false, || {
+        real(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra)
+    })
+}
+
+pub(super) unsafe fn launch_kernel_ptsz(
+    real: pfn::cuLaunchKernel_ptsz,
+    f: CUfunction,
+    gx: c_uint,
+    gy: c_uint,
+    gz: c_uint,
+    bx: c_uint,
+    by: c_uint,
+    bz: c_uint,
+    shared: c_uint,
+    stream: CUstream,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> CUresult {
+    gated(stream, true, || {
+        real(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra)
+    })
+}
+
+fn config_stream(config: *const CUlaunchConfigHead) -> CUstream {
+    if config.is_null() {
+        std::ptr::null_mut()
+    } else {
+        // SAFETY: the caller's launch configuration, read only.
+        unsafe { (*config).stream }
     }
-    real(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra)
 }
 
 pub(super) unsafe fn launch_kernel_ex(
@@ -30,15 +69,21 @@ pub(super) unsafe fn launch_kernel_ex(
     params: *mut *mut c_void,
     extra: *mut *mut c_void,
 ) -> CUresult {
-    let stream = if config.is_null() {
-        std::ptr::null_mut()
-    } else {
-        (*config).stream
-    };
-    if let Err(rc) = gate::before_launch(stream) {
-        return rc;
-    }
-    real(config, f, params, extra)
+    gated(config_stream(config), false, || {
+        real(config, f, params, extra)
+    })
+}
+
+pub(super) unsafe fn launch_kernel_ex_ptsz(
+    real: pfn::cuLaunchKernelEx_ptsz,
+    config: *const CUlaunchConfigHead,
+    f: CUfunction,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> CUresult {
+    gated(config_stream(config), true, || {
+        real(config, f, params, extra)
+    })
 }
 
 pub(super) unsafe fn launch_cooperative(
@@ -54,10 +99,27 @@ pub(super) unsafe fn launch_cooperative(
     stream: CUstream,
     params: *mut *mut c_void,
 ) -> CUresult {
-    if let Err(rc) = gate::before_launch(stream) {
-        return rc;
-    }
-    real(f, gx, gy, gz, bx, by, bz, shared, stream, params)
+    gated(stream, false, || {
+        real(f, gx, gy, gz, bx, by, bz, shared, stream, params)
+    })
+}
+
+pub(super) unsafe fn launch_cooperative_ptsz(
+    real: pfn::cuLaunchCooperativeKernel_ptsz,
+    f: CUfunction,
+    gx: c_uint,
+    gy: c_uint,
+    gz: c_uint,
+    bx: c_uint,
+    by: c_uint,
+    bz: c_uint,
+    shared: c_uint,
+    stream: CUstream,
+    params: *mut *mut c_void,
+) -> CUresult {
+    gated(stream, true, || {
+        real(f, gx, gy, gz, bx, by, bz, shared, stream, params)
+    })
 }
 
 pub(super) unsafe fn graph_launch(
@@ -65,8 +127,13 @@ pub(super) unsafe fn graph_launch(
     exec: CUgraphExec,
     stream: CUstream,
 ) -> CUresult {
-    if let Err(rc) = gate::before_launch(stream) {
-        return rc;
-    }
-    real(exec, stream)
+    gated(stream, false, || real(exec, stream))
+}
+
+pub(super) unsafe fn graph_launch_ptsz(
+    real: pfn::cuGraphLaunch_ptsz,
+    exec: CUgraphExec,
+    stream: CUstream,
+) -> CUresult {
+    gated(stream, true, || real(exec, stream))
 }

@@ -1,0 +1,769 @@
+//! A card's arbiter: one small file per GPU, mapped by every limited process of every container
+//! on that card, through which they take turns holding the card (`schedule.rs` decides who).
+//!
+//! The driver creates the file and mounts it into each claim's containers
+//! (`GPUPOOL_VGPU_ARBITER_<i>`); the library creates it when it is missing. Layout (version 1,
+//! machine byte order, [`Layout`]): a header with the lease (holder, start, end), two futex words
+//! and the virtual clock; 64 tenant records (a tenant is a container: the device and inode of its
+//! shared accounting file, its weight and policy, its virtual time, `FORCE` credit, statistics);
+//! 256 process records (PID, tenant, since when it waits, launches that went ahead unarbitrated).
+//!
+//! Coordination, as in the accounting file, without any process-shared mutex:
+//! - each process holds an OFD lock on its record's lock byte for life: a record whose byte is free
+//!   belongs to the dead, and a lease held by the dead is taken back at once;
+//! - decisions (grant, release, renew, registering) are made under the decision lock byte, held
+//!   for microseconds, with a 2 s bound (a holder that is stopped costs an unarbitrated launch,
+//!   never a hang);
+//! - the holder and the lease's end are read without any lock on every launch (two loads);
+//! - waiters sleep on a futex in the file (`grant_seq`), the holder's keeper thread on another
+//!   (`waiting_seq`): a hand-over wakes the next holder at once, in any container.
+//!
+//! What a hostile container can do with the file: everything in it is readable and writable by
+//! every tenant of the card. Every index read from it is bounds-checked and every number clamped
+//! (`schedule.rs`), so garbage cannot make the library crash or wait without bound; a tenant that
+//! lies (a huge weight, a lease it never gives up) can take the card from the card's other
+//! tenants, who then wait their bound and launch unarbitrated, as without a limiter. It can
+//! also truncate the file, and the others' next access faults (SIGBUS). It cannot reach another
+//! card (one file each) or the node (the file is the only thing mounted, and it is data).
+
+use crate::schedule::{self, Decision, Tenant, Waiter};
+use crate::sys::{self, now_ns, LockFailure, MapError, MappedFile};
+use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+pub const MAGIC: u64 = u64::from_le_bytes(*b"GPUPARB1");
+pub const VERSION: u32 = 1;
+pub const TENANTS: usize = 64;
+pub const PROCESSES: usize = 256;
+/// The decision lock is held for microseconds; reaching this means its holder is stopped.
+pub const LOCK_TIMEOUT: Duration = Duration::from_secs(2);
+/// A lease whose holder is alive but has not given the card up this long after its end (stopped,
+/// or its queued work does not finish) is taken back by the next waiter.
+pub const STALE_NS: u64 = 1_000_000_000;
+
+/// Lock bytes lie past the data (OFD locks may cover bytes beyond the end of a file): locking
+/// never touches what the mapping holds.
+const LOCK_BASE: u64 = 1 << 40;
+const LOCK_INIT: (u64, u64) = (LOCK_BASE, 1);
+const LOCK_DECIDE: (u64, u64) = (LOCK_BASE + 1, 1);
+const fn lock_process(slot: usize) -> (u64, u64) {
+    (LOCK_BASE + 64 + slot as u64, 1)
+}
+
+const FLAG_FORCE: u32 = 1;
+
+#[repr(C)]
+struct Header {
+    magic: AtomicU64,
+    version: AtomicU32,
+    /// Process slot + 1 of the holder; 0: nobody holds the card.
+    holder: AtomicU32,
+    lease_start_ns: AtomicU64,
+    lease_end_ns: AtomicU64,
+    /// Bumped at every grant and release: waiters sleep on it.
+    grant_seq: AtomicU32,
+    /// Bumped whenever a process starts waiting: the holder's keeper sleeps on it.
+    waiting_seq: AtomicU32,
+    /// The virtual time of the last grant (`schedule::Tenant::join`).
+    vclock: AtomicU64,
+    /// Leases granted since the file was made (statistics).
+    grants: AtomicU64,
+    _reserved: [u64; 9],
+}
+
+#[repr(C)]
+struct TenantRecord {
+    /// Device and inode of the tenant's accounting file, mixed; 0: a free record.
+    key: AtomicU64,
+    weight: AtomicU32,
+    flags: AtomicU32,
+    vtime: AtomicU64,
+    credit_ns: AtomicI64,
+    credit_at_ns: AtomicU64,
+    /// Nanoseconds it held the card, and leases it got (statistics, for tools and tests).
+    used_ns: AtomicU64,
+    leases: AtomicU64,
+    last_active_ns: AtomicU64,
+}
+
+#[repr(C)]
+struct ProcessRecord {
+    /// PID as the process sees itself; 0: a free record.
+    pid: AtomicU32,
+    /// Tenant index + 1.
+    tenant: AtomicU32,
+    /// When it started waiting for the card; 0: not waiting.
+    waiting_since_ns: AtomicU64,
+    /// Launches that waited their whole bound and went ahead without the card.
+    unarbitrated: AtomicU64,
+    _reserved: [u64; 5],
+}
+
+#[repr(C)]
+struct Layout {
+    header: Header,
+    tenants: [TenantRecord; TENANTS],
+    processes: [ProcessRecord; PROCESSES],
+}
+
+pub const FILE_SIZE: usize = std::mem::size_of::<Layout>();
+const _: () = assert!(std::mem::size_of::<Header>() == 128);
+const _: () = assert!(std::mem::size_of::<TenantRecord>() == 64);
+const _: () = assert!(std::mem::size_of::<ProcessRecord>() == 64);
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ArbiterError {
+    Map(MapError),
+    Lock { path: String, failure: LockFailure },
+    NoTenantRecord { path: String },
+    NoProcessRecord { path: String },
+}
+
+impl std::fmt::Display for ArbiterError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ArbiterError::Map(error) => write!(f, "{error}"),
+            ArbiterError::Lock {
+                path,
+                failure: LockFailure::Timeout,
+            } => write!(
+                f,
+                "the decision lock of {path} was not free within {LOCK_TIMEOUT:?} (its holder is stopped?)"
+            ),
+            ArbiterError::Lock {
+                path,
+                failure: LockFailure::Errno(errno),
+            } => write!(f, "cannot lock {path}: {}", sys::errno_text(*errno)),
+            ArbiterError::NoTenantRecord { path } => {
+                write!(f, "{path}: all {TENANTS} tenant records are in use by live containers")
+            }
+            ArbiterError::NoProcessRecord { path } => {
+                write!(f, "{path}: all {PROCESSES} process records are in use")
+            }
+        }
+    }
+}
+
+/// Who this process is on the card, as the arbiter sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Member {
+    pub key: u64,
+    pub weight: u32,
+    pub force: bool,
+}
+
+/// What a turn at the decision lock ended in, for the process that asked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Turn {
+    /// This process holds the card until the given time.
+    Holding { until_ns: u64 },
+    /// Someone else holds it, or nobody may have it yet: sleep until woken or the given time.
+    Wait { until_ns: u64 },
+}
+
+/// A card's arbiter, opened by one process.
+pub struct Arbiter {
+    file: MappedFile,
+    decide_mutex: Mutex<()>,
+    slot: usize,
+    tenant: usize,
+}
+
+impl Arbiter {
+    /// Opens (or creates) the card's arbiter and registers this process as a member of tenant
+    /// `member` (created, or updated with this process's weight and policy).
+    pub fn open(path: &str, member: Member) -> Result<Arbiter, ArbiterError> {
+        let file = MappedFile::open(path, FILE_SIZE, true, LOCK_INIT, LOCK_TIMEOUT)
+            .map_err(ArbiterError::Map)?;
+        let mut arbiter = Arbiter {
+            file,
+            decide_mutex: Mutex::new(()),
+            slot: usize::MAX,
+            tenant: usize::MAX,
+        };
+        let (slot, tenant) = arbiter.register(member)?;
+        (arbiter.slot, arbiter.tenant) = (slot, tenant);
+        Ok(arbiter)
+    }
+
+    fn layout(&self) -> &Layout {
+        // SAFETY: the mapping is FILE_SIZE bytes, page-aligned, and lives as long as self; every
+        // field is an atomic (any bit pattern is valid).
+        unsafe { &*(self.file.base() as *const Layout) }
+    }
+
+    pub fn path(&self) -> &str {
+        self.file.path()
+    }
+
+    pub fn fd(&self) -> libc::c_int {
+        self.file.fd()
+    }
+
+    fn decide_lock(&self) -> Result<sys::RangeGuard<'_>, ArbiterError> {
+        let (start, len) = LOCK_DECIDE;
+        sys::lock_range(self.fd(), &self.decide_mutex, start, len, LOCK_TIMEOUT).map_err(
+            |failure| ArbiterError::Lock {
+                path: self.path().to_string(),
+                failure,
+            },
+        )
+    }
+
+    fn alive(&self, slot: usize) -> bool {
+        self.alive_for(slot, self.slot)
+    }
+
+    /// Whether a process record belongs to a live process, as `own` sees it (never judged: our
+    /// own locks never conflict with us).
+    fn alive_for(&self, slot: usize, own: usize) -> bool {
+        if slot == own {
+            return true;
+        }
+        let (start, len) = lock_process(slot);
+        self.layout().processes[slot].pid.load(Ordering::Acquire) != 0
+            && sys::held_elsewhere(self.fd(), start, len)
+    }
+
+    /// Takes a process record (held by our lock for life) and a tenant record.
+    fn register(&self, member: Member) -> Result<(usize, usize), ArbiterError> {
+        let _guard = self.decide_lock()?;
+        let layout = self.layout();
+        if layout.header.magic.load(Ordering::Acquire) != MAGIC
+            || layout.header.version.load(Ordering::Acquire) != VERSION
+        {
+            // New, foreign or of another version: start it afresh (no live process can use a
+            // layout it does not recognise).
+            // SAFETY: the mapping is FILE_SIZE bytes; every field is an atomic of plain data.
+            unsafe { std::ptr::write_bytes(self.file.base(), 0, FILE_SIZE) };
+            layout.header.version.store(VERSION, Ordering::Release);
+            layout.header.magic.store(MAGIC, Ordering::Release);
+        }
+        // A process record: free, or left by a dead process.
+        let slot = (0..PROCESSES)
+            .find(|&s| {
+                let (start, len) = lock_process(s);
+                (layout.processes[s].pid.load(Ordering::Acquire) == 0
+                    || !sys::held_elsewhere(self.fd(), start, len))
+                    && sys::try_lock(self.fd(), start, len)
+            })
+            .ok_or_else(|| ArbiterError::NoProcessRecord {
+                path: self.path().to_string(),
+            })?;
+        let key = member.key.max(1);
+        let live_tenants: Vec<bool> = {
+            let mut live = vec![false; TENANTS];
+            for s in 0..PROCESSES {
+                let t = layout.processes[s].tenant.load(Ordering::Acquire) as usize;
+                if (1..=TENANTS).contains(&t) && s != slot && self.alive_for(s, slot) {
+                    live[t - 1] = true;
+                }
+            }
+            live
+        };
+        let tenant = (0..TENANTS)
+            .find(|&t| layout.tenants[t].key.load(Ordering::Acquire) == key)
+            .or_else(|| {
+                (0..TENANTS).find(|&t| {
+                    layout.tenants[t].key.load(Ordering::Acquire) == 0 || !live_tenants[t]
+                })
+            });
+        let Some(tenant) = tenant else {
+            sys::unlock(self.fd(), lock_process(slot).0, 1);
+            return Err(ArbiterError::NoTenantRecord {
+                path: self.path().to_string(),
+            });
+        };
+        let record = &layout.tenants[tenant];
+        if record.key.load(Ordering::Acquire) != key {
+            // A new tenant (or a record left by containers that are gone): it starts level with
+            // the tenants already competing.
+            let now = now_ns();
+            record.vtime.store(
+                layout.header.vclock.load(Ordering::Acquire),
+                Ordering::Relaxed,
+            );
+            record.credit_ns.store(0, Ordering::Relaxed);
+            record.credit_at_ns.store(now, Ordering::Relaxed);
+            record.used_ns.store(0, Ordering::Relaxed);
+            record.leases.store(0, Ordering::Relaxed);
+            record.last_active_ns.store(0, Ordering::Relaxed);
+            record.key.store(key, Ordering::Release);
+        }
+        record.weight.store(member.weight, Ordering::Relaxed);
+        record
+            .flags
+            .store(if member.force { FLAG_FORCE } else { 0 }, Ordering::Relaxed);
+        let process = &layout.processes[slot];
+        process.waiting_since_ns.store(0, Ordering::Relaxed);
+        process.unarbitrated.store(0, Ordering::Relaxed);
+        process.tenant.store(tenant as u32 + 1, Ordering::Relaxed);
+        process.pid.store(std::process::id(), Ordering::Release);
+        Ok((slot, tenant))
+    }
+
+    /// The fast path of every launch: whether this process holds the card and its lease runs.
+    #[inline]
+    pub fn holds(&self, now_ns: u64) -> bool {
+        let header = &self.layout().header;
+        header.holder.load(Ordering::Acquire) == self.slot as u32 + 1
+            && now_ns < header.lease_end_ns.load(Ordering::Acquire)
+    }
+
+    /// Whether this process is the holder, lease run out or not.
+    pub fn is_holder(&self) -> bool {
+        self.layout().header.holder.load(Ordering::Acquire) == self.slot as u32 + 1
+    }
+
+    pub fn lease_end_ns(&self) -> u64 {
+        self.layout().header.lease_end_ns.load(Ordering::Acquire)
+    }
+
+    /// The futex words and their current values: waiters sleep on `grant_seq`, keepers on
+    /// `waiting_seq`.
+    pub fn grant_seq(&self) -> &AtomicU32 {
+        &self.layout().header.grant_seq
+    }
+
+    pub fn waiting_seq(&self) -> &AtomicU32 {
+        &self.layout().header.waiting_seq
+    }
+
+    /// Whether another live process waits for the card.
+    pub fn others_waiting(&self) -> bool {
+        let layout = self.layout();
+        (0..PROCESSES).any(|s| {
+            s != self.slot
+                && layout.processes[s].waiting_since_ns.load(Ordering::Acquire) != 0
+                && layout.processes[s].pid.load(Ordering::Acquire) != 0
+        })
+    }
+
+    /// Marks this process as waiting (once; later calls keep the first time) and wakes the
+    /// holder's keeper.
+    pub fn start_waiting(&self, now_ns: u64) {
+        let record = &self.layout().processes[self.slot];
+        if record
+            .waiting_since_ns
+            .compare_exchange(0, now_ns.max(1), Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            let header = &self.layout().header;
+            header.waiting_seq.fetch_add(1, Ordering::AcqRel);
+            sys::futex_wake_all(&header.waiting_seq);
+        }
+    }
+
+    pub fn stop_waiting(&self) {
+        self.layout().processes[self.slot]
+            .waiting_since_ns
+            .store(0, Ordering::Release);
+    }
+
+    /// Counts a launch that went ahead without the card.
+    pub fn count_unarbitrated(&self) {
+        self.layout().processes[self.slot]
+            .unarbitrated
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn tenant_of(&self, slot: usize) -> Option<usize> {
+        let t = self.layout().processes[slot].tenant.load(Ordering::Acquire) as usize;
+        (1..=TENANTS).contains(&t).then(|| t - 1)
+    }
+
+    fn read_tenant(&self, t: usize) -> Tenant {
+        let r = &self.layout().tenants[t];
+        let in_use = r.key.load(Ordering::Acquire) != 0;
+        Tenant {
+            weight: r.weight.load(Ordering::Relaxed),
+            force: r.flags.load(Ordering::Relaxed) & FLAG_FORCE != 0,
+            vtime: r.vtime.load(Ordering::Relaxed),
+            credit_ns: r.credit_ns.load(Ordering::Relaxed),
+            credit_at_ns: r.credit_at_ns.load(Ordering::Relaxed),
+            // A free record never competes, whatever it holds.
+            last_active_ns: if in_use {
+                r.last_active_ns.load(Ordering::Relaxed)
+            } else {
+                0
+            },
+        }
+    }
+
+    fn read_tenants(&self) -> Vec<Tenant> {
+        (0..TENANTS).map(|t| self.read_tenant(t)).collect()
+    }
+
+    fn write_tenant(&self, t: usize, tenant: &Tenant) {
+        let r = &self.layout().tenants[t];
+        r.vtime.store(tenant.vtime, Ordering::Relaxed);
+        r.credit_ns.store(tenant.credit_ns, Ordering::Relaxed);
+        r.credit_at_ns.store(tenant.credit_at_ns, Ordering::Relaxed);
+        r.last_active_ns
+            .store(tenant.last_active_ns, Ordering::Relaxed);
+    }
+
+    /// Charges the holder's tenant for the lease so far (start to `now`) and restarts the
+    /// lease's clock there. Under the decision lock.
+    fn charge_holder(&self, holder_slot: usize, now_ns: u64) {
+        let header = &self.layout().header;
+        let used = now_ns.saturating_sub(header.lease_start_ns.load(Ordering::Acquire));
+        if let Some(t) = self.tenant_of(holder_slot) {
+            let mut tenant = self.read_tenant(t);
+            tenant.charge(used, now_ns);
+            self.write_tenant(t, &tenant);
+            self.layout().tenants[t]
+                .used_ns
+                .fetch_add(used, Ordering::Relaxed);
+        }
+        header.lease_start_ns.store(now_ns, Ordering::Release);
+    }
+
+    fn bump_grants(&self) {
+        let header = &self.layout().header;
+        header.grant_seq.fetch_add(1, Ordering::AcqRel);
+        sys::futex_wake_all(&header.grant_seq);
+    }
+
+    /// Under the decision lock: takes the card back from a dead or stale holder, and if the card
+    /// is free, grants it to the waiter `schedule::decide` picks.
+    fn settle(&self, now_ns: u64) -> Turn {
+        let layout = self.layout();
+        let header = &layout.header;
+        let holder = header.holder.load(Ordering::Acquire) as usize;
+        if holder != 0 {
+            let slot = holder - 1;
+            let end = header.lease_end_ns.load(Ordering::Acquire);
+            if slot == self.slot {
+                return Turn::Holding { until_ns: end };
+            }
+            let gone = slot >= PROCESSES || !self.alive(slot);
+            let stale = now_ns > end.saturating_add(STALE_NS)
+                || end.saturating_sub(header.lease_start_ns.load(Ordering::Acquire))
+                    > schedule::ROUND_NS + STALE_NS;
+            if !gone && !stale {
+                return Turn::Wait {
+                    until_ns: end.saturating_add(STALE_NS).min(now_ns + STALE_NS),
+                };
+            }
+            if slot < PROCESSES {
+                // The dead held it until now (its context went with it); a stale holder too.
+                self.charge_holder(slot, now_ns);
+                if gone {
+                    layout.processes[slot]
+                        .waiting_since_ns
+                        .store(0, Ordering::Release);
+                }
+            }
+            header.holder.store(0, Ordering::Release);
+            self.bump_grants();
+        }
+        self.grant(now_ns)
+    }
+
+    /// Under the decision lock: the live waiting processes (records of the dead are cleared).
+    fn waiters(&self) -> Vec<Waiter> {
+        let layout = self.layout();
+        let mut waiters = Vec::new();
+        for s in 0..PROCESSES {
+            let since = layout.processes[s].waiting_since_ns.load(Ordering::Acquire);
+            if since == 0 || s == self.slot && self.is_holder() {
+                continue;
+            }
+            match self.tenant_of(s) {
+                Some(tenant) if self.alive(s) => waiters.push(Waiter {
+                    process: s,
+                    tenant,
+                    since_ns: since,
+                }),
+                _ => layout.processes[s]
+                    .waiting_since_ns
+                    .store(0, Ordering::Release),
+            }
+        }
+        waiters
+    }
+
+    /// Under the decision lock, the card free: grant it.
+    fn grant(&self, now_ns: u64) -> Turn {
+        let layout = self.layout();
+        let header = &layout.header;
+        let waiters = self.waiters();
+        let mut tenants = self.read_tenants();
+        let mut vclock = header.vclock.load(Ordering::Acquire);
+        let decision = schedule::decide(&mut tenants, &waiters, &mut vclock, now_ns);
+        for w in &waiters {
+            self.write_tenant(w.tenant, &tenants[w.tenant]);
+        }
+        header.vclock.store(vclock, Ordering::Release);
+        match decision {
+            Decision::Grant { process, lease_ns } => {
+                let end = now_ns + lease_ns;
+                layout.processes[process]
+                    .waiting_since_ns
+                    .store(0, Ordering::Release);
+                if let Some(t) = self.tenant_of(process) {
+                    layout.tenants[t].leases.fetch_add(1, Ordering::Relaxed);
+                }
+                header.lease_start_ns.store(now_ns, Ordering::Release);
+                header.lease_end_ns.store(end, Ordering::Release);
+                header.holder.store(process as u32 + 1, Ordering::Release);
+                header.grants.fetch_add(1, Ordering::Relaxed);
+                self.bump_grants();
+                if process == self.slot {
+                    Turn::Holding { until_ns: end }
+                } else {
+                    Turn::Wait {
+                        until_ns: end.saturating_add(STALE_NS),
+                    }
+                }
+            }
+            Decision::NotBefore(t) => Turn::Wait { until_ns: t },
+            Decision::Nobody => Turn::Wait {
+                until_ns: now_ns + STALE_NS,
+            },
+        }
+    }
+
+    /// A waiter's turn at the decision lock: the card is granted if it is free and this
+    /// process's tenant is next.
+    pub fn try_take(&self, now_ns: u64) -> Result<Turn, ArbiterError> {
+        let _guard = self.decide_lock()?;
+        Ok(self.settle(now_ns))
+    }
+
+    /// The holder's lease ran out: it goes on (charged for what it used) when nobody else waits,
+    /// or when its container is still behind every waiting one (`schedule::keeps_card`), and its
+    /// policy allows. Ok(None): it must give the card up ([`Arbiter::release`]).
+    pub fn renew(&self, now_ns: u64) -> Result<Option<u64>, ArbiterError> {
+        let _guard = self.decide_lock()?;
+        if !self.is_holder() {
+            return Ok(None);
+        }
+        self.charge_holder(self.slot, now_ns);
+        let Some(t) = self.tenant_of(self.slot) else {
+            return Ok(None);
+        };
+        let waiters = self.waiters();
+        let mut tenants = self.read_tenants();
+        if !waiters.is_empty() && !schedule::keeps_card(&mut tenants, t, &waiters, now_ns) {
+            return Ok(None);
+        }
+        let competing = schedule::competing_weight(&tenants, now_ns);
+        let mut tenant = tenants[t];
+        let lease = schedule::renew(&mut tenant, competing, now_ns);
+        self.write_tenant(t, &tenant);
+        Ok(lease.map(|lease| {
+            let end = now_ns + lease;
+            self.layout()
+                .header
+                .lease_end_ns
+                .store(end, Ordering::Release);
+            end
+        }))
+    }
+
+    /// The holder gives the card up (its queued work has finished): charged for the whole
+    /// lease, and the card goes to the next waiter at once.
+    pub fn release(&self, now_ns: u64) -> Result<(), ArbiterError> {
+        let _guard = self.decide_lock()?;
+        if !self.is_holder() {
+            return Ok(());
+        }
+        self.charge_holder(self.slot, now_ns);
+        self.layout().header.holder.store(0, Ordering::Release);
+        self.bump_grants();
+        self.grant(now_ns);
+        Ok(())
+    }
+
+    /// This process leaves (it exits): the card is released if held, the record freed.
+    pub fn leave(&self) {
+        let _ = self.release(now_ns());
+        let record = &self.layout().processes[self.slot];
+        record.waiting_since_ns.store(0, Ordering::Release);
+        record.pid.store(0, Ordering::Release);
+    }
+
+    /// Statistics of this process's tenant: (nanoseconds it held the card, leases).
+    pub fn tenant_stats(&self) -> (u64, u64) {
+        let r = &self.layout().tenants[self.tenant];
+        (
+            r.used_ns.load(Ordering::Relaxed),
+            r.leases.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// Launches that went ahead without the card, summed over the process records of an arbiter
+/// file's bytes (for tools and tests; records of exited processes keep their count).
+pub fn unarbitrated_launches(file: &[u8]) -> u64 {
+    let records = std::mem::offset_of!(Layout, processes);
+    let field = std::mem::offset_of!(ProcessRecord, unarbitrated);
+    let size = std::mem::size_of::<ProcessRecord>();
+    (0..PROCESSES)
+        .filter_map(|p| file.get(records + p * size + field..records + p * size + field + 8))
+        .map(|b| u64::from_ne_bytes(b.try_into().expect("8 bytes")))
+        .fold(0u64, u64::saturating_add)
+}
+
+/// A tenant key from a file's identity (device, inode): never 0.
+pub fn tenant_key((dev, ino): (u64, u64)) -> u64 {
+    // FNV-1a over both: cheap, and collisions need two accounting files on one card whose
+    // identities hash alike (they would then share one share, never exceed it).
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in dev.to_le_bytes().into_iter().chain(ino.to_le_bytes()) {
+        hash ^= byte as u64;
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    hash.max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+
+    fn member(key: u64, weight: u32) -> Member {
+        Member {
+            key,
+            weight,
+            force: false,
+        }
+    }
+
+    fn path(dir: &tempfile::TempDir) -> String {
+        dir.path()
+            .join("GPU-card.arbiter")
+            .to_str()
+            .unwrap()
+            .to_string()
+    }
+
+    #[test]
+    fn a_lone_waiter_gets_the_card_and_keeps_it_while_nobody_else_waits() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = Arbiter::open(&path(&dir), member(1, 30)).unwrap();
+        let now = now_ns();
+        a.start_waiting(now);
+        let Turn::Holding { until_ns } = a.try_take(now).unwrap() else {
+            panic!("not granted")
+        };
+        assert_eq!(until_ns, now + schedule::ROUND_NS);
+        assert!(a.holds(now + 1) && !a.holds(until_ns));
+        assert_eq!(
+            a.renew(until_ns).unwrap(),
+            Some(until_ns + schedule::ROUND_NS)
+        );
+    }
+
+    #[test]
+    fn the_holder_hands_over_to_a_waiter_of_another_container() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = Arbiter::open(&path(&dir), member(1, 30)).unwrap();
+        let b = Arbiter::open(&path(&dir), member(2, 70)).unwrap();
+        let now = now_ns();
+        a.start_waiting(now);
+        assert!(matches!(a.try_take(now).unwrap(), Turn::Holding { .. }));
+        b.start_waiting(now + 1);
+        assert!(matches!(b.try_take(now + 1).unwrap(), Turn::Wait { .. }));
+        assert!(a.others_waiting());
+        // A lease cannot be renewed while someone waits.
+        assert_eq!(a.renew(now + 50 * MS).unwrap(), None);
+        a.release(now + 50 * MS).unwrap();
+        assert!(b.is_holder(), "granted by the release, before b asks again");
+        assert!(b.holds(now + 51 * MS));
+        assert_eq!(a.tenant_stats().0, 50 * MS);
+    }
+
+    #[test]
+    fn a_dead_holders_card_is_taken_back_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = Arbiter::open(&path(&dir), member(1, 50)).unwrap();
+        let b = Arbiter::open(&path(&dir), member(2, 50)).unwrap();
+        let now = now_ns();
+        a.start_waiting(now);
+        a.try_take(now).unwrap();
+        b.start_waiting(now);
+        drop(a); // its descriptor closes: the kernel drops its locks, as at a kill -9
+        assert!(matches!(
+            b.try_take(now + MS).unwrap(),
+            Turn::Holding { .. }
+        ));
+    }
+
+    #[test]
+    fn processes_of_one_container_share_its_tenant() {
+        let dir = tempfile::tempdir().unwrap();
+        let a1 = Arbiter::open(&path(&dir), member(7, 30)).unwrap();
+        let a2 = Arbiter::open(&path(&dir), member(7, 30)).unwrap();
+        assert_eq!(a1.tenant, a2.tenant);
+        assert_ne!(a1.slot, a2.slot);
+        let b = Arbiter::open(&path(&dir), member(8, 70)).unwrap();
+        assert_ne!(b.tenant, a1.tenant);
+    }
+
+    #[test]
+    fn the_records_of_the_dead_are_reused() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = Arbiter::open(&path(&dir), member(1, 30)).unwrap();
+        let (slot, tenant) = (first.slot, first.tenant);
+        drop(first);
+        let next = Arbiter::open(&path(&dir), member(2, 30)).unwrap();
+        assert_eq!((next.slot, next.tenant), (slot, tenant));
+    }
+
+    #[test]
+    fn a_foreign_or_garbage_file_is_started_afresh_and_never_trusted() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = path(&dir);
+        std::fs::write(&p, vec![0xffu8; FILE_SIZE]).unwrap();
+        let a = Arbiter::open(&p, member(1, 30)).unwrap();
+        let now = now_ns();
+        a.start_waiting(now);
+        assert!(matches!(a.try_take(now).unwrap(), Turn::Holding { .. }));
+        // Now a tenant scribbles over everything but the magic: no crash, no endless wait.
+        let layout = a.layout();
+        layout.header.holder.store(u32::MAX, Ordering::Release);
+        layout
+            .header
+            .lease_end_ns
+            .store(u64::MAX, Ordering::Release);
+        for t in &layout.tenants {
+            t.weight.store(u32::MAX, Ordering::Relaxed);
+            t.vtime.store(u64::MAX, Ordering::Relaxed);
+        }
+        for p in &layout.processes {
+            p.tenant.store(u32::MAX, Ordering::Relaxed);
+        }
+        let b = Arbiter::open(&path(&dir), member(2, 50)).unwrap();
+        b.start_waiting(now);
+        assert!(matches!(b.try_take(now + 1).unwrap(), Turn::Holding { .. }));
+    }
+
+    #[test]
+    fn a_holder_that_never_lets_go_loses_the_card_when_stale() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = Arbiter::open(&path(&dir), member(1, 50)).unwrap();
+        let b = Arbiter::open(&path(&dir), member(2, 50)).unwrap();
+        let now = now_ns();
+        a.start_waiting(now);
+        let Turn::Holding { until_ns } = a.try_take(now).unwrap() else {
+            panic!()
+        };
+        b.start_waiting(now);
+        assert!(matches!(b.try_take(until_ns).unwrap(), Turn::Wait { .. }));
+        assert!(matches!(
+            b.try_take(until_ns + STALE_NS + 1).unwrap(),
+            Turn::Holding { .. }
+        ));
+    }
+
+    #[test]
+    fn tenant_keys_are_never_zero_and_differ_by_inode() {
+        assert_ne!(tenant_key((0, 0)), 0);
+        assert_ne!(tenant_key((5, 1)), tenant_key((5, 2)));
+    }
+}
