@@ -114,9 +114,39 @@ macro_rules! define_sym {
 
 for_each_entry_point!(define_sym);
 
+impl Sym {
+    /// A launch: it goes through the compute limiter's gate.
+    pub fn is_launch(self) -> bool {
+        matches!(
+            self,
+            Sym::cuLaunchKernel
+                | Sym::cuLaunchKernel_ptsz
+                | Sym::cuLaunchKernelEx
+                | Sym::cuLaunchKernelEx_ptsz
+                | Sym::cuLaunchCooperativeKernel
+                | Sym::cuLaunchCooperativeKernel_ptsz
+                | Sym::cuGraphLaunch
+                | Sym::cuGraphLaunch_ptsz
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_launches_are_the_four_launch_functions_in_both_stream_forms() {
+        let launches: Vec<&str> = Sym::ALL
+            .iter()
+            .filter(|s| s.is_launch())
+            .map(|s| s.name())
+            .collect();
+        assert_eq!(launches.len(), 8, "{launches:?}");
+        assert!(launches
+            .iter()
+            .all(|n| n.starts_with("cuLaunch") || n.starts_with("cuGraphLaunch")));
+    }
 
     #[test]
     fn every_entry_point_is_named_and_found_by_its_name() {

@@ -182,6 +182,62 @@ fn every_launch_path_goes_through_the_gate() {
 }
 
 #[test]
+fn without_an_sm_limit_launches_reach_the_driver_directly() {
+    // No limit, no cost: a process that has only a memory limit gets the driver's own launch
+    // functions from every lookup (its allocations are still ours); with an SM limit, ours.
+    let sandbox = Sandbox::new("1x16g:108");
+    let object_of = |outcome: &Outcome, op: &str| -> String {
+        outcome.one(op)["object"].as_str().unwrap_or("").to_string()
+    };
+    for (limits, launch_is_ours) in [
+        (&[("CUDA_DEVICE_MEMORY_LIMIT", "1g")][..], false),
+        (
+            &[
+                ("CUDA_DEVICE_MEMORY_LIMIT", "1g"),
+                ("CUDA_DEVICE_SM_LIMIT", "50"),
+            ][..],
+            true,
+        ),
+    ] {
+        for symbol in ["cuLaunchKernel", "cuGraphLaunch", "cuMemAlloc_v2"] {
+            let ours = launch_is_ours || symbol == "cuMemAlloc_v2";
+            let base = symbol.trim_end_matches("_v2");
+            for (args, op) in [
+                (vec!["dlsym", "--symbol", symbol], "dlsym"),
+                (
+                    vec!["getproc", "--symbol", base, "--lookup", "proc"],
+                    "getproc",
+                ),
+                (
+                    vec![
+                        "getproc",
+                        "--symbol",
+                        base,
+                        "--lookup",
+                        "proc",
+                        "--per-thread",
+                    ],
+                    "getproc",
+                ),
+            ] {
+                let mut run = sandbox.probe(&sandbox.container(), &args);
+                for (k, v) in limits {
+                    run = run.env(k, v);
+                }
+                let outcome = run.run_ok();
+                let object = object_of(&outcome, op);
+                assert_eq!(
+                    object.ends_with("libgpupool_vgpu.so"),
+                    ours,
+                    "{args:?} with {limits:?}: {object} ({})",
+                    outcome.stdout
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn symbols_we_do_not_wrap_come_back_untouched() {
     // A symbol the driver does not give is answered CUDA_ERROR_NOT_FOUND by drivers and
     // CUDA_SUCCESS with NULL by cuda.h's comment: either answer passes through as it is.

@@ -122,6 +122,21 @@ pub(super) unsafe extern "C" fn dlsym_hook(
         .unwrap_or(found)
 }
 
+/// The entry point `addr` is our wrapper of, if it is one (exported or not).
+fn wrapper_of(addr: usize) -> Option<Sym> {
+    Sym::ALL
+        .iter()
+        .copied()
+        .find(|s| s.exported_wrapper() == addr || s.procaddr_wrapper() == addr)
+}
+
+/// Whether a launch entry point is handed out as the driver's own function: with no SM limit in
+/// force, launches have nothing to pass through, and a wrapper would only cost time on every one
+/// of them. (A refused environment keeps the wrapper: it answers the refusal.)
+fn launch_unwrapped(sym: Sym) -> bool {
+    sym.is_launch() && matches!(process::get(), Some(p) if !p.config.throttles())
+}
+
 unsafe fn wrap_found(symbol: &CStr, found: *mut c_void) -> *mut c_void {
     let Some(sym) = Sym::from_name(symbol.to_bytes()) else {
         return found; // not a function we wrap: untouched
@@ -130,9 +145,15 @@ unsafe fn wrap_found(symbol: &CStr, found: *mut c_void) -> *mut c_void {
         // RTLD_DEFAULT found our own export, which is already the wrapper; but without us the
         // caller would have found nothing unless the driver is loaded and has the symbol.
         let library = library_of(sym);
-        if library.handle(false).is_none() || library.lookup(symbol, false).is_none() {
+        let Some(real) = library.handle(false).and(library.lookup(symbol, false)) else {
             return std::ptr::null_mut();
+        };
+        if launch_unwrapped(sym) {
+            return real as *mut c_void;
         }
+        return found;
+    }
+    if launch_unwrapped(sym) {
         return found;
     }
     // The wrapper will call `found` for the rest of the process's life: the library must stay.
@@ -211,13 +232,27 @@ unsafe fn substitute(
             .iter()
             .filter_map(|v| Sym::from_name(v.name.as_bytes()))
     };
+    if let Some(ours) = wrapper_of(addr) {
+        // The driver handed out one of our own wrappers (a table that resolves through symbol
+        // interposition does): it is wrapped already. Wrapping it again would make every call
+        // pass twice, every allocation charged twice.
+        if let Some(sym) = Some(ours).filter(|s| launch_unwrapped(*s)) {
+            if let Some(real) = real(sym, Origin::Export) {
+                *pfn = real as *mut c_void;
+            }
+        }
+        return;
+    }
     for sym in variants() {
         if real(sym, Origin::Export) == Some(addr) {
-            *pfn = sym.exported_wrapper() as *mut c_void;
+            if !launch_unwrapped(sym) {
+                *pfn = sym.exported_wrapper() as *mut c_void;
+            }
             return;
         }
     }
     match symbols::select(family, version, flags).and_then(|v| Sym::from_name(v.name.as_bytes())) {
+        Some(sym) if launch_unwrapped(sym) => {}
         Some(sym) if set_procaddr_real(sym, addr) => {
             log_debug!("cuGetProcAddress({}, {version}, {flags}) returned no exported symbol; wrapped as {}", family.base, sym.name());
             *pfn = sym.procaddr_wrapper() as *mut c_void;
@@ -250,8 +285,12 @@ mod tests {
         CUDA_SUCCESS
     }
 
-    unsafe extern "C" fn fake_launch_ptsz(exec: CUgraphExec, _stream: CUstream) -> CUresult {
-        CALLS.fetch_add(exec as usize, Ordering::SeqCst);
+    unsafe extern "C" fn fake_free_async_ptsz(ptr: CUdeviceptr, _stream: CUstream) -> CUresult {
+        CALLS.fetch_add(ptr as usize, Ordering::SeqCst);
+        CUDA_SUCCESS
+    }
+
+    unsafe extern "C" fn fake_launch(_exec: CUgraphExec, _stream: CUstream) -> CUresult {
         CUDA_SUCCESS
     }
 
@@ -301,17 +340,42 @@ mod tests {
         unsafe {
             let flags = CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM;
             let wrapped = substituted(
-                c"cuGraphLaunch",
-                fake_launch_ptsz as *const () as usize,
+                c"cuMemFreeAsync",
+                fake_free_async_ptsz as *const () as usize,
                 12090,
                 flags,
             );
-            assert_eq!(wrapped, Sym::cuGraphLaunch_ptsz.procaddr_wrapper());
+            assert_eq!(wrapped, Sym::cuMemFreeAsync_ptsz.procaddr_wrapper());
             let before = CALLS.load(Ordering::SeqCst);
-            let call: pfn::cuGraphLaunch_ptsz =
-                std::mem::transmute::<usize, pfn::cuGraphLaunch_ptsz>(wrapped);
-            assert_eq!(call(7 as CUgraphExec, std::ptr::null_mut()), CUDA_SUCCESS);
+            let call: pfn::cuMemFreeAsync_ptsz =
+                std::mem::transmute::<usize, pfn::cuMemFreeAsync_ptsz>(wrapped);
+            assert_eq!(call(7, std::ptr::null_mut()), CUDA_SUCCESS);
             assert_eq!(CALLS.load(Ordering::SeqCst) - before, 7);
+        }
+    }
+
+    #[test]
+    fn without_an_sm_limit_a_launch_is_handed_out_as_the_drivers_own() {
+        // This test process has no limit in its environment: launches cost nothing of ours.
+        let address = fake_launch as *const () as usize;
+        for flags in [0, CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM] {
+            unsafe {
+                assert_eq!(
+                    substituted(c"cuGraphLaunch", address, 12090, flags),
+                    address
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn one_of_our_own_wrappers_handed_back_is_never_wrapped_again() {
+        for sym in [Sym::cuMemAlloc_v2, Sym::cuMemFree_v2] {
+            for ours in [sym.exported_wrapper(), sym.procaddr_wrapper()] {
+                unsafe {
+                    assert_eq!(substituted(sym.c_name(), ours, 12090, 0), ours, "{sym:?}");
+                }
+            }
         }
     }
 
