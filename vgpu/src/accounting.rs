@@ -20,6 +20,8 @@ pub struct Charged {
 struct Owned {
     charge: Charged,
     context: usize,
+    /// `cuMemAllocManaged`: NVML's per-process figure may leave it out (see [`context_bytes`]).
+    managed: bool,
 }
 
 #[derive(Default)]
@@ -40,7 +42,32 @@ pub struct Allocations {
 
 impl Allocations {
     pub fn add_pointer(&mut self, ptr: CUdeviceptr, charge: Charged, context: usize) {
-        self.pointers.insert(ptr, Owned { charge, context });
+        self.pointers.insert(
+            ptr,
+            Owned {
+                charge,
+                context,
+                managed: false,
+            },
+        );
+    }
+    pub fn add_managed(&mut self, ptr: CUdeviceptr, charge: Charged, context: usize) {
+        self.pointers.insert(
+            ptr,
+            Owned {
+                charge,
+                context,
+                managed: true,
+            },
+        );
+    }
+    /// Managed bytes this process holds on a claim index.
+    pub fn managed_on(&self, device: usize) -> u64 {
+        self.pointers
+            .values()
+            .filter(|o| o.managed && o.charge.device == device)
+            .map(|o| o.charge.bytes)
+            .sum()
     }
     pub fn remove_pointer(&mut self, ptr: CUdeviceptr) -> Option<Charged> {
         self.pointers.remove(&ptr).map(|o| o.charge)
@@ -52,13 +79,27 @@ impl Allocations {
         self.handles.remove(&handle)
     }
     pub fn add_array(&mut self, array: usize, charge: Charged, context: usize) {
-        self.arrays.insert(array, Owned { charge, context });
+        self.arrays.insert(
+            array,
+            Owned {
+                charge,
+                context,
+                managed: false,
+            },
+        );
     }
     pub fn remove_array(&mut self, array: usize) -> Option<Charged> {
         self.arrays.remove(&array).map(|o| o.charge)
     }
     pub fn add_mipmapped(&mut self, array: usize, charge: Charged, context: usize) {
-        self.mipmapped.insert(array, Owned { charge, context });
+        self.mipmapped.insert(
+            array,
+            Owned {
+                charge,
+                context,
+                managed: false,
+            },
+        );
     }
     pub fn remove_mipmapped(&mut self, array: usize) -> Option<Charged> {
         self.mipmapped.remove(&array).map(|o| o.charge)
@@ -101,6 +142,24 @@ impl Allocations {
         let all = owned.map(|o| &o.charge).chain(self.handles.values());
         all.filter(|c| c.device == device).map(|c| c.bytes).sum()
     }
+}
+
+/// The memory of a process's contexts on a card, from NVML's per-process figure (`nvml_used`):
+/// what NVML says the process uses minus what the library tracks for it (`tracked`, `managed`
+/// included). NVML's figure leaves managed memory out, or counts only the part the driver placed
+/// on the card (on the H200 it stayed at the context's ~543 MB with 4 GiB of managed memory
+/// allocated, and the subtraction took the contexts out of the account). So while managed memory
+/// is held the figure never drops below what the contexts took without it (`baseline`, measured
+/// when none was held), or, with no such measurement, below what NVML counts besides the other
+/// allocations.
+pub fn context_bytes(nvml_used: u64, tracked: u64, managed: u64, baseline: Option<u64>) -> u64 {
+    let measured = nvml_used.saturating_sub(tracked);
+    if managed == 0 {
+        return measured;
+    }
+    let floor = baseline
+        .unwrap_or_else(|| nvml_used.saturating_sub(tracked.saturating_sub(managed)));
+    measured.max(floor)
 }
 
 /// Bytes per element of the formats whose size is plain (`CUarray_format` x channels), or per
@@ -167,6 +226,43 @@ pub fn mipmapped_bytes(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn managed_memory_never_takes_the_contexts_out_of_the_account() {
+        // No managed memory: NVML's figure less what we track.
+        assert_eq!(context_bytes(1_543 * MIB, 1_000 * MIB, 0, None), 543 * MIB);
+        // 4 GiB managed, which NVML leaves out (the H200): the contexts stay counted.
+        assert_eq!(
+            context_bytes(543 * MIB, 4_096 * MIB, 4_096 * MIB, Some(543 * MIB)),
+            543 * MIB
+        );
+        assert_eq!(context_bytes(543 * MIB, 4_096 * MIB, 4_096 * MIB, None), 543 * MIB);
+        // Part of it on the card and counted by NVML: still the contexts, not less.
+        assert_eq!(
+            context_bytes(1_543 * MIB, 4_096 * MIB, 4_096 * MIB, Some(543 * MIB)),
+            543 * MIB
+        );
+        // The contexts grew (a module loaded) while managed memory was held: that shows.
+        assert_eq!(
+            context_bytes(600 * MIB + 4_096 * MIB, 4_096 * MIB, 4_096 * MIB, Some(543 * MIB)),
+            600 * MIB
+        );
+    }
+
+    #[test]
+    fn managed_bytes_are_told_apart_and_go_with_their_free() {
+        let mut a = Allocations::default();
+        let charge = |bytes| Charged { device: 1, bytes };
+        a.add_pointer(1, charge(10), 7);
+        a.add_managed(2, charge(20), 7);
+        a.add_managed(3, Charged { device: 0, bytes: 40 }, 7);
+        assert_eq!(a.managed_on(1), 20);
+        assert_eq!(a.remove_pointer(2), Some(charge(20)));
+        assert_eq!(a.managed_on(1), 0);
+        assert_eq!(a.managed_on(0), 40);
+    }
 
     #[test]
     fn frees_find_the_device_the_allocation_was_charged_to() {

@@ -6,7 +6,7 @@
 //! pay for it. The state is created once, under a spin lock held only by the creating thread,
 //! and never freed. A forked child starts over (see [`after_fork_in_child`]).
 
-use crate::accounting::{Allocations, Charged};
+use crate::accounting::{context_bytes, Allocations, Charged};
 use crate::arbiter::{self, Arbiter, Member};
 use crate::cuda::*;
 use crate::driver;
@@ -69,6 +69,8 @@ struct Inner {
     primaries: std::collections::HashMap<CUdevice, usize>,
     context: [ContextSource; MAX_DEVICES],
     last_refresh_ns: [u64; MAX_DEVICES],
+    /// Context memory as last measured while no managed memory was held.
+    context_baseline: [Option<u64>; MAX_DEVICES],
 }
 
 pub struct Process {
@@ -221,6 +223,7 @@ fn create() -> Option<Process> {
             primaries: std::collections::HashMap::new(),
             context: [ContextSource::Unknown; MAX_DEVICES],
             last_refresh_ns: [0; MAX_DEVICES],
+            context_baseline: [None; MAX_DEVICES],
         }),
         claim_map: OnceLock::new(),
         only_device: OnceLock::new(),
@@ -667,6 +670,12 @@ impl Process {
         self.with_allocations(|a| a.add_pointer(ptr, charge, context));
     }
 
+    /// Records a managed allocation made in the current context.
+    pub fn record_managed(&self, ptr: CUdeviceptr, charge: Charged) {
+        let context = self.current_context();
+        self.with_allocations(|a| a.add_managed(ptr, charge, context));
+    }
+
     /// The primary context of a device, as last retained (its handle frees its allocations when
     /// it is reset or released for the last time).
     pub fn remember_primary(&self, device: CUdevice, context: usize) {
@@ -685,7 +694,11 @@ impl Process {
         let Some(index) = self.device_index(device) else {
             return;
         };
-        self.inner().context[index] = ContextSource::Unknown;
+        {
+            let mut inner = self.inner();
+            inner.context[index] = ContextSource::Unknown;
+            inner.context_baseline[index] = None;
+        }
         if let (Some(file), Some(slot)) = (self.file.as_ref(), self.slot_if_claimed()) {
             file.set_context(slot, index, 0);
         }
@@ -741,10 +754,19 @@ impl Process {
         let Some(used) = self.nvml_used(index, pid) else {
             return false;
         };
-        let context = used.saturating_sub(file.tracked(slot, index));
+        let mut inner = self.inner();
+        let managed = inner.allocations.managed_on(index);
+        let context = context_bytes(
+            used,
+            file.tracked(slot, index),
+            managed,
+            inner.context_baseline[index],
+        );
+        if managed == 0 {
+            inner.context_baseline[index] = Some(context);
+        }
         let old = file.context(slot, index);
         file.set_context(slot, index, context);
-        let mut inner = self.inner();
         if inner.context[index] == ContextSource::Unknown {
             inner.context[index] = ContextSource::NvmlPerProcess;
             log_info!("context memory on device {index}: {context} bytes, from NVML's per-process figure (kept up to date)");

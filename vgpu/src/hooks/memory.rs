@@ -197,7 +197,7 @@ pub(super) unsafe fn mem_alloc_managed(
         current_index(p),
         bytes as u64,
         || real(dptr, bytes, flags),
-        |c| p.record_pointer(*dptr, c),
+        |c| p.record_managed(*dptr, c),
     )
 }
 
