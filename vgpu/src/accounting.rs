@@ -157,8 +157,8 @@ pub fn context_bytes(nvml_used: u64, tracked: u64, managed: u64, baseline: Optio
     if managed == 0 {
         return measured;
     }
-    let floor = baseline
-        .unwrap_or_else(|| nvml_used.saturating_sub(tracked.saturating_sub(managed)));
+    let floor =
+        baseline.unwrap_or_else(|| nvml_used.saturating_sub(tracked.saturating_sub(managed)));
     measured.max(floor)
 }
 
@@ -238,7 +238,10 @@ mod tests {
             context_bytes(543 * MIB, 4_096 * MIB, 4_096 * MIB, Some(543 * MIB)),
             543 * MIB
         );
-        assert_eq!(context_bytes(543 * MIB, 4_096 * MIB, 4_096 * MIB, None), 543 * MIB);
+        assert_eq!(
+            context_bytes(543 * MIB, 4_096 * MIB, 4_096 * MIB, None),
+            543 * MIB
+        );
         // Part of it on the card and counted by NVML: still the contexts, not less.
         assert_eq!(
             context_bytes(1_543 * MIB, 4_096 * MIB, 4_096 * MIB, Some(543 * MIB)),
@@ -246,7 +249,12 @@ mod tests {
         );
         // The contexts grew (a module loaded) while managed memory was held: that shows.
         assert_eq!(
-            context_bytes(600 * MIB + 4_096 * MIB, 4_096 * MIB, 4_096 * MIB, Some(543 * MIB)),
+            context_bytes(
+                600 * MIB + 4_096 * MIB,
+                4_096 * MIB,
+                4_096 * MIB,
+                Some(543 * MIB)
+            ),
             600 * MIB
         );
     }
@@ -257,7 +265,14 @@ mod tests {
         let charge = |bytes| Charged { device: 1, bytes };
         a.add_pointer(1, charge(10), 7);
         a.add_managed(2, charge(20), 7);
-        a.add_managed(3, Charged { device: 0, bytes: 40 }, 7);
+        a.add_managed(
+            3,
+            Charged {
+                device: 0,
+                bytes: 40,
+            },
+            7,
+        );
         assert_eq!(a.managed_on(1), 20);
         assert_eq!(a.remove_pointer(2), Some(charge(20)));
         assert_eq!(a.managed_on(1), 0);

@@ -82,6 +82,7 @@ lazy_fns! {
     NVML nvmlInit_v2: fn() -> nvmlReturn_t;
     NVML nvmlDeviceGetHandleByUUID: fn(uuid: *const c_char, device: *mut nvmlDevice_t) -> nvmlReturn_t;
     NVML nvmlDeviceGetUUID: fn(device: nvmlDevice_t, uuid: *mut c_char, length: c_uint) -> nvmlReturn_t;
+    NVML nvmlDeviceGetIndex: fn(device: nvmlDevice_t, index: *mut c_uint) -> nvmlReturn_t;
     NVML nvmlDeviceGetComputeRunningProcesses_v3: fn(device: nvmlDevice_t, count: *mut c_uint, infos: *mut nvmlProcessInfo_t) -> nvmlReturn_t;
     NVML nvmlDeviceGetComputeRunningProcesses_v2: fn(device: nvmlDevice_t, count: *mut c_uint, infos: *mut nvmlProcessInfo_t) -> nvmlReturn_t;
     NVML nvmlDeviceGetComputeRunningProcesses: fn(device: nvmlDevice_t, count: *mut c_uint, infos: *mut nvmlProcessInfo_v1_t) -> nvmlReturn_t;

@@ -56,6 +56,14 @@ impl Nvml {
         Uuid::parse(text.to_str().ok()?)
     }
 
+    /// NVML's index of a device (its place in NVML's enumeration, which ignores
+    /// `CUDA_VISIBLE_DEVICES`).
+    pub fn index_of(&self, device: nvmlDevice_t) -> Option<usize> {
+        let mut index: c_uint = 0;
+        (unsafe { driver::nvmlDeviceGetIndex(device, &mut index) }? == NVML_SUCCESS)
+            .then_some(index as usize)
+    }
+
     /// The card's real memory (total, free), through the real `nvmlDeviceGetMemoryInfo`.
     pub fn memory(&self, device: nvmlDevice_t) -> Option<(u64, u64)> {
         let addr = real(Sym::nvmlDeviceGetMemoryInfo, Origin::Export)?;

@@ -496,11 +496,24 @@ impl Process {
         self.current_device()
     }
 
-    /// The claim index of a device handle from the program's NVML.
+    /// The claim index of a device handle from the program's NVML: by its UUID in the claim
+    /// map; when nothing says which card an index is (no `GPUPOOL_DEVICE_UUID_<i>`, and no CUDA
+    /// process of the container recorded its ordinals yet, as when only HAMi-core's variables are
+    /// set and `nvidia-smi` is the first to look), by HAMi-core's rule: NVML index `i` is claim
+    /// index `i` (a container's NVML lists only its own cards). Not recorded: a CUDA process later
+    /// records what CUDA says.
     #[allow(clippy::not_unsafe_ptr_arg_deref)] // an opaque handle for NVML
     pub fn nvml_device_index(&self, device: nvmlDevice_t) -> Option<usize> {
-        let uuid = self.nvml()?.uuid_of(device)?;
-        self.claim_map()?.iter().position(|u| *u == Some(uuid))
+        let nvml = self.nvml()?;
+        let uuid = nvml.uuid_of(device)?;
+        let map = self.claim_map()?;
+        if let Some(index) = map.iter().position(|u| *u == Some(uuid)) {
+            return Some(index);
+        }
+        if map.iter().all(Option::is_none) {
+            return nvml.index_of(device).filter(|&i| i < MAX_DEVICES);
+        }
+        None
     }
 
     /// NVML's handle of a claim index's card (cached).

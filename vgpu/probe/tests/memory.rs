@@ -514,6 +514,34 @@ fn a_process_that_only_uses_nvml_sees_the_limit_without_loading_cuda() {
 }
 
 #[test]
+fn with_only_hami_cores_variables_nvml_index_i_has_limit_i() {
+    // Another device plugin wrote only HAMi-core's variables, and `nvidia-smi` (NVML only) is the
+    // first program of the container: NVML's index i is claim index i, as in HAMi-core.
+    let sandbox = Sandbox::new("2x16g:108");
+    let monitor = sandbox
+        .probe(&sandbox.container(), &["nvml-views"])
+        .env("CUDA_DEVICE_MEMORY_LIMIT_1", "2g")
+        .run_ok();
+    for form in ["v1", "v2"] {
+        let card1 = &nvml_views(&monitor, 1)[form];
+        assert_eq!(
+            (u(&card1["total"]), u(&card1["used"])),
+            (2 * GIB, 0),
+            "{form}: {card1}"
+        );
+        assert_eq!(u(&nvml_views(&monitor, 0)[form]["total"]), 16 * GIB);
+    }
+    assert_eq!(monitor.one("libraries")["libcuda_loaded"], false);
+    let monitor = sandbox
+        .probe(&sandbox.container(), &["nvml-views"])
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "4g")
+        .run_ok();
+    for index in [0, 1] {
+        assert_eq!(u(&nvml_views(&monitor, index)["v2"]["total"]), 4 * GIB);
+    }
+}
+
+#[test]
 fn a_malformed_limit_makes_nvml_refuse_memory_queries() {
     let sandbox = Sandbox::new("2x16g:108");
     let monitor = sandbox
