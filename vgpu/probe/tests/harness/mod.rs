@@ -358,3 +358,72 @@ pub fn eventually(within: Duration, mut check: impl FnMut() -> bool) -> Option<D
 pub fn exists(path: &str) -> bool {
     Path::new(path).exists()
 }
+
+/// Milliseconds since the Unix epoch, `after` from now: the start of a measurement window that
+/// several processes share (`launch --window-start-unix-ms`).
+pub fn unix_ms_in(after: Duration) -> u64 {
+    (std::time::SystemTime::now() + after)
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_millis() as u64
+}
+
+/// A common measurement window: it starts `warmup` from now and lasts `length`.
+#[derive(Clone, Copy, Debug)]
+pub struct Window {
+    pub start_unix_ms: u64,
+    pub length: Duration,
+    /// How long a process must run to cover it from now (with a margin).
+    pub run: Duration,
+}
+
+impl Window {
+    pub fn after(warmup: Duration, length: Duration) -> Window {
+        Window {
+            start_unix_ms: unix_ms_in(warmup),
+            length,
+            run: warmup + length + Duration::from_millis(300),
+        }
+    }
+
+    /// `launch` arguments that keep the card busy as PyTorch eager does (no bound on the launches
+    /// in flight: the driver's queue paces the program) with kernels of `kernel_us`, over the
+    /// window, without draining the queue at the end.
+    pub fn saturating(&self, mode: &str, kernel_us: u64) -> Vec<String> {
+        [
+            "launch",
+            "--mode",
+            mode,
+            "--inflight",
+            "0",
+            "--kernel-us",
+            &kernel_us.to_string(),
+            "--seconds",
+            &format!("{:.3}", self.run.as_secs_f64()),
+            "--window-start-unix-ms",
+            &self.start_unix_ms.to_string(),
+            "--window-ms",
+            &self.length.as_millis().to_string(),
+            "--no-drain",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    }
+}
+
+/// The share of the card a `launch` with a window got (its `window_busy_fraction`), checking that
+/// it ran without error and over the whole window.
+pub fn card_share(outcome: &Outcome) -> f64 {
+    let line = outcome.one("launch");
+    assert_eq!(line["result"], 0, "{line}\n{}", outcome.stderr);
+    assert_eq!(line["window_covered"], true, "{line}");
+    line["window_busy_fraction"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("no window_busy_fraction: {line}"))
+}
+
+/// Waits for a spawned probe and reads its output.
+pub fn finish(child: Child) -> Outcome {
+    Outcome::from(child.wait_with_output().expect("the probe ends"))
+}

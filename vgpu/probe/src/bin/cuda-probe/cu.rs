@@ -156,6 +156,8 @@ entry_points! {
     event_create: "cuEventCreate" => sig!(*mut Handle, u32);
     event_record: "cuEventRecord" => sig!(Handle, Handle);
     event_synchronize: "cuEventSynchronize" => sig!(Handle);
+    event_query: "cuEventQuery" => sig!(Handle);
+    event_elapsed_time: "cuEventElapsedTime" => sig!(*mut f32, Handle, Handle);
     event_destroy: "cuEventDestroy" => sig!(Handle);
     module_load_data: "cuModuleLoadData" => sig!(*mut Handle, *const c_void);
     module_get_function: "cuModuleGetFunction" => sig!(*mut Handle, Handle, *const i8);

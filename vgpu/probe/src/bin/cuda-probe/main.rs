@@ -88,13 +88,23 @@ Subcommands (each prints one JSON object per line; "result" is the CUresult, "er
        "matches":[exported names whose dlsym(handle) address equals the returned one]}
   launch [--mode eager|ex|cooperative|graph|capture] [--seconds T] [--kernel-us D] [--grid G]
          [--block B] [--graph-nodes K] [--inflight N] [--stream created|null|per-thread]
-         [--report-ms R]
+         [--report-ms R] [--window-start-unix-ms A --window-ms W] [--no-drain]
+         [--pre-launches P] [--capture-hold-ms H]
       runs kernels of D microseconds (default 1000) for T seconds (default 2), at most N (default 2)
-      launch calls outstanding; graph: explicit kernel nodes, capture: stream capture, K (default 4)
-      kernels per graph; cooperative: --grid up to what fits. Progress lines {"op":"progress",
-      "elapsed_ms","kernels"} every R ms; then {"op":"launch","mode","seconds","kernel_us",
-      "launches","kernels","throughput" (kernels/s),"busy_fraction" (kernels x D / time),
-      "launch_call_max_ms","launch_call_mean_us","result","error"}
+      launch calls outstanding; N = 0: no bound, the program never waits (as PyTorch eager: the
+      driver's launch queue paces it). graph: explicit kernel nodes, capture: stream capture (after
+      P eager launches on the stream, and holding the capture open H ms before ending it), K
+      (default 4) kernels per graph; cooperative: --grid up to what fits. Progress lines
+      {"op":"progress","elapsed_ms","kernels"} every R ms; then {"op":"launch","mode","inflight",
+      "seconds","kernel_us","launches","kernels","throughput" (kernels/s),"busy_fraction" (kernels
+      x D / time),"launch_call_max_ms","launch_call_mean_us","result","error"}. With a window (A:
+      Unix time in ms, W: its length), also "window_kernels" (kernels that completed inside
+      [A, A+W), seen through an event recorded after each launch, its completion time read with
+      cuEventElapsedTime against a reference event whose completion was seen on the host's clock;
+      a graph's kernels count at its launch's event), "window_busy_fraction" (window_kernels x D / W:
+      the share of the card the process got), "window_covered" (the launches ran from before A to
+      after A+W), "completion":"events". The run ends with cuStreamSynchronize, unless --no-drain:
+      then it waits for the window to end and leaves what is still queued (the process exits).
   bench-launch [--count N] [--mode eager|graph]
       time of each launch call of an empty kernel (synchronising every 256, not timed):
       {"op":"bench_launch","mode","count","ns_per_launch_mean","ns_per_launch_median","ns_p99"}
@@ -139,6 +149,7 @@ const FLAGS: &[&str] = &[
     "map",
     "sync",
     "child-hold",
+    "no-drain",
 ];
 
 impl Opts {
