@@ -2,8 +2,8 @@
 //! functions, kernel launches (plain, `Ex`, cooperative), stream capture and graphs.
 //!
 //! A kernel's work is the duration, in nanoseconds, of its first parameter (a `.u64`): the worker
-//! keeps the card busy that long (the card runs one kernel at a time across all processes, see the
-//! device crate), then records the busy time for NVML. Modules are PTX text: the stand-in reads the
+//! runs it for that long on the card's time-sliced engine (one kernel at a time across all
+//! processes, in turns; see the device crate), which records the time for NVML. Modules are PTX text: the stand-in reads the
 //! `.entry` names and their parameter counts, so the same PTX (a kernel that spins on `%globaltimer`
 //! for its first parameter) runs on a real GPU.
 #![allow(non_snake_case, clippy::missing_safety_doc, clippy::too_many_arguments)]
@@ -88,6 +88,13 @@ impl Stream {
         let mut q = lock(&self.queue);
         while q.items.len() >= QUEUE_DEPTH {
             q = self.changed.wait(q).unwrap_or_else(|e| e.into_inner());
+        }
+        if matches!(work, Work::Kernel { .. }) {
+            // The process has work on the card from now until the kernel completes.
+            driver()
+                .expect("a stream exists only after cuInit")
+                .sim
+                .kernel_queued(self.ctx.physical);
         }
         q.items.push_back(work);
         q.submitted += 1;
