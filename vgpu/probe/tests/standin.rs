@@ -719,6 +719,51 @@ fn a_long_kernel_is_preempted_at_the_end_of_its_turn() {
     );
 }
 
+/// NVML's per-process SM utilisation under time-slicing means "had work in the sample window":
+/// two processes saturating one card both read near 100 (the H200 read 75 and 73 for a pair that
+/// got 42 % and 61 % of the card), while the card itself reads busy; a process that runs nothing
+/// has no sample, and with nothing running at all the query answers NVML_ERROR_NOT_FOUND.
+#[test]
+fn nvml_says_each_saturating_process_had_work_all_along() {
+    let m = Sandbox::new("1x1g");
+    let idle = m
+        .bare(&["nvml-util", "--seconds", "0.6", "--interval-ms", "200"])
+        .run_ok();
+    let u = idle.one("nvml_util");
+    assert_eq!(
+        u["answers"],
+        serde_json::json!({"NVML_ERROR_NOT_FOUND": 3}),
+        "{u}"
+    );
+    let mut holder = m
+        .bare(&["hold", "--path", "cuMemAlloc", "--size", "1m"])
+        .start_until("hold");
+    let w = Window::after(Duration::from_millis(300), Duration::from_millis(1800));
+    let a = m.bare(&args(&w.saturating("eager", 2000))).spawn();
+    let b = m.bare(&args(&w.saturating("graph", 2000))).spawn();
+    std::thread::sleep(Duration::from_millis(500));
+    let out = run(
+        &m,
+        &["nvml-util", "--seconds", "1.2", "--interval-ms", "200"],
+    );
+    let pids: Vec<String> = [&a, &b].iter().map(|c| c.id().to_string()).collect();
+    let shares = (card_share(&finish(a)), card_share(&finish(b)));
+    holder.kill9();
+    let u = out.one("nvml_util");
+    for pid in &pids {
+        let util = u["per_pid"][pid]["mean_sm_util"]
+            .as_f64()
+            .unwrap_or_else(|| panic!("no samples of {pid}: {u}"));
+        assert!(
+            util >= 85.0,
+            "pid {pid} read {util} (shares {shares:?}): {u}"
+        );
+    }
+    assert!(u["device_util_mean"].as_f64().unwrap() > 85.0, "{u}");
+    let holder_pid = holder.line["pid"].to_string();
+    assert!(u["per_pid"].get(&holder_pid).is_none(), "{u}");
+}
+
 #[test]
 fn alone_a_process_keeps_the_card() {
     let m = Sandbox::new("1x1g");

@@ -124,8 +124,11 @@ nvmlInit_v2):
   nvml-util [--seconds T] [--interval-ms I] [--index N]
       polls nvmlDeviceGetProcessUtilization (lastSeenTimeStamp = the newest sample seen) and
       nvmlDeviceGetUtilizationRates every I ms (default 200) for T seconds (default 2) on NVML
-      device N (default 0): {"op":"nvml_util","polls","per_pid":{"<pid>":{"samples","mean_sm_util"}},
-      "device_util_mean","samples":[{"pid","timestamp","sm_util"}...]}
+      device N (default 0): {"op":"nvml_util","polls","answers":{"<NVML result name>":polls},
+      "per_pid":{"<pid>":{"samples","mean_sm_util"}},"device_util_mean","samples":[{"pid",
+      "timestamp","sm_util"}...]}. A process's smUtil is the share of the sample window in which
+      it had work on the card, not its share of the card: under time-slicing, processes that
+      share a card saturated all read near 100 (launch --window-... measures shares)
   nvml-procs [--index N]
       {"op":"nvml_procs","v1":{...},"v3":{...}} from both process-list forms
 
