@@ -126,6 +126,49 @@ fn every_allocation_path_is_refused_at_the_limit_to_the_byte() {
     }
 }
 
+/// Managed memory does not appear in NVML's per-process used memory (on the H200 the process's
+/// figure stayed at its context's with 4 GiB of managed memory allocated). A library that takes
+/// "NVML's figure minus what it tracked" for the context loses the context from the account once
+/// it measures again after a managed allocation: on the H200 the whole limit then fit on top of
+/// the context. The context must stay counted: at a limit of context + 64 MiB, after 64 MiB of
+/// managed memory and a pause longer than the library's re-measuring interval, nothing is free
+/// and one more byte is refused.
+#[test]
+fn managed_memory_keeps_the_context_counted() {
+    let sandbox = Sandbox::new("1x16g:108");
+    let limit = CONTEXT + 64 * MIB;
+    let outcome = sandbox
+        .probe(
+            &sandbox.container(),
+            &[
+                "alloc",
+                "--path",
+                "cuMemAllocManaged",
+                "--size",
+                &format!("{},1", 64 * MIB),
+                "--pause-ms",
+                "300",
+                "--views",
+            ],
+        )
+        .env("CUDA_DEVICE_MEMORY_LIMIT", &limit.to_string())
+        .run();
+    let allocs = outcome.ops("alloc");
+    assert_eq!(allocs[0]["result"], 0, "{}", outcome.stdout);
+    let views = outcome.ops("views");
+    assert_eq!(
+        free_of(views[0]),
+        0,
+        "the context and the managed memory fill the limit: {}",
+        views[0]
+    );
+    assert_eq!(
+        allocs[1]["result"], 2,
+        "one byte past the limit after managed memory:\n{}\n{}",
+        outcome.stdout, outcome.stderr
+    );
+}
+
 #[test]
 fn frees_give_back_exactly_what_allocations_took() {
     let sandbox = Sandbox::new("1x16g:108");

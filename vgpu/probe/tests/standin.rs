@@ -191,6 +191,41 @@ fn the_views_agree_on_what_is_used() {
     );
 }
 
+/// On the H200, NVML's per-process used memory stayed at the context's ~543 MB with 4 GiB of
+/// managed memory allocated: managed memory is not in the process's figure. The card is charged
+/// for it at once all the same (stricter than a card, which holds it only once touched).
+#[test]
+fn managed_memory_is_on_the_card_but_not_in_the_processs_nvml_figure() {
+    let m = Sandbox::new("1x1g");
+    let out = run(
+        &m,
+        &[
+            "alloc",
+            "--path",
+            "cuMemAllocManaged",
+            "--size",
+            "64m",
+            "--views",
+        ],
+    );
+    assert_eq!(result(out.one("alloc")), SUCCESS);
+    let v = &out.ops("views")[0];
+    assert_eq!(v["cu_mem_get_info"]["free"], GIB - CONTEXT - 64 * MIB);
+    assert_eq!(v["nvml"]["v1"]["used"], CONTEXT + 64 * MIB);
+    assert_eq!(v["nvml"]["processes"][0]["used_memory"], CONTEXT, "{v}");
+    assert_eq!(v["nvml"]["processes_v1"][0]["used_memory"], CONTEXT, "{v}");
+    let fill = run(
+        &m,
+        &["fill", "--path", "cuMemAllocManaged", "--chunk", "1m"],
+    );
+    assert_eq!(fill.one("fill")["allocated"], GIB - CONTEXT);
+    // Freed, it leaves the card.
+    assert_eq!(
+        out.ops("views")[1]["cu_mem_get_info"]["free"],
+        GIB - CONTEXT
+    );
+}
+
 #[test]
 fn two_processes_share_a_card_and_a_killed_ones_memory_is_freed() {
     let m = Sandbox::new("1x2g");

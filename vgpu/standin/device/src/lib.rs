@@ -92,7 +92,10 @@ struct Bucket {
 
 #[repr(C)]
 struct SlotDevice {
+    /// Device memory allocated (managed memory apart).
     used: AtomicU64,
+    /// Managed memory: the card is charged for it, NVML's per-process figure leaves it out.
+    managed: AtomicU64,
     context: AtomicU64,
     contexts: AtomicU32,
     /// Kernels submitted and not yet complete (written by the owning process only).
@@ -151,7 +154,8 @@ impl MemoryUse {
     }
 }
 
-/// A process with memory or a context on a card, as NVML lists it.
+/// A process with memory or a context on a card, as NVML lists it: `memory` is its allocations
+/// and context memory, without managed memory (as the H200 showed it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ProcessUse {
     pub pid: u32,
@@ -171,6 +175,8 @@ pub struct Sample {
 pub enum Charge {
     /// Device memory the process allocated.
     Memory,
+    /// Managed memory: on the card's account, not in the process's NVML figure.
+    Managed,
     /// One context's fixed memory (counts the context too).
     Context,
 }
@@ -363,6 +369,7 @@ impl Sim {
         let slot = &self.layout.slots[i];
         for (d, sd) in slot.devices.iter().enumerate() {
             sd.used.store(0, Ordering::Relaxed);
+            sd.managed.store(0, Ordering::Relaxed);
             sd.context.store(0, Ordering::Relaxed);
             sd.contexts.store(0, Ordering::Relaxed);
             sd.pending.store(0, Ordering::Relaxed);
@@ -423,7 +430,9 @@ impl Sim {
             .filter(|s| s.pid.load(Ordering::Acquire) != 0)
             .map(|s| {
                 let sd = &s.devices[dev];
-                sd.used.load(Ordering::Acquire) + sd.context.load(Ordering::Acquire)
+                sd.used.load(Ordering::Acquire)
+                    + sd.managed.load(Ordering::Acquire)
+                    + sd.context.load(Ordering::Acquire)
             })
             .sum()
     }
@@ -448,6 +457,9 @@ impl Sim {
             Charge::Memory => {
                 sd.used.fetch_add(bytes, Ordering::AcqRel);
             }
+            Charge::Managed => {
+                sd.managed.fetch_add(bytes, Ordering::AcqRel);
+            }
             Charge::Context => {
                 sd.context.fetch_add(bytes, Ordering::AcqRel);
                 sd.contexts.fetch_add(1, Ordering::AcqRel);
@@ -462,6 +474,9 @@ impl Sim {
         match kind {
             Charge::Memory => {
                 sd.used.fetch_sub(bytes, Ordering::AcqRel);
+            }
+            Charge::Managed => {
+                sd.managed.fetch_sub(bytes, Ordering::AcqRel);
             }
             Charge::Context => {
                 sd.context.fetch_sub(bytes, Ordering::AcqRel);
@@ -481,7 +496,8 @@ impl Sim {
         }
     }
 
-    /// Live processes with a context or memory on the card, in slot order.
+    /// Live processes with a context or memory on the card, in slot order. Their memory leaves out
+    /// managed memory, as NVML's per-process figure did on the H200.
     pub fn processes(&self, dev: usize) -> Vec<ProcessUse> {
         let _guard = self.lock(LOCK_MEMORY);
         self.reap_locked();
@@ -492,7 +508,8 @@ impl Sim {
             .filter_map(|s| {
                 let sd = &s.devices[dev];
                 let memory = sd.used.load(Ordering::Acquire) + sd.context.load(Ordering::Acquire);
-                (sd.contexts.load(Ordering::Acquire) > 0 || memory > 0).then(|| ProcessUse {
+                let any = memory > 0 || sd.managed.load(Ordering::Acquire) > 0;
+                (sd.contexts.load(Ordering::Acquire) > 0 || any).then(|| ProcessUse {
                     pid: s.host_pid.load(Ordering::Relaxed),
                     memory,
                 })
@@ -1079,6 +1096,26 @@ mod tests {
         for sample in &samples {
             assert!(sample.sm_util >= 90, "{samples:?}");
         }
+    }
+
+    #[test]
+    fn managed_memory_is_on_the_cards_account_not_the_processs() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state").to_str().unwrap().to_string();
+        let a = sim(&path, config("1x1g"), 7);
+        assert!(a.charge(0, 300 << 20, Charge::Context));
+        assert!(a.charge(0, 600 << 20, Charge::Managed));
+        assert_eq!(a.memory(0).used, 900 << 20);
+        assert_eq!(
+            a.processes(0),
+            vec![ProcessUse {
+                pid: 7,
+                memory: 300 << 20
+            }]
+        );
+        assert!(!a.charge(0, (124 << 20) + 1, Charge::Memory));
+        a.uncharge(0, 600 << 20, Charge::Managed);
+        assert_eq!(a.memory(0).used, 300 << 20);
     }
 
     #[test]

@@ -37,7 +37,7 @@ Subcommands (each prints one JSON object per line; "result" is the CUresult, "er
   devices
       {"op":"device","ordinal","name","uuid","total_mem","sms","texture_pitch_alignment"} per device,
       after {"op":"init","result","error","driver_version","count"}
-  alloc --path P [--size N[,N...]] [--count K] [--views] [--hold] [--no-free]
+  alloc --path P [--size N[,N...]] [--count K] [--pause-ms M] [--views] [--hold] [--no-free]
         [--width W --height H --depth D --element E --format F --channels C --flags X --levels L]
         [--stream created|null|per-thread] [--pool default|created] [--map] [--sync]
       P: cuMemAlloc cuMemAllocPitch cuMemAllocManaged cuMemCreate cuMemAllocAsync
@@ -45,7 +45,7 @@ Subcommands (each prints one JSON object per line; "result" is the CUresult, "er
       one {"op":"alloc","path","index","size","result","error","ptr","pitch","bytes",
            "requirements":{"result","size","alignment"}} per allocation (bytes: what the allocation
            takes on the card when the probe can tell: size, pitch x height, the array's requirements),
-      with --views an {"op":"views",...} line after each, then {"op":"free","path","index","result",
+      with --views an {"op":"views",...} line after each (M ms after it, default 0), then {"op":"free","path","index","result",
       "error"} per allocation (unless --no-free); --hold prints {"op":"hold","pid"} and sleeps until
       killed instead of freeing. --end-context destroy|reset|release ends the context instead of
       freeing (cuCtxDestroy of a --context create one, cuDevicePrimaryCtxReset or

@@ -676,12 +676,14 @@ impl Session<'_> {
         let path = self.path()?;
         let sizes = self.opts.nums("size")?.unwrap_or_else(|| vec![1 << 20]);
         let count = self.opts.num_or("count", 1)?;
+        let pause = Duration::from_millis(self.opts.num_or("pause-ms", 0)?);
         let mut held = Vec::new();
         let mut index = 0;
         for _ in 0..count {
             for &size in &sizes {
                 let (line, h) = self.allocate(path, size, index)?;
                 emit(line);
+                std::thread::sleep(pause);
                 if self.opts.flag("views") {
                     emit(self.views());
                 }
