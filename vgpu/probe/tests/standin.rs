@@ -407,6 +407,55 @@ fn get_proc_address_can_hand_out_internal_addresses() {
     assert!(out.one("launch")["kernels"].as_u64().unwrap() > 0);
 }
 
+/// GPUPOOL_STANDIN_PROC_ADDRESS=interposed: the address is the global lookup of the variant's
+/// name, as a driver or interposer whose table resolves through symbol interposition hands out.
+/// With nothing preloaded that is the driver's own symbol; a preloaded library that exports the
+/// name (here gpupool-vgpu, without limits) comes first.
+#[test]
+fn get_proc_address_can_hand_out_interposed_addresses() {
+    let m = Sandbox::new("1x1g").with("GPUPOOL_STANDIN_PROC_ADDRESS", "interposed");
+    let args = [
+        "getproc",
+        "--symbol",
+        "cuMemAlloc",
+        "--cuda-version",
+        "12090",
+    ];
+    let bare = run(&m, &args);
+    let g = bare.one("getproc");
+    assert_eq!(result(g), SUCCESS, "{g}");
+    assert_eq!(g["matches"], serde_json::json!(["cuMemAlloc_v2"]), "{g}");
+    assert_eq!(g["object"], "libcuda.so.1", "{g}");
+    let preloaded = m.probe(&m.container(), &args).run_ok();
+    let g = preloaded.one("getproc");
+    let library = vgpu_library();
+    let library = library.file_name().unwrap().to_string_lossy();
+    assert_eq!(result(g), SUCCESS, "{g}");
+    assert_eq!(g["object"], library.as_ref(), "{g}");
+    // The driver's functions are still what the names lead to: it runs.
+    let out = run(
+        &m,
+        &[
+            "alloc",
+            "--path",
+            "cuMemAlloc",
+            "--size",
+            "3m",
+            "--views",
+            "--lookup",
+            "proc",
+        ],
+    );
+    assert_eq!(
+        out.ops("views")[0]["cu_mem_get_info"]["free"],
+        GIB - CONTEXT - 3 * MIB
+    );
+    let typo = Sandbox::new("1x1g").with("GPUPOOL_STANDIN_PROC_ADDRESS", "interposer");
+    let out = typo.bare(&["getproc", "--symbol", "cuInit"]).run_ok();
+    assert_eq!(result(out.one("getproc")), INVALID_VALUE);
+    assert!(out.stderr.contains("interposed"), "{}", out.stderr);
+}
+
 fn chosen(m: &Sandbox, symbol: &str, version: &str, per_thread: bool) -> Value {
     let mut args = vec!["getproc", "--symbol", symbol, "--cuda-version", version];
     if per_thread {

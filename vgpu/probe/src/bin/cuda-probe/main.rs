@@ -85,7 +85,8 @@ Subcommands (each prints one JSON object per line; "result" is the CUresult, "er
   getproc --symbol NAME [--flags N]
       cuGetProcAddress_v2(NAME, --cuda-version, flags (default: from --per-thread)):
       {"op":"getproc","symbol","version","flags","result","error","status","address",
-       "matches":[exported names whose dlsym(handle) address equals the returned one]}
+       "matches":[exported names whose dlsym(handle) address equals the returned one],
+       "object" (the file the address lies in),"object_symbol" (the symbol dladdr names there)}
   launch [--mode eager|ex|cooperative|graph|capture] [--seconds T] [--kernel-us D] [--grid G]
          [--block B] [--graph-nodes K] [--inflight N] [--stream created|null|per-thread]
          [--report-ms R] [--window-start-unix-ms A --window-ms W] [--no-drain]

@@ -822,6 +822,7 @@ impl Session<'_> {
             .iter()
             .filter(|c| !addr.is_null() && self.cu.loader.dlsym_handle(c) == addr)
             .collect();
+        let (object, object_symbol) = where_is(addr);
         emit(with_result(
             json!({
                 "op": "getproc",
@@ -831,6 +832,8 @@ impl Session<'_> {
                 "status": status,
                 "address": format!("{:#x}", addr as usize),
                 "matches": matches,
+                "object": object,
+                "object_symbol": object_symbol,
             }),
             r,
         ));
