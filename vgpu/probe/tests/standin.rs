@@ -769,8 +769,168 @@ fn launches_follow_the_launch_rules() {
 /// Two processes keep the card busy the way PyTorch eager does (a deep launch queue, nothing
 /// waited for); one launches single kernels, the other graphs. The engine runs one kernel at a
 /// time and gives them turns: each gets half the card.
+/// What `capture-rules` says happened: the call's result, and whether the capture survived.
+fn capture_rule(
+    m: &Sandbox,
+    capture: &str,
+    caller: &str,
+    mode: Option<&str>,
+    call: &str,
+) -> (i64, bool) {
+    let mut args = vec![
+        "capture-rules",
+        "--capture-mode",
+        capture,
+        "--caller",
+        caller,
+        "--call",
+        call,
+    ];
+    if let Some(mode) = mode {
+        args.extend(["--caller-mode", mode]);
+    }
+    let out = run(m, &args);
+    let c = out.one("capture_rules");
+    assert_eq!(c["begin_result"], 0, "{c}");
+    assert_eq!(c["exchange_result"], 0, "{c}");
+    let valid = c["end_result"] == 0 && c["graph"] == true;
+    if valid {
+        assert_eq!(
+            (c["status_after"].as_i64(), c["launch_after"].as_i64()),
+            (Some(1), Some(0)),
+            "{c}"
+        );
+    } else {
+        // Invalidated: the capture goes on failing and ends without a graph.
+        assert_eq!(
+            (
+                c["status_after"].as_i64(),
+                c["launch_after"].as_i64(),
+                c["end_result"].as_i64()
+            ),
+            (
+                Some(2),
+                Some(CAPTURE_INVALIDATED),
+                Some(CAPTURE_INVALIDATED)
+            ),
+            "{c}"
+        );
+        assert_eq!(c["graph"], false, "{c}");
+    }
+    (result(c), valid)
+}
+
+const NOT_READY: i64 = 600;
+const CAPTURE_UNSUPPORTED: i64 = 900;
+const CAPTURE_INVALIDATED: i64 = 901;
+const CAPTURED_EVENT: i64 = 907;
+
+/// cuda.h's rules for calls made during a capture. A thread in the default (global) interaction
+/// mode may not make a potentially unsafe call while any thread captures in global mode, nor while
+/// it captures itself (unless relaxed); thread-local mode looks at its own captures only; relaxed
+/// mode at none. A prohibited call fails with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and
+/// invalidates the capture: this is how PyTorch's NCCL watchdog, polling an event recorded before
+/// the capture from its own thread, broke captures until it switched to a laxer mode. Calls that
+/// conflict with the capture itself (querying the capturing stream, an event recorded in it, or
+/// synchronising its context) are refused in every mode.
+#[test]
+fn calls_during_a_capture_follow_the_capture_mode_rules() {
+    let m = Sandbox::new("1x1g");
+    let unsafe_calls = [
+        "event-query",
+        "event-sync",
+        "stream-query",
+        "stream-sync",
+        "mem-alloc",
+        "stream-get-device",
+    ];
+    for call in unsafe_calls {
+        // Another thread in the default mode, a global capture: prohibited, capture invalidated.
+        assert_eq!(
+            capture_rule(&m, "global", "other", None, call),
+            (CAPTURE_UNSUPPORTED, false),
+            "{call}"
+        );
+        // The same call from a relaxed or thread-local thread: allowed, the capture holds.
+        for mode in ["relaxed", "thread-local"] {
+            let (r, valid) = capture_rule(&m, "global", "other", Some(mode), call);
+            assert!(
+                valid && (r == SUCCESS || r == NOT_READY),
+                "{call} from a {mode} thread: {r}"
+            );
+        }
+    }
+    for (capture, caller, mode, call, expected) in [
+        // A thread-local capture ignores other threads...
+        (
+            "thread-local",
+            "other",
+            None,
+            "event-query",
+            (SUCCESS, true),
+        ),
+        // ...but not its own thread.
+        (
+            "thread-local",
+            "same",
+            None,
+            "event-query",
+            (CAPTURE_UNSUPPORTED, false),
+        ),
+        (
+            "global",
+            "same",
+            None,
+            "mem-alloc",
+            (CAPTURE_UNSUPPORTED, false),
+        ),
+        (
+            "global",
+            "same",
+            Some("relaxed"),
+            "mem-alloc",
+            (SUCCESS, true),
+        ),
+        // A relaxed capture prohibits nothing.
+        ("relaxed", "same", None, "stream-sync", (SUCCESS, true)),
+        ("relaxed", "other", None, "mem-alloc", (SUCCESS, true)),
+        // Conflicting calls are refused in every mode (a context's synchronisation takes in its
+        // capturing stream).
+        (
+            "global",
+            "other",
+            Some("relaxed"),
+            "captured-event-query",
+            (CAPTURED_EVENT, false),
+        ),
+        (
+            "relaxed",
+            "same",
+            None,
+            "capturing-stream-query",
+            (CAPTURE_UNSUPPORTED, false),
+        ),
+        (
+            "relaxed",
+            "other",
+            Some("relaxed"),
+            "ctx-sync",
+            (CAPTURE_UNSUPPORTED, false),
+        ),
+    ] {
+        let (r, valid) = capture_rule(&m, capture, caller, mode, call);
+        let r = if r == NOT_READY { SUCCESS } else { r };
+        assert_eq!(
+            (r, valid),
+            expected,
+            "{call} from the {caller} thread ({mode:?}) during a {capture} capture"
+        );
+    }
+}
+
 #[test]
 fn two_saturating_processes_take_turns_half_and_half() {
+    let _serial = one_at_a_time();
     let m = Sandbox::new("1x1g");
     let w = Window::after(Duration::from_millis(800), Duration::from_millis(2000));
     let a = m.bare(&args(&w.saturating("eager", 2000))).spawn();
@@ -792,6 +952,7 @@ fn two_saturating_processes_take_turns_half_and_half() {
 /// half the card each (handed over only at kernel ends, the long kernels would take ~98 %).
 #[test]
 fn a_long_kernel_is_preempted_at_the_end_of_its_turn() {
+    let _serial = one_at_a_time();
     let m = Sandbox::new("1x1g");
     let w = Window::after(Duration::from_millis(800), Duration::from_millis(3000));
     let long = m.bare(&args(&w.saturating("eager", 50_000))).spawn();
@@ -809,6 +970,7 @@ fn a_long_kernel_is_preempted_at_the_end_of_its_turn() {
 /// has no sample, and with nothing running at all the query answers NVML_ERROR_NOT_FOUND.
 #[test]
 fn nvml_says_each_saturating_process_had_work_all_along() {
+    let _serial = one_at_a_time();
     let m = Sandbox::new("1x1g");
     let idle = m
         .bare(&["nvml-util", "--seconds", "0.6", "--interval-ms", "200"])
@@ -850,6 +1012,7 @@ fn nvml_says_each_saturating_process_had_work_all_along() {
 
 #[test]
 fn alone_a_process_keeps_the_card() {
+    let _serial = one_at_a_time();
     let m = Sandbox::new("1x1g");
     let w = Window::after(Duration::from_millis(500), Duration::from_millis(1000));
     let out = m.bare(&args(&w.saturating("eager", 2000))).run_ok();

@@ -427,3 +427,13 @@ pub fn card_share(outcome: &Outcome) -> f64 {
 pub fn finish(child: Child) -> Outcome {
     Outcome::from(child.wait_with_output().expect("the probe ends"))
 }
+
+/// Tests that measure time shares of a simulated card run one at a time within their file: the
+/// stand-in's kernels are timed sleeps of worker threads, and on a two-core machine tests side by
+/// side starve each other's threads (the card then idles between kernels and shares read low).
+pub fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}

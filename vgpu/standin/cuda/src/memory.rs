@@ -311,6 +311,7 @@ fn alloc_linear(size: u64, kind: Kind) -> Result<u64, CUresult> {
     if size == 0 {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
+    crate::capture::unsafe_call()?;
     d.state()
         .mem
         .place(&d.sim, ctx.physical, ctx.handle, size, size, kind)
@@ -357,6 +358,7 @@ fn alloc_pitch(width: u64, height: u64, element: u32, kind: Kind) -> Result<(u64
     let d = driver()?;
     let ctx = current()?;
     let (pitch, bytes) = pitch_for(width, height, element)?;
+    crate::capture::unsafe_call()?;
     let addr = d
         .state()
         .mem
@@ -428,6 +430,7 @@ pub unsafe extern "C" fn cuMemAllocManaged(
 fn free(addr: u64) -> Result<(), CUresult> {
     let d = driver()?;
     current()?;
+    crate::capture::unsafe_call()?;
     // Unknown addresses, and addresses inside an allocation, are CUDA_ERROR_INVALID_VALUE.
     d.state().mem.free(&d.sim, addr)
 }

@@ -253,6 +253,17 @@ pub static TABLE: &[(&str, &[Variant])] = &[
             pt(10000, 10000, "cuStreamIsCapturing_ptsz"),
         ],
     ),
+    (
+        "cuStreamGetDevice",
+        &[
+            v(12080, "cuStreamGetDevice"),
+            pt(12080, 12080, "cuStreamGetDevice_ptsz"),
+        ],
+    ),
+    (
+        "cuThreadExchangeStreamCaptureMode",
+        &[v(10010, "cuThreadExchangeStreamCaptureMode")],
+    ),
     ("cuEventCreate", &[v(2000, "cuEventCreate")]),
     (
         "cuEventRecord",

@@ -106,6 +106,18 @@ Subcommands (each prints one JSON object per line; "result" is the CUresult, "er
       the share of the card the process got), "window_covered" (the launches ran from before A to
       after A+W), "completion":"events". The run ends with cuStreamSynchronize, unless --no-drain:
       then it waits for the window to end and leaves what is still queued (the process exits).
+  capture-rules --call C [--capture-mode M] [--caller same|other] [--caller-mode M]
+      launches a 1 ms kernel on a second stream and records an event after it (work outside the
+      capture), begins a capture in mode M (global, thread-local, relaxed; default global) on a
+      created stream, captures a launch and an event record, then makes call C from the capturing
+      thread or another one (default), after cuThreadExchangeStreamCaptureMode to --caller-mode
+      when given: event-query / event-sync (the outside event), stream-query / stream-sync (the
+      second stream), ctx-sync, mem-alloc (cuMemAlloc of 1 MiB, freed), stream-get-device (the
+      second stream), captured-event-query, capturing-stream-query. Then it asks
+      cuStreamIsCapturing, captures one more launch and ends the capture:
+      {"op":"capture_rules","call","result","error" (the call's),"exchange_result","status_after"
+       (0 none, 1 active, 2 invalidated),"launch_after","end_result","end_error","graph" (one
+       came back)}
   bench-launch [--count N] [--mode eager|graph]
       time of each launch call of an empty kernel (synchronising every 256, not timed):
       {"op":"bench_launch","mode","count","ns_per_launch_mean","ns_per_launch_median","ns_p99"}

@@ -106,6 +106,7 @@ pub fn run(sub: &str, opts: &Opts, cu: Cu) -> i32 {
         "dlsym",
         "bench-launch",
         "bench-alloc",
+        "capture-rules",
     ];
     if !known.contains(&sub) {
         return usage(format!("unknown subcommand {sub:?} (see --help)"));
@@ -130,6 +131,7 @@ pub fn run(sub: &str, opts: &Opts, cu: Cu) -> i32 {
         "dlsym" => s.dlsym(),
         "bench-launch" => s.bench_launch(),
         "bench-alloc" => s.bench_alloc(),
+        "capture-rules" => s.capture_rules(),
         _ => unreachable!(),
     };
     emit(json!({"op": "resolved", "entry_points": cu.resolutions()}));
@@ -1272,6 +1274,8 @@ enum Held {
     },
 }
 
-// After `need!`, which it uses.
+// After `need!`, which they use.
+#[path = "capture_rules.rs"]
+mod capture_rules;
 #[path = "launch.rs"]
 mod launch;
