@@ -128,6 +128,26 @@ impl Sandbox {
         run
     }
 
+    /// The card's arbiter file, one per card shared by every container on it
+    /// (`GPUPOOL_VGPU_ARBITER_<i>`): the driver creates it, the library when it is missing. Its
+    /// folder exists, as the driver's mount would.
+    pub fn arbiter(&self, card: usize) -> String {
+        let dir = self.path("arbiter");
+        std::fs::create_dir_all(&dir).expect("arbiter folder");
+        dir.join(format!("card{card}"))
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    /// The probe in a container of its own with an SM limit of `percent` on card 0, with the
+    /// variables the driver gives every process of a limited container: the limit, the
+    /// container's own shared file (its identity for the limiter) and the card's arbiter.
+    pub fn limited(&self, percent: &str, args: &[&str]) -> Run {
+        self.probe(&self.container(), args)
+            .env("CUDA_DEVICE_SM_LIMIT", percent)
+            .env("GPUPOOL_VGPU_ARBITER_0", &self.arbiter(0))
+    }
+
     /// Any program, with the library preloaded and the stand-ins in reach.
     pub fn program(&self, program: &str, args: &[&str]) -> Run {
         let mut run = self.unpreloaded(program, args);
