@@ -126,6 +126,108 @@ fn every_allocation_path_is_refused_at_the_limit_to_the_byte() {
     }
 }
 
+/// Managed memory does not appear in NVML's per-process used memory (on the H200 the process's
+/// figure stayed at its context's with 4 GiB of managed memory allocated). A library that takes
+/// "NVML's figure minus what it tracked" for the context loses the context from the account once
+/// it measures again after a managed allocation: on the H200 the whole limit then fit on top of
+/// the context. The context must stay counted: at a limit of context + 64 MiB, after 64 MiB of
+/// managed memory and a pause longer than the library's re-measuring interval, nothing is free
+/// and one more byte is refused.
+#[test]
+fn managed_memory_keeps_the_context_counted() {
+    let sandbox = Sandbox::new("1x16g:108");
+    let limit = CONTEXT + 64 * MIB;
+    let outcome = sandbox
+        .probe(
+            &sandbox.container(),
+            &[
+                "alloc",
+                "--path",
+                "cuMemAllocManaged",
+                "--size",
+                &format!("{},1", 64 * MIB),
+                "--pause-ms",
+                "300",
+                "--views",
+            ],
+        )
+        .env("CUDA_DEVICE_MEMORY_LIMIT", &limit.to_string())
+        .run();
+    let allocs = outcome.ops("alloc");
+    assert_eq!(allocs[0]["result"], 0, "{}", outcome.stdout);
+    let views = outcome.ops("views");
+    assert_eq!(
+        free_of(views[0]),
+        0,
+        "the context and the managed memory fill the limit: {}",
+        views[0]
+    );
+    assert_eq!(
+        allocs[1]["result"], 2,
+        "one byte past the limit after managed memory:\n{}\n{}",
+        outcome.stdout, outcome.stderr
+    );
+}
+
+/// A driver (or an interposer) whose `cuGetProcAddress` table resolves through symbol
+/// interposition hands out the library's own exported wrappers (the stand-in's
+/// `GPUPOOL_STANDIN_PROC_ADDRESS=interposed`). Wrapped once more, every allocation would be
+/// charged twice. An allocation is charged exactly once: the views show exactly the bytes
+/// allocated, and an allocation that fits the limit exactly is granted.
+#[test]
+fn a_wrapper_handed_back_by_the_driver_is_not_wrapped_again() {
+    let sandbox = Sandbox::new("1x16g:108").with("GPUPOOL_STANDIN_PROC_ADDRESS", "interposed");
+    for (lookup, per_thread) in [("proc", false), ("proc", true), ("proc-v1", false)] {
+        for path in ["cuMemAlloc", "cuMemAllocAsync"] {
+            let mut args = vec![
+                "alloc", "--path", path, "--size", "64m", "--views", "--lookup", lookup,
+            ];
+            if per_thread {
+                args.push("--per-thread");
+            }
+            let what = format!("{path} through {lookup} (per-thread {per_thread})");
+            let outcome = sandbox
+                .probe(&sandbox.container(), &args)
+                .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+                .run();
+            assert_eq!(
+                outcome.one("alloc")["result"],
+                0,
+                "{what}: {}",
+                outcome.stdout
+            );
+            let views = outcome.ops("views");
+            assert_eq!(
+                free_of(views[0]),
+                GIB - CONTEXT - 64 * MIB,
+                "{what}: 64 MiB charged once:\n{}\n{}",
+                outcome.stdout,
+                outcome.stderr
+            );
+            assert_eq!(
+                free_of(views[1]),
+                GIB - CONTEXT,
+                "{what}: {}",
+                outcome.stdout
+            );
+            let exact = sandbox
+                .probe(&sandbox.container(), &args)
+                .env(
+                    "CUDA_DEVICE_MEMORY_LIMIT",
+                    &(CONTEXT + 64 * MIB).to_string(),
+                )
+                .run();
+            assert_eq!(
+                exact.one("alloc")["result"],
+                0,
+                "{what}: exactly the limit:\n{}\n{}",
+                exact.stdout,
+                exact.stderr
+            );
+        }
+    }
+}
+
 #[test]
 fn frees_give_back_exactly_what_allocations_took() {
     let sandbox = Sandbox::new("1x16g:108");

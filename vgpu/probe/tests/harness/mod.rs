@@ -128,6 +128,26 @@ impl Sandbox {
         run
     }
 
+    /// The card's arbiter file, one per card shared by every container on it
+    /// (`GPUPOOL_VGPU_ARBITER_<i>`): the driver creates it, the library when it is missing. Its
+    /// folder exists, as the driver's mount would.
+    pub fn arbiter(&self, card: usize) -> String {
+        let dir = self.path("arbiter");
+        std::fs::create_dir_all(&dir).expect("arbiter folder");
+        dir.join(format!("card{card}"))
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    /// The probe in a container of its own with an SM limit of `percent` on card 0, with the
+    /// variables the driver gives every process of a limited container: the limit, the
+    /// container's own shared file (its identity for the limiter) and the card's arbiter.
+    pub fn limited(&self, percent: &str, args: &[&str]) -> Run {
+        self.probe(&self.container(), args)
+            .env("CUDA_DEVICE_SM_LIMIT", percent)
+            .env("GPUPOOL_VGPU_ARBITER_0", &self.arbiter(0))
+    }
+
     /// Any program, with the library preloaded and the stand-ins in reach.
     pub fn program(&self, program: &str, args: &[&str]) -> Run {
         let mut run = self.unpreloaded(program, args);
@@ -357,4 +377,83 @@ pub fn eventually(within: Duration, mut check: impl FnMut() -> bool) -> Option<D
 
 pub fn exists(path: &str) -> bool {
     Path::new(path).exists()
+}
+
+/// Milliseconds since the Unix epoch, `after` from now: the start of a measurement window that
+/// several processes share (`launch --window-start-unix-ms`).
+pub fn unix_ms_in(after: Duration) -> u64 {
+    (std::time::SystemTime::now() + after)
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_millis() as u64
+}
+
+/// A common measurement window: it starts `warmup` from now and lasts `length`.
+#[derive(Clone, Copy, Debug)]
+pub struct Window {
+    pub start_unix_ms: u64,
+    pub length: Duration,
+    /// How long a process must run to cover it from now (with a margin).
+    pub run: Duration,
+}
+
+impl Window {
+    pub fn after(warmup: Duration, length: Duration) -> Window {
+        Window {
+            start_unix_ms: unix_ms_in(warmup),
+            length,
+            run: warmup + length + Duration::from_millis(300),
+        }
+    }
+
+    /// `launch` arguments that keep the card busy as PyTorch eager does (no bound on the launches
+    /// in flight: the driver's queue paces the program) with kernels of `kernel_us`, over the
+    /// window, without draining the queue at the end.
+    pub fn saturating(&self, mode: &str, kernel_us: u64) -> Vec<String> {
+        [
+            "launch",
+            "--mode",
+            mode,
+            "--inflight",
+            "0",
+            "--kernel-us",
+            &kernel_us.to_string(),
+            "--seconds",
+            &format!("{:.3}", self.run.as_secs_f64()),
+            "--window-start-unix-ms",
+            &self.start_unix_ms.to_string(),
+            "--window-ms",
+            &self.length.as_millis().to_string(),
+            "--no-drain",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    }
+}
+
+/// The share of the card a `launch` with a window got (its `window_busy_fraction`), checking that
+/// it ran without error and over the whole window.
+pub fn card_share(outcome: &Outcome) -> f64 {
+    let line = outcome.one("launch");
+    assert_eq!(line["result"], 0, "{line}\n{}", outcome.stderr);
+    assert_eq!(line["window_covered"], true, "{line}");
+    line["window_busy_fraction"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("no window_busy_fraction: {line}"))
+}
+
+/// Waits for a spawned probe and reads its output.
+pub fn finish(child: Child) -> Outcome {
+    Outcome::from(child.wait_with_output().expect("the probe ends"))
+}
+
+/// Tests that measure time shares of a simulated card run one at a time within their file: the
+/// stand-in's kernels are timed sleeps of worker threads, and on a two-core machine tests side by
+/// side starve each other's threads (the card then idles between kernels and shares read low).
+pub fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }

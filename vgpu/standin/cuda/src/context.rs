@@ -44,16 +44,29 @@ impl Ctx {
         self.live.load(Ordering::Acquire)
     }
 
+    fn live_streams(&self) -> Vec<Arc<Stream>> {
+        let mut list = self.streams.lock().unwrap_or_else(|e| e.into_inner());
+        list.retain(|w| w.strong_count() > 0);
+        list.iter().filter_map(Weak::upgrade).collect()
+    }
+
     /// Waits for every stream of the context.
     pub fn synchronize(&self) {
-        let streams: Vec<Arc<Stream>> = {
-            let mut list = self.streams.lock().unwrap_or_else(|e| e.into_inner());
-            list.retain(|w| w.strong_count() > 0);
-            list.iter().filter_map(Weak::upgrade).collect()
-        };
-        for s in streams {
+        for s in self.live_streams() {
             s.synchronize();
         }
+    }
+
+    /// Synchronising a context with a capturing stream conflicts with the capture (a broader
+    /// handle than the stream): refused, and the captures invalidated.
+    fn refuse_while_capturing(&self) -> Result<(), CUresult> {
+        let mut refused = Ok(());
+        for s in self.live_streams() {
+            if s.refuse_while_capturing().is_err() {
+                refused = Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+            }
+        }
+        refused
     }
 }
 
@@ -426,6 +439,8 @@ pub unsafe extern "C" fn cuCtxSynchronize() -> CUresult {
     entry(|| {
         let d = driver()?;
         let ctx = current()?;
+        ctx.refuse_while_capturing()?;
+        crate::capture::unsafe_call()?;
         ctx.synchronize();
         d.state().mem.trim_pools_at_sync(&d.sim);
         Ok(())

@@ -2,12 +2,13 @@
 //! functions, kernel launches (plain, `Ex`, cooperative), stream capture and graphs.
 //!
 //! A kernel's work is the duration, in nanoseconds, of its first parameter (a `.u64`): the worker
-//! keeps the card busy that long (the card runs one kernel at a time across all processes, see the
-//! device crate), then records the busy time for NVML. Modules are PTX text: the stand-in reads the
+//! runs it for that long on the card's time-sliced engine (one kernel at a time across all
+//! processes, in turns; see the device crate), which records the time for NVML. Modules are PTX text: the stand-in reads the
 //! `.entry` names and their parameter counts, so the same PTX (a kernel that spins on `%globaltimer`
 //! for its first parameter) runs on a real GPU.
 #![allow(non_snake_case, clippy::missing_safety_doc, clippy::too_many_arguments)]
 
+use crate::capture;
 use crate::context::{current, Ctx};
 use crate::driver::{driver, entry, Driver};
 use crate::ffi::*;
@@ -54,6 +55,15 @@ struct Capture {
     invalidated: bool,
 }
 
+/// `CUstreamCaptureStatus` of a stream.
+fn status_of(capture: &Option<Capture>) -> i32 {
+    match capture {
+        None => CU_STREAM_CAPTURE_STATUS_NONE,
+        Some(c) if c.invalidated => CU_STREAM_CAPTURE_STATUS_INVALIDATED,
+        Some(_) => CU_STREAM_CAPTURE_STATUS_ACTIVE,
+    }
+}
+
 pub struct Stream {
     pub handle: usize,
     pub ctx: Arc<Ctx>,
@@ -88,6 +98,13 @@ impl Stream {
         let mut q = lock(&self.queue);
         while q.items.len() >= QUEUE_DEPTH {
             q = self.changed.wait(q).unwrap_or_else(|e| e.into_inner());
+        }
+        if matches!(work, Work::Kernel { .. }) {
+            // The process has work on the card from now until the kernel completes.
+            driver()
+                .expect("a stream exists only after cuInit")
+                .sim
+                .kernel_queued(self.ctx.physical);
         }
         q.items.push_back(work);
         q.submitted += 1;
@@ -155,15 +172,26 @@ impl Stream {
         lock(&self.capture).is_some()
     }
 
-    /// Memory operations the stand-in cannot record into a graph refuse while capturing (and end
-    /// the capture, as an unsupported operation does on a real driver).
+    /// Operations that conflict with a capture of this stream (querying or synchronising it,
+    /// memory operations the stand-in cannot record into a graph) are refused while it captures,
+    /// and invalidate the capture, as an invalid operation during capture does on a real driver.
     pub fn refuse_while_capturing(&self) -> Result<(), CUresult> {
+        if self.invalidate_capture_if(|_, _| true) {
+            Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Invalidates this stream's capture, if it has one for which `prohibits(mode, thread)` holds;
+    /// whether it did.
+    pub fn invalidate_capture_if(&self, prohibits: impl FnOnce(i32, ThreadId) -> bool) -> bool {
         match lock(&self.capture).as_mut() {
-            Some(c) => {
+            Some(c) if prohibits(c.mode, c.thread) => {
                 c.invalidated = true;
-                Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)
+                true
             }
-            None => Ok(()),
+            _ => false,
         }
     }
 
@@ -201,6 +229,23 @@ struct EventState {
     completed: u64,
     time_ns: u64,
     recorded: bool,
+    /// The stream whose capture the event was last recorded into (None: recorded outside).
+    captured_in: Option<std::sync::Weak<Stream>>,
+}
+
+impl Event {
+    /// An event last recorded into a capture still in progress cannot be queried or waited for
+    /// (`CUDA_ERROR_CAPTURED_EVENT`, in every mode); trying invalidates that capture.
+    fn refuse_if_captured(&self) -> Result<(), CUresult> {
+        let capturing = lock(&self.state)
+            .captured_in
+            .as_ref()
+            .and_then(std::sync::Weak::upgrade);
+        match capturing {
+            Some(s) if s.invalidate_capture_if(|_, _| true) => Err(CUDA_ERROR_CAPTURED_EVENT),
+            _ => Ok(()),
+        }
+    }
 }
 
 impl Event {
@@ -343,6 +388,7 @@ fn stream_sync(handle: CUstream, ptsz: bool) -> Result<(), CUresult> {
     let d = driver()?;
     let s = resolve_stream(d, handle, ptsz)?;
     s.refuse_while_capturing()?;
+    capture::unsafe_call()?;
     s.synchronize();
     d.state().mem.trim_pools_at_sync(&d.sim);
     Ok(())
@@ -362,6 +408,7 @@ fn stream_query(handle: CUstream, ptsz: bool) -> Result<(), CUresult> {
     let d = driver()?;
     let s = resolve_stream(d, handle, ptsz)?;
     s.refuse_while_capturing()?;
+    capture::unsafe_call()?;
     if s.idle() {
         Ok(())
     } else {
@@ -381,12 +428,7 @@ pub unsafe extern "C" fn cuStreamQuery_ptsz(stream: CUstream) -> CUresult {
 
 fn begin_capture(handle: CUstream, mode: i32, ptsz: bool) -> Result<(), CUresult> {
     let d = driver()?;
-    if !matches!(
-        mode,
-        CU_STREAM_CAPTURE_MODE_GLOBAL
-            | CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
-            | CU_STREAM_CAPTURE_MODE_RELAXED
-    ) {
+    if !capture::valid_mode(mode) {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let s = resolve_stream(d, handle, ptsz)?;
@@ -403,6 +445,8 @@ fn begin_capture(handle: CUstream, mode: i32, ptsz: bool) -> Result<(), CUresult
         thread: std::thread::current().id(),
         invalidated: false,
     });
+    drop(cap);
+    capture::began(&s);
     Ok(())
 }
 
@@ -446,6 +490,7 @@ unsafe fn end_capture(handle: CUstream, graph: *mut CUgraph, ptsz: bool) -> Resu
             Some(_) => cap.take().expect("checked"),
         }
     };
+    capture::ended(&s);
     if c.invalidated {
         *graph = std::ptr::null_mut();
         return Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
@@ -480,11 +525,7 @@ unsafe fn is_capturing(handle: CUstream, status: *mut i32, ptsz: bool) -> Result
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let s = resolve_stream(d, handle, ptsz)?;
-    *status = if s.capturing() {
-        CU_STREAM_CAPTURE_STATUS_ACTIVE
-    } else {
-        CU_STREAM_CAPTURE_STATUS_NONE
-    };
+    *status = status_of(&lock(&s.capture));
     Ok(())
 }
 
@@ -496,6 +537,35 @@ pub unsafe extern "C" fn cuStreamIsCapturing(stream: CUstream, status: *mut i32)
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamIsCapturing_ptsz(stream: CUstream, status: *mut i32) -> CUresult {
     entry(|| is_capturing(stream, status, true))
+}
+
+unsafe fn stream_get_device(
+    handle: CUstream,
+    device: *mut CUdevice,
+    ptsz: bool,
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    if device.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let s = resolve_stream(d, handle, ptsz)?;
+    capture::unsafe_call()?;
+    *device = s.ctx.ordinal as CUdevice;
+    Ok(())
+}
+
+/// CUDA 12.8. Potentially unsafe during capture (see `capture.rs`).
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamGetDevice(stream: CUstream, device: *mut CUdevice) -> CUresult {
+    entry(|| stream_get_device(stream, device, false))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamGetDevice_ptsz(
+    stream: CUstream,
+    device: *mut CUdevice,
+) -> CUresult {
+    entry(|| stream_get_device(stream, device, true))
 }
 
 // ---- Events ----
@@ -539,12 +609,14 @@ fn event_record(ev: CUevent, stream: CUstream, ptsz: bool) -> Result<(), CUresul
     let s = resolve_stream(d, stream, ptsz)?;
     if s.capturing() {
         // Recorded into the capture as an ordering point; kernels are captured in order anyway.
+        lock(&e.state).captured_in = Some(Arc::downgrade(&s));
         return Ok(());
     }
     let generation = {
         let mut es = lock(&e.state);
         es.generation += 1;
         es.recorded = true;
+        es.captured_in = None;
         es.generation
     };
     s.enqueue(Work::Event {
@@ -569,6 +641,8 @@ pub unsafe extern "C" fn cuEventQuery(ev: CUevent) -> CUresult {
     entry(|| {
         let d = driver()?;
         let e = event(d, ev)?;
+        e.refuse_if_captured()?;
+        capture::unsafe_call()?;
         let s = lock(&e.state);
         if s.completed >= s.generation {
             Ok(())
@@ -583,6 +657,8 @@ pub unsafe extern "C" fn cuEventSynchronize(ev: CUevent) -> CUresult {
     entry(|| {
         let d = driver()?;
         let e = event(d, ev)?;
+        e.refuse_if_captured()?;
+        capture::unsafe_call()?;
         {
             let mut s = lock(&e.state);
             while s.completed < s.generation {
@@ -600,6 +676,8 @@ unsafe fn elapsed(ms: *mut f32, start: CUevent, end: CUevent) -> Result<(), CUre
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let (a, b) = (event(d, start)?, event(d, end)?);
+    a.refuse_if_captured()?;
+    b.refuse_if_captured()?;
     if (a.flags | b.flags) & CU_EVENT_DISABLE_TIMING != 0 {
         return Err(CUDA_ERROR_INVALID_HANDLE);
     }

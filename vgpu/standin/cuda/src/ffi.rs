@@ -49,6 +49,7 @@ pub const CUDA_ERROR_NOT_SUPPORTED: CUresult = 801;
 pub const CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: CUresult = 900;
 pub const CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: CUresult = 901;
 pub const CUDA_ERROR_STREAM_CAPTURE_UNMATCHED: CUresult = 903;
+pub const CUDA_ERROR_CAPTURED_EVENT: CUresult = 907;
 pub const CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD: CUresult = 908;
 pub const CUDA_ERROR_UNKNOWN: CUresult = 999;
 
@@ -172,6 +173,11 @@ pub const ERRORS: &[(CUresult, &str, &str)] = &[
         "capture was not initiated in this stream",
     ),
     (
+        CUDA_ERROR_CAPTURED_EVENT,
+        "CUDA_ERROR_CAPTURED_EVENT",
+        "operation not permitted on an event last recorded in a capturing stream",
+    ),
+    (
         CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD,
         "CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD",
         "attempt to terminate a thread-local capture sequence from another thread",
@@ -276,6 +282,7 @@ pub const CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: i32 = 1;
 pub const CU_STREAM_CAPTURE_MODE_RELAXED: i32 = 2;
 pub const CU_STREAM_CAPTURE_STATUS_NONE: i32 = 0;
 pub const CU_STREAM_CAPTURE_STATUS_ACTIVE: i32 = 1;
+pub const CU_STREAM_CAPTURE_STATUS_INVALIDATED: i32 = 2;
 // CUlaunchAttributeID (the one the stand-in acts on).
 pub const CU_LAUNCH_ATTRIBUTE_COOPERATIVE: i32 = 2;
 // CUfunction_attribute.

@@ -2,10 +2,12 @@
 //!
 //! The simulated cards live in a file several processes share (the `gpupool-standin-device` crate);
 //! this library is the driver API over them: devices, contexts, memory (linear, pitched, managed, the
-//! virtual memory API, pools, arrays), streams, events, modules, launches, graphs and
-//! `cuGetProcAddress`. It refuses what the real driver refuses, with cuda.h's codes; see the
-//! README next to this crate for what it imitates and what it does not.
+//! virtual memory API, pools, arrays), streams, events, modules, launches, graphs, stream capture
+//! and the rules it puts on other calls, and `cuGetProcAddress`. It refuses what the real driver
+//! refuses, with cuda.h's codes; see the README next to this crate for what it imitates and what it
+//! does not.
 
+pub mod capture;
 pub mod context;
 pub mod device;
 pub mod driver;
@@ -39,7 +41,7 @@ impl State {
 /// The address of every exported entry point by name (what `cuGetProcAddress` returns).
 pub mod symbols {
     #[allow(unused_imports)]
-    use crate::{context::*, device::*, exec::*, memory::*, procaddr::*};
+    use crate::{capture::*, context::*, device::*, exec::*, memory::*, procaddr::*};
     use std::ffi::c_void;
 
     macro_rules! table {
@@ -180,6 +182,9 @@ pub mod symbols {
     cuStreamEndCapture_ptsz,
     cuStreamIsCapturing,
     cuStreamIsCapturing_ptsz,
+    cuStreamGetDevice,
+    cuStreamGetDevice_ptsz,
+    cuThreadExchangeStreamCaptureMode,
     cuEventCreate,
     cuEventRecord,
     cuEventRecord_ptsz,

@@ -91,6 +91,16 @@ enum Kind {
     Legacy,
 }
 
+impl Kind {
+    /// How the card accounts for it: managed memory stays out of NVML's per-process figure.
+    fn account(self) -> Charge {
+        match self {
+            Kind::Managed => Charge::Managed,
+            _ => Charge::Memory,
+        }
+    }
+}
+
 struct Alloc {
     size: u64,
     /// What the card is charged for it (pitch x height for pitched memory; 0 for pool memory).
@@ -179,7 +189,8 @@ impl Memory {
         charged: u64,
         kind: Kind,
     ) -> Result<u64, CUresult> {
-        if charged > 0 && !sim.charge(physical, charged, Charge::Memory) {
+        let account = kind.account();
+        if charged > 0 && !sim.charge(physical, charged, account) {
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
         }
         let addr = match kind {
@@ -189,7 +200,7 @@ impl Memory {
         };
         let Some(addr) = addr else {
             if charged > 0 {
-                sim.uncharge(physical, charged, Charge::Memory);
+                sim.uncharge(physical, charged, account);
             }
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
         };
@@ -214,7 +225,7 @@ impl Memory {
             _ => self.space(a.physical).free(addr),
         }
         if a.charged > 0 {
-            sim.uncharge(a.physical, a.charged, Charge::Memory);
+            sim.uncharge(a.physical, a.charged, a.kind.account());
         }
         if let Kind::Pool(handle) = a.kind {
             let mut gone = false;
@@ -300,6 +311,7 @@ fn alloc_linear(size: u64, kind: Kind) -> Result<u64, CUresult> {
     if size == 0 {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
+    crate::capture::unsafe_call()?;
     d.state()
         .mem
         .place(&d.sim, ctx.physical, ctx.handle, size, size, kind)
@@ -346,6 +358,7 @@ fn alloc_pitch(width: u64, height: u64, element: u32, kind: Kind) -> Result<(u64
     let d = driver()?;
     let ctx = current()?;
     let (pitch, bytes) = pitch_for(width, height, element)?;
+    crate::capture::unsafe_call()?;
     let addr = d
         .state()
         .mem
@@ -395,7 +408,9 @@ pub unsafe extern "C" fn cuMemAllocPitch(
 }
 
 /// Managed memory is charged in full to the current context's card when allocated (a real card
-/// holds it only once touched: the stand-in is the stricter of the two).
+/// holds it only once touched: the stand-in is the stricter of the two), and left out of NVML's
+/// per-process used memory, as the H200 showed it (the process's figure stayed at its context's
+/// with 4 GiB of managed memory allocated).
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAllocManaged(
     dptr: *mut CUdeviceptr,
@@ -415,6 +430,7 @@ pub unsafe extern "C" fn cuMemAllocManaged(
 fn free(addr: u64) -> Result<(), CUresult> {
     let d = driver()?;
     current()?;
+    crate::capture::unsafe_call()?;
     // Unknown addresses, and addresses inside an allocation, are CUDA_ERROR_INVALID_VALUE.
     d.state().mem.free(&d.sim, addr)
 }

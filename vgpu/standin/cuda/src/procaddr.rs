@@ -253,6 +253,17 @@ pub static TABLE: &[(&str, &[Variant])] = &[
             pt(10000, 10000, "cuStreamIsCapturing_ptsz"),
         ],
     ),
+    (
+        "cuStreamGetDevice",
+        &[
+            v(12080, "cuStreamGetDevice"),
+            pt(12080, 12080, "cuStreamGetDevice_ptsz"),
+        ],
+    ),
+    (
+        "cuThreadExchangeStreamCaptureMode",
+        &[v(10010, "cuThreadExchangeStreamCaptureMode")],
+    ),
     ("cuEventCreate", &[v(2000, "cuEventCreate")]),
     (
         "cuEventRecord",
@@ -377,13 +388,27 @@ pub fn choose(symbol: &str, version: i32, per_thread: bool) -> Choice {
     Choice::Symbol(legacy.symbol)
 }
 
+/// Which address `cuGetProcAddress` hands out for the variant it chose
+/// (`GPUPOOL_STANDIN_PROC_ADDRESS`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Addresses {
+    /// `exported` (the default): the driver's exported symbol of the variant, as the H200's
+    /// driver did for the entry points checked.
+    Exported,
+    /// `internal`: a private thunk per symbol that jumps to it, which no `dlsym` returns, as a
+    /// driver may hand out its internal entry points.
+    Internal,
+    /// `interposed`: `dlsym(RTLD_DEFAULT, <variant>)`, the global lookup, which finds a preloaded
+    /// library's exported wrapper first: what a driver (or an interposer) whose table resolves
+    /// through symbol interposition hands out. The driver's own symbol when the lookup finds none.
+    Interposed,
+}
+
 /// How `cuGetProcAddress` answers, from the process's environment (both settings are real drivers'
 /// latitude, so that the library is tested against either answer).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Answers {
-    /// `GPUPOOL_STANDIN_PROC_ADDRESS=internal`: addresses that are not the exported symbols (a
-    /// thunk per symbol), as a driver may return its internal entry points. Default `exported`.
-    pub internal_addresses: bool,
+    pub addresses: Addresses,
     /// `GPUPOOL_STANDIN_PROC_NOT_FOUND=success`: a symbol not given (unknown, or a version too
     /// old) answers `CUDA_SUCCESS` with a NULL pointer, as cuda.h's comment says. Default `error`:
     /// `CUDA_ERROR_NOT_FOUND`, as drivers answer.
@@ -396,12 +421,13 @@ pub const PROC_NOT_FOUND: &str = "GPUPOOL_STANDIN_PROC_NOT_FOUND";
 /// Reads the two settings; a value that is neither choice is an error naming the variable (a test
 /// with a typo must not silently run the default).
 pub fn answers(address: Option<&str>, not_found: Option<&str>) -> Result<Answers, String> {
-    let internal_addresses = match address {
-        None | Some("exported") => false,
-        Some("internal") => true,
+    let addresses = match address {
+        None | Some("exported") => Addresses::Exported,
+        Some("internal") => Addresses::Internal,
+        Some("interposed") => Addresses::Interposed,
         Some(other) => {
             return Err(format!(
-                "{PROC_ADDRESS}={other:?}: expected exported or internal"
+                "{PROC_ADDRESS}={other:?}: expected exported, internal or interposed"
             ))
         }
     };
@@ -415,7 +441,7 @@ pub fn answers(address: Option<&str>, not_found: Option<&str>) -> Result<Answers
         }
     };
     Ok(Answers {
-        internal_addresses,
+        addresses,
         not_found_success,
     })
 }
@@ -429,6 +455,15 @@ fn process_answers() -> Result<Answers, CUresult> {
             CUDA_ERROR_INVALID_VALUE
         })
     })
+}
+
+/// The global lookup of `symbol`: a preloaded object's export of the name comes first, then ours
+/// (the lookup starts from the caller's scope, which has this library in it).
+fn interposed(symbol: &str) -> Option<*mut c_void> {
+    let name = std::ffi::CString::new(symbol).ok()?;
+    // SAFETY: a NUL-terminated name; RTLD_DEFAULT is a valid handle.
+    let addr = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
+    (!addr.is_null()).then_some(addr)
 }
 
 unsafe fn lookup(
@@ -454,11 +489,14 @@ unsafe fn lookup(
         flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM != 0,
     );
     let (addr, code) = match choice {
-        Choice::Symbol(s) if answers.internal_addresses => (
-            crate::symbols::thunks::address_of(s),
-            CU_GET_PROC_ADDRESS_SUCCESS,
-        ),
-        Choice::Symbol(s) => (crate::symbols::address_of(s), CU_GET_PROC_ADDRESS_SUCCESS),
+        Choice::Symbol(s) => {
+            let addr = match answers.addresses {
+                Addresses::Exported => crate::symbols::address_of(s),
+                Addresses::Internal => crate::symbols::thunks::address_of(s),
+                Addresses::Interposed => interposed(s).or_else(|| crate::symbols::address_of(s)),
+            };
+            (addr, CU_GET_PROC_ADDRESS_SUCCESS)
+        }
         Choice::NotFound => (None, CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND),
         Choice::VersionNotSufficient => (None, CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT),
     };
@@ -578,16 +616,20 @@ mod tests {
         assert_eq!(
             answers(None, None),
             Ok(Answers {
-                internal_addresses: false,
+                addresses: Addresses::Exported,
                 not_found_success: false
             })
         );
         assert_eq!(
             answers(Some("internal"), Some("success")),
             Ok(Answers {
-                internal_addresses: true,
+                addresses: Addresses::Internal,
                 not_found_success: true
             })
+        );
+        assert_eq!(
+            answers(Some("interposed"), None).map(|a| a.addresses),
+            Ok(Addresses::Interposed)
         );
         let err = answers(Some("inside"), None).unwrap_err();
         assert!(

@@ -2,10 +2,13 @@
 //!
 //! The cards live in a state file (`GPUPOOL_STANDIN_STATE`) that every process using a stand-in maps
 //! `MAP_SHARED`. The first process creates it from `GPUPOOL_STANDIN_DEVICES` (spec.rs); later ones
-//! take the cards as written. The file holds, per card, the memory every process uses (allocations
-//! and context memory, separately), the busy time of every process in sample-period buckets, and
-//! which process's kernel the card is running (one kernel at a time per card, across processes, like a
-//! GPU time-slicing contexts without MPS).
+//! take the cards as written. The file holds, per card, the memory every process uses (allocations,
+//! managed memory and context memory, separately), per process the time its kernels ran and the
+//! time it had work on the card (kernels submitted and not yet complete) in sample-period buckets,
+//! and whose turn on the card's engine it is. The engine is time-sliced like a GPU without MPS:
+//! processes with work take turns of at most a timeslice each, a kernel still running at the end
+//! of its process's turn is preempted and resumes at that process's next turn, and a process alone
+//! keeps the engine.
 //!
 //! No process-shared mutex exists anywhere: a process killed while holding one would leave it held.
 //! Instead:
@@ -14,13 +17,16 @@
 //!   can be taken by someone else belongs to the dead, and its memory is released (as the real driver
 //!   releases a dead process's memory);
 //! - memory checks and reaping serialise on another OFD lock byte, held only for microseconds;
-//! - the card's kernel engine is a lock-free owner word with a hand-off to the next waiting slot
-//!   (fairness: two busy processes alternate kernels) and a futex to sleep on; a waiter whose owner
-//!   died (its slot lock is free) takes the engine back.
+//! - the card's engine is one lock-free word (whose turn it is, whether a kernel runs, when the turn
+//!   began), handed round robin to the next waiting slot, with a sequence word to sleep on (a
+//!   futex); a waiter takes the engine from an owner that died (its slot lock is free), and from a
+//!   live owner whose turn is over while no kernel of it runs.
 
+pub mod engine;
 pub mod spec;
 pub mod sys;
 
+use engine::State;
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
@@ -38,7 +44,7 @@ const RING: usize = 32;
 pub const SAMPLE_HISTORY: u64 = 10;
 
 const MAGIC: u64 = u64::from_le_bytes(*b"GPSTNDIN");
-const LAYOUT_VERSION: u32 = 1;
+const LAYOUT_VERSION: u32 = 2;
 
 /// Lock bytes live far past the data (OFD locks may cover bytes beyond the end of a file), so that
 /// locking never touches what the mapping holds.
@@ -57,7 +63,8 @@ struct Header {
     context_memory: u64,
     reserved_memory: u64,
     sample_ns: u64,
-    _pad: [u8; 4096 - 40],
+    timeslice_ns: u64,
+    _pad: [u8; 4096 - 48],
 }
 
 #[repr(C)]
@@ -65,13 +72,16 @@ struct DeviceRecord {
     uuid: [u8; 16],
     memory: u64,
     sms: u32,
-    /// Slot + 1 of the process whose kernel runs now, 0 when idle.
-    engine_owner: AtomicU32,
+    /// Whose turn it is (`engine::State`): slot + 1 of the owner (0: nobody), whether one of its
+    /// kernels runs, and when its turn began.
+    engine: AtomicU64,
     /// One bit per slot waiting for the engine.
     engine_waiters: AtomicU64,
-    /// When the running kernel started (0: none), so that samples count a kernel still running.
+    /// Bumped whenever the engine changes hands, so that waiters can sleep on it (a futex).
+    engine_seq: AtomicU32,
+    _pad32: u32,
+    /// When the running kernel's current stretch started (0: none), so that samples count it.
     running_since_ns: AtomicU64,
-    _pad: [u8; 16],
 }
 
 #[repr(C)]
@@ -82,11 +92,20 @@ struct Bucket {
 
 #[repr(C)]
 struct SlotDevice {
+    /// Device memory allocated (managed memory apart).
     used: AtomicU64,
+    /// Managed memory: the card is charged for it, NVML's per-process figure leaves it out.
+    managed: AtomicU64,
     context: AtomicU64,
     contexts: AtomicU32,
-    _pad: u32,
-    ring: [Bucket; RING],
+    /// Kernels submitted and not yet complete (written by the owning process only).
+    pending: AtomicU32,
+    /// Since when `pending` has been above 0 (0: no work).
+    work_since_ns: AtomicU64,
+    /// Time the process's kernels ran, per sample period.
+    busy: [Bucket; RING],
+    /// Time the process had work on the card (queued or running), per sample period.
+    work: [Bucket; RING],
 }
 
 #[repr(C)]
@@ -135,7 +154,8 @@ impl MemoryUse {
     }
 }
 
-/// A process with memory or a context on a card, as NVML lists it.
+/// A process with memory or a context on a card, as NVML lists it: `memory` is its allocations
+/// and context memory, without managed memory (as the H200 showed it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ProcessUse {
     pub pid: u32,
@@ -155,6 +175,8 @@ pub struct Sample {
 pub enum Charge {
     /// Device memory the process allocated.
     Memory,
+    /// Managed memory: on the card's account, not in the process's NVML figure.
+    Managed,
     /// One context's fixed memory (counts the context too).
     Context,
 }
@@ -167,7 +189,7 @@ pub struct Sim {
     slot: Option<usize>,
     /// Serialises this process's threads before they contend across processes for a card's engine.
     engine_local: [Mutex<()>; MAX_DEVICES],
-    /// Serialises this process's writers of its own busy buckets.
+    /// Serialises this process's writers of its own buckets and work counters.
     ring_writer: Mutex<()>,
     /// Serialises this process's threads on the memory lock.
     memory_local: Mutex<()>,
@@ -294,6 +316,11 @@ impl Sim {
         self.layout.header.sample_ns
     }
 
+    /// The longest turn a process has on a card's engine while another process has work there.
+    pub fn timeslice_ns(&self) -> u64 {
+        self.layout.header.timeslice_ns
+    }
+
     /// The slot this process holds, once `attach` succeeded.
     pub fn slot(&self) -> Option<usize> {
         self.slot
@@ -336,31 +363,48 @@ impl Sim {
         ))
     }
 
-    /// Releases a dead process's slot: its memory, contexts and samples go, and the engine if it
-    /// held it. Called with the memory lock held and the slot's own lock taken by us.
+    /// Releases a dead process's slot: its memory, contexts, work and samples go, and the engine if
+    /// it held it. Called with the memory lock held and the slot's own lock taken by us.
     fn clear_slot(&self, i: usize) {
         let slot = &self.layout.slots[i];
         for (d, sd) in slot.devices.iter().enumerate() {
             sd.used.store(0, Ordering::Relaxed);
+            sd.managed.store(0, Ordering::Relaxed);
             sd.context.store(0, Ordering::Relaxed);
             sd.contexts.store(0, Ordering::Relaxed);
-            for b in &sd.ring {
+            sd.pending.store(0, Ordering::Relaxed);
+            sd.work_since_ns.store(0, Ordering::Relaxed);
+            for b in sd.busy.iter().chain(sd.work.iter()) {
                 b.period.store(u64::MAX, Ordering::Relaxed);
                 b.busy_ns.store(0, Ordering::Relaxed);
             }
             let dev = &self.layout.devices[d];
             dev.engine_waiters.fetch_and(!(1u64 << i), Ordering::AcqRel);
-            if dev
-                .engine_owner
-                .compare_exchange(i as u32 + 1, 0, Ordering::AcqRel, Ordering::Relaxed)
-                .is_ok()
-            {
-                dev.running_since_ns.store(0, Ordering::Release);
-                sys::futex_wake_all(&dev.engine_owner);
-            }
+            self.take_back_from(d, i);
         }
         slot.host_pid.store(0, Ordering::Relaxed);
         slot.pid.store(0, Ordering::Release);
+    }
+
+    /// Frees card `dev`'s engine if the dead slot `dead` holds it, and wakes the waiters.
+    fn take_back_from(&self, dev: usize, dead: usize) {
+        let d = &self.layout.devices[dev];
+        let mut word = d.engine.load(Ordering::Acquire);
+        while State::unpack(word).owner == dead as u32 + 1 {
+            match d.engine.compare_exchange(
+                word,
+                State::IDLE.pack(),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => {
+                    d.running_since_ns.store(0, Ordering::Release);
+                    self.engine_changed(dev);
+                    return;
+                }
+                Err(now) => word = now,
+            }
+        }
     }
 
     /// Releases every slot whose owner died. Call with the memory lock held.
@@ -385,8 +429,10 @@ impl Sim {
             .iter()
             .filter(|s| s.pid.load(Ordering::Acquire) != 0)
             .map(|s| {
-                s.devices[dev].used.load(Ordering::Acquire)
-                    + s.devices[dev].context.load(Ordering::Acquire)
+                let sd = &s.devices[dev];
+                sd.used.load(Ordering::Acquire)
+                    + sd.managed.load(Ordering::Acquire)
+                    + sd.context.load(Ordering::Acquire)
             })
             .sum()
     }
@@ -411,6 +457,9 @@ impl Sim {
             Charge::Memory => {
                 sd.used.fetch_add(bytes, Ordering::AcqRel);
             }
+            Charge::Managed => {
+                sd.managed.fetch_add(bytes, Ordering::AcqRel);
+            }
             Charge::Context => {
                 sd.context.fetch_add(bytes, Ordering::AcqRel);
                 sd.contexts.fetch_add(1, Ordering::AcqRel);
@@ -425,6 +474,9 @@ impl Sim {
         match kind {
             Charge::Memory => {
                 sd.used.fetch_sub(bytes, Ordering::AcqRel);
+            }
+            Charge::Managed => {
+                sd.managed.fetch_sub(bytes, Ordering::AcqRel);
             }
             Charge::Context => {
                 sd.context.fetch_sub(bytes, Ordering::AcqRel);
@@ -444,7 +496,8 @@ impl Sim {
         }
     }
 
-    /// Live processes with a context or memory on the card, in slot order.
+    /// Live processes with a context or memory on the card, in slot order. Their memory leaves out
+    /// managed memory, as NVML's per-process figure did on the H200.
     pub fn processes(&self, dev: usize) -> Vec<ProcessUse> {
         let _guard = self.lock(LOCK_MEMORY);
         self.reap_locked();
@@ -455,7 +508,8 @@ impl Sim {
             .filter_map(|s| {
                 let sd = &s.devices[dev];
                 let memory = sd.used.load(Ordering::Acquire) + sd.context.load(Ordering::Acquire);
-                (sd.contexts.load(Ordering::Acquire) > 0 || memory > 0).then(|| ProcessUse {
+                let any = memory > 0 || sd.managed.load(Ordering::Acquire) > 0;
+                (sd.contexts.load(Ordering::Acquire) > 0 || any).then(|| ProcessUse {
                     pid: s.host_pid.load(Ordering::Relaxed),
                     memory,
                 })
@@ -463,25 +517,125 @@ impl Sim {
             .collect()
     }
 
-    /// Runs one kernel of `duration` on card `dev`: waits for the card (one kernel at a time across
-    /// all processes, handed over in turn), keeps it busy for `duration`, records the busy time for
-    /// this process's utilisation samples. Returns the (start, end) wall-clock nanoseconds.
+    /// A kernel was submitted to card `dev`: this process has work there until `run_kernel` has run
+    /// it (NVML's per-process utilisation counts that time).
+    pub fn kernel_queued(&self, dev: usize) {
+        let slot = self.slot.expect("stand-in: kernel before attach");
+        let _w = self.ring_writer.lock().unwrap_or_else(|e| e.into_inner());
+        let sd = &self.layout.slots[slot].devices[dev];
+        if sd.pending.fetch_add(1, Ordering::AcqRel) == 0 {
+            sd.work_since_ns.store(sys::now_ns(), Ordering::Release);
+        }
+    }
+
+    /// A queued kernel completed at `at`.
+    fn kernel_done(&self, dev: usize, slot: usize, at: u64) {
+        let _w = self.ring_writer.lock().unwrap_or_else(|e| e.into_inner());
+        let sd = &self.layout.slots[slot].devices[dev];
+        let before = sd
+            .pending
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+        if before == Ok(1) {
+            let since = sd.work_since_ns.swap(0, Ordering::AcqRel);
+            if since != 0 {
+                self.record(&sd.work, since, at.max(since));
+            }
+        }
+    }
+
+    fn has_work(&self, dev: usize, slot: usize) -> bool {
+        self.layout.slots[slot].devices[dev]
+            .pending
+            .load(Ordering::Acquire)
+            > 0
+    }
+
+    /// Runs one kernel queued with `kernel_queued` on card `dev` for `duration` of engine time, then
+    /// marks it complete. The engine is time-sliced across processes: this waits for this
+    /// process's turn, runs until the kernel is done or the turn is over while another process
+    /// waits (then the kernel is preempted and resumes at this process's next turn), and records
+    /// the time it ran for utilisation. One kernel of a process runs at a time. Returns the
+    /// wall-clock nanoseconds of its first start and of its completion.
     pub fn run_kernel(&self, dev: usize, duration: Duration) -> (u64, u64) {
         let slot = self.slot.expect("stand-in: kernel before attach");
-        let local = self.engine_local[dev]
+        let _local = self.engine_local[dev]
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        self.engine_acquire(dev, slot);
         let d = &self.layout.devices[dev];
-        let start = sys::now_ns();
-        d.running_since_ns.store(start, Ordering::Release);
-        sys::sleep_until(start + duration.as_nanos() as u64);
-        let end = sys::now_ns();
-        d.running_since_ns.store(0, Ordering::Release);
-        self.record_busy(dev, slot, start, end);
-        self.engine_release(dev, slot);
-        drop(local);
-        (start, end)
+        let timeslice = self.timeslice_ns();
+        let mut remaining = duration.as_nanos() as u64;
+        let mut first = None;
+        loop {
+            let ours = self.engine_acquire(dev, slot);
+            let running = State {
+                running: true,
+                ..ours
+            };
+            if d.engine
+                .compare_exchange(
+                    ours.pack(),
+                    running.pack(),
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                )
+                .is_err()
+            {
+                continue; // our turn was over while idle and a waiter took the engine
+            }
+            let start = sys::now_ns();
+            first.get_or_insert(start);
+            d.running_since_ns.store(start, Ordering::Release);
+            let mut turn = running;
+            let mut turn_end = turn.turn_us * 1000 + timeslice;
+            let preempted = loop {
+                let now = sys::now_ns();
+                if now - start >= remaining {
+                    break false;
+                }
+                if now >= turn_end {
+                    if self.others_waiting(dev, slot) {
+                        break true;
+                    }
+                    // Alone on the card: a new turn.
+                    turn.turn_us = now / 1000;
+                    d.engine.store(turn.pack(), Ordering::Release);
+                    turn_end = now + timeslice;
+                }
+                sys::sleep_until((start + remaining).min(turn_end));
+            };
+            let now = sys::now_ns();
+            let ran = (now - start).min(remaining);
+            remaining -= ran;
+            d.running_since_ns.store(0, Ordering::Release);
+            if ran > 0 {
+                let _w = self.ring_writer.lock().unwrap_or_else(|e| e.into_inner());
+                self.record(
+                    &self.layout.slots[slot].devices[dev].busy,
+                    start,
+                    start + ran,
+                );
+            }
+            if preempted {
+                self.engine_hand_over(dev, slot);
+                continue;
+            }
+            self.kernel_done(dev, slot, now);
+            // Keep the engine while this process has more work and either time left in its turn
+            // or nobody else waiting; otherwise the next waiting process's turn begins.
+            if self.has_work(dev, slot) && (now < turn_end || !self.others_waiting(dev, slot)) {
+                d.engine.store(
+                    State {
+                        running: false,
+                        ..turn
+                    }
+                    .pack(),
+                    Ordering::Release,
+                );
+            } else {
+                self.engine_hand_over(dev, slot);
+            }
+            return (first.unwrap_or(start), now);
+        }
     }
 
     fn slot_alive(&self, slot: usize) -> bool {
@@ -491,74 +645,114 @@ impl Sim {
         )
     }
 
-    fn engine_acquire(&self, dev: usize, slot: usize) {
+    fn others_waiting(&self, dev: usize, slot: usize) -> bool {
+        self.layout.devices[dev]
+            .engine_waiters
+            .load(Ordering::Acquire)
+            & !(1u64 << slot)
+            != 0
+    }
+
+    fn engine_changed(&self, dev: usize) {
+        let d = &self.layout.devices[dev];
+        d.engine_seq.fetch_add(1, Ordering::AcqRel);
+        sys::futex_wake_all(&d.engine_seq);
+    }
+
+    /// Waits until it is `slot`'s turn on card `dev` with no kernel running; returns the engine
+    /// word as it then is (owner = `slot`).
+    fn engine_acquire(&self, dev: usize, slot: usize) -> State {
         let d = &self.layout.devices[dev];
         let me = slot as u32 + 1;
         let bit = 1u64 << slot;
+        let timeslice_us = self.timeslice_ns() / 1000;
         let mut registered = false;
+        let got = |registered: bool| {
+            if registered {
+                d.engine_waiters.fetch_and(!bit, Ordering::AcqRel);
+            }
+        };
         loop {
-            match d
-                .engine_owner
-                .compare_exchange(0, me, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) => break,
-                Err(owner) if owner == me => break, // handed over to us
-                Err(owner) => {
-                    if !registered {
-                        d.engine_waiters.fetch_or(bit, Ordering::AcqRel);
-                        registered = true;
-                        continue; // the owner may have released before it saw our bit
-                    }
-                    sys::futex_wait(&d.engine_owner, owner, Duration::from_millis(20));
-                    if d.engine_owner.load(Ordering::Acquire) == owner
-                        && !self.slot_alive(owner as usize - 1)
-                    {
-                        // The owner died with the card (or was handed it while waiting): take
-                        // it back, and drop its waiting bit so that no later release hands the
-                        // card to the dead again (its slot is reaped later).
-                        d.engine_waiters
-                            .fetch_and(!(1u64 << (owner - 1)), Ordering::AcqRel);
-                        if d.engine_owner
-                            .compare_exchange(owner, 0, Ordering::AcqRel, Ordering::Relaxed)
-                            .is_ok()
-                        {
-                            d.running_since_ns.store(0, Ordering::Release);
-                        }
-                    }
+            let seq = d.engine_seq.load(Ordering::Acquire);
+            let word = d.engine.load(Ordering::Acquire);
+            let state = State::unpack(word);
+            let now_us = sys::now_ns() / 1000;
+            if state.owner == me && !state.running {
+                got(registered);
+                return state; // handed over to us, or kept from our last kernel
+            }
+            let take = |word: u64| {
+                let ours = State::turn_of(slot, now_us);
+                d.engine
+                    .compare_exchange(word, ours.pack(), Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+                    .then_some(ours)
+            };
+            if state.owner == 0 {
+                if let Some(ours) = take(word) {
+                    got(registered);
+                    return ours;
                 }
+                continue;
+            }
+            if !registered {
+                d.engine_waiters.fetch_or(bit, Ordering::AcqRel);
+                registered = true;
+                continue; // the owner may have handed over before it saw our bit
+            }
+            let owner = state.owner as usize - 1;
+            // An owner between kernels whose turn is over yields to the next waiter in turn.
+            let over = !state.running && state.turn_over(now_us, timeslice_us);
+            if over
+                && engine::next_after(owner, d.engine_waiters.load(Ordering::Acquire)) == Some(slot)
+            {
+                if let Some(ours) = take(word) {
+                    got(registered);
+                    self.engine_changed(dev);
+                    return ours;
+                }
+                continue;
+            }
+            let wait_us = if state.running || over {
+                20_000
+            } else {
+                (state.turn_us + timeslice_us)
+                    .saturating_sub(now_us)
+                    .clamp(100, 20_000)
+            };
+            sys::futex_wait(&d.engine_seq, seq, Duration::from_micros(wait_us));
+            if d.engine.load(Ordering::Acquire) == word && !self.slot_alive(owner) {
+                // The owner died with the card (or was handed it while waiting): take it back,
+                // and drop its waiting bit so that no later hand-over gives it to the dead (its
+                // slot is reaped later).
+                d.engine_waiters
+                    .fetch_and(!(1u64 << owner), Ordering::AcqRel);
+                self.take_back_from(dev, owner);
             }
         }
-        if registered {
-            d.engine_waiters.fetch_and(!bit, Ordering::AcqRel);
-        }
     }
 
-    fn engine_release(&self, dev: usize, slot: usize) {
+    /// Ends `slot`'s turn on card `dev`: the next waiting slot's turn begins now (round robin), or
+    /// the engine is free.
+    fn engine_hand_over(&self, dev: usize, slot: usize) {
         let d = &self.layout.devices[dev];
         let waiters = d.engine_waiters.load(Ordering::Acquire) & !(1u64 << slot);
-        let next = if waiters == 0 {
-            0
-        } else {
-            // Round robin: the first waiting slot after ours, wrapping around.
-            let rotated = waiters.rotate_right(slot as u32 + 1);
-            let offset = rotated.trailing_zeros() as usize;
-            ((slot + 1 + offset) % 64) as u32 + 1
+        let next = match engine::next_after(slot, waiters) {
+            Some(n) => State::turn_of(n, sys::now_ns() / 1000),
+            None => State::IDLE,
         };
-        d.engine_owner.store(next, Ordering::Release);
-        if waiters != 0 {
-            sys::futex_wake_all(&d.engine_owner);
-        }
+        d.engine.store(next.pack(), Ordering::Release);
+        self.engine_changed(dev);
     }
 
-    fn record_busy(&self, dev: usize, slot: usize, start: u64, end: u64) {
+    /// Adds `[start, end)` to a ring of per-period buckets. Call with `ring_writer` held.
+    fn record(&self, ring: &[Bucket; RING], start: u64, end: u64) {
         let p = self.sample_ns();
-        let _w = self.ring_writer.lock().unwrap_or_else(|e| e.into_inner());
-        let sd = &self.layout.slots[slot].devices[dev];
         let mut t = start;
         while t < end {
             let period = t / p;
             let until = end.min((period + 1) * p);
-            let b = &sd.ring[(period % RING as u64) as usize];
+            let b = &ring[(period % RING as u64) as usize];
             if b.period.load(Ordering::Acquire) == period {
                 b.busy_ns.fetch_add(until - t, Ordering::AcqRel);
             } else {
@@ -571,34 +765,56 @@ impl Sim {
         }
     }
 
-    fn busy_in(&self, slot: usize, dev: usize, period: u64) -> u64 {
-        let b = &self.layout.slots[slot].devices[dev].ring[(period % RING as u64) as usize];
+    /// What a ring holds for `period`.
+    fn bucket(ring: &[Bucket; RING], period: u64) -> u64 {
+        let b = &ring[(period % RING as u64) as usize];
         let before = b.period.load(Ordering::Acquire);
-        let busy = b.busy_ns.load(Ordering::Acquire);
+        let value = b.busy_ns.load(Ordering::Acquire);
         let after = b.period.load(Ordering::Acquire);
-        let mut total = if before == period && after == period {
-            busy
+        if before == period && after == period {
+            value
         } else {
             0
-        };
-        // A kernel still running counts for the part of the period it has covered.
+        }
+    }
+
+    /// The part of `period` from `since` (0: none) to now.
+    fn open_part(&self, since: u64, period: u64) -> u64 {
+        let p = self.sample_ns();
+        let (from, to) = (period * p, (period + 1) * p);
+        if since == 0 || since >= to {
+            return 0;
+        }
+        to.min(sys::now_ns()).saturating_sub(since.max(from))
+    }
+
+    /// Time slot `slot`'s kernels ran on card `dev` during `period`, a kernel running now included.
+    fn busy_in(&self, slot: usize, dev: usize, period: u64) -> u64 {
         let d = &self.layout.devices[dev];
-        if d.engine_owner.load(Ordering::Acquire) == slot as u32 + 1 {
-            let since = d.running_since_ns.load(Ordering::Acquire);
-            let p = self.sample_ns();
-            let (from, to) = (period * p, (period + 1) * p);
-            if since != 0 && since < to {
-                total += to.min(sys::now_ns()).saturating_sub(since.max(from));
-            }
+        let mut total = Self::bucket(&self.layout.slots[slot].devices[dev].busy, period);
+        let state = State::unpack(d.engine.load(Ordering::Acquire));
+        if state.owner == slot as u32 + 1 && state.running {
+            total += self.open_part(d.running_since_ns.load(Ordering::Acquire), period);
         }
         total.min(self.sample_ns())
     }
 
+    /// Time slot `slot` had work on card `dev` during `period`, work pending now included.
+    fn work_in(&self, slot: usize, dev: usize, period: u64) -> u64 {
+        let sd = &self.layout.slots[slot].devices[dev];
+        let total = Self::bucket(&sd.work, period)
+            + self.open_part(sd.work_since_ns.load(Ordering::Acquire), period);
+        total.min(self.sample_ns())
+    }
+
     /// Per-process samples on card `dev` newer than `last_seen_us` (NVML's `lastSeenTimeStamp`): one
-    /// per process busy in the window, which runs from the first sample period ending after
+    /// per process that had work in the window, which runs from the first sample period ending after
     /// `last_seen_us` (at most `SAMPLE_HISTORY` periods back) to the last completed period; `sm_util`
-    /// is the process's busy share of that window, the timestamp the window's end. Processes idle
-    /// over the window are left out, as NVML leaves out processes without utilisation.
+    /// is the share of that window during which the process had work on the card (kernels
+    /// submitted and not yet complete), not its share of the engine: under time-slicing two
+    /// processes saturating one card both read near 100 (the H200 read 75 and 73 for a pair that
+    /// got 42 % and 61 % of the card). The timestamp is the window's end. Processes without work
+    /// in the window are left out, as NVML leaves out processes without utilisation.
     pub fn process_samples(&self, dev: usize, last_seen_us: u64) -> Vec<Sample> {
         let p = self.sample_ns();
         let now = sys::now_ns();
@@ -620,9 +836,9 @@ impl Sim {
             if slot.pid.load(Ordering::Acquire) == 0 {
                 continue;
             }
-            let busy: u64 = (first..=last).map(|k| self.busy_in(i, dev, k)).sum();
-            let util = ((busy * 100 + periods * p / 2) / (periods * p)).min(100) as u32;
-            if util > 0 {
+            let worked: u64 = (first..=last).map(|k| self.work_in(i, dev, k)).sum();
+            let util = ((worked * 100 + periods * p / 2) / (periods * p)).min(100) as u32;
+            if worked > 0 {
                 out.push(Sample {
                     pid: slot.host_pid.load(Ordering::Relaxed),
                     timestamp_us: end_us,
@@ -662,6 +878,7 @@ unsafe fn initialise(layout: *mut Layout, path: &str, config: &Config) {
     l.header.context_memory = config.context_memory;
     l.header.reserved_memory = config.reserved_memory;
     l.header.sample_ns = config.sample_ms * 1_000_000;
+    l.header.timeslice_ns = config.timeslice_us * 1000;
     for (i, spec) in config.devices.iter().enumerate() {
         let d = &mut l.devices[i];
         d.uuid = match &config.uuids {
@@ -673,7 +890,7 @@ unsafe fn initialise(layout: *mut Layout, path: &str, config: &Config) {
     }
     for slot in l.slots.iter_mut() {
         for sd in slot.devices.iter_mut() {
-            for b in sd.ring.iter_mut() {
+            for b in sd.busy.iter_mut().chain(sd.work.iter_mut()) {
                 *b.period.get_mut() = u64::MAX;
             }
         }
@@ -746,24 +963,185 @@ mod tests {
         assert_eq!(a.memory(0).free(), 0);
     }
 
+    fn sim(path: &str, cfg: Config, pid: u32) -> Sim {
+        let mut s = Sim::open(path, move || Ok(cfg)).unwrap();
+        s.attach(pid).unwrap();
+        s
+    }
+
+    fn run(s: &Sim, ms: u64) -> (u64, u64) {
+        s.kernel_queued(0);
+        s.run_kernel(0, Duration::from_millis(ms))
+    }
+
     #[test]
-    fn busy_time_shows_in_samples() {
+    fn alone_a_process_keeps_the_engine_for_its_whole_kernel() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state").to_str().unwrap().to_string();
+        let a = sim(&path, config("1x1g"), 1);
+        let (start, end) = run(&a, 40);
+        let took = (end - start) / 1_000_000;
+        assert!((40..60).contains(&took), "{took} ms");
+    }
+
+    /// Two processes: one kernel of 120 ms in one, 1 ms kernels back to back in the other (always
+    /// one more queued, so that it has work all the time), turns of `timeslice_us`. Returns how
+    /// long the long kernel took, and the short kernels' completions while it ran.
+    fn long_against_short(timeslice_us: u64) -> (u64, Vec<u64>) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state").to_str().unwrap().to_string();
+        let cfg = Config {
+            timeslice_us,
+            ..config("1x1g")
+        };
+        let a = std::sync::Arc::new(sim(&path, cfg.clone(), 1));
+        let b = std::sync::Arc::new(sim(&path, cfg, 2));
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let shorts = {
+            let (b, stop) = (b.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut ends = Vec::new();
+                b.kernel_queued(0);
+                while !stop.load(Ordering::Relaxed) {
+                    b.kernel_queued(0);
+                    ends.push(b.run_kernel(0, Duration::from_millis(1)).1);
+                }
+                ends
+            })
+        };
+        std::thread::sleep(Duration::from_millis(10));
+        let (start, end) = run(&a, 120);
+        stop.store(true, Ordering::Relaxed);
+        let ends = shorts.join().unwrap();
+        let during = ends.into_iter().filter(|&e| e > start && e < end).collect();
+        ((end - start) / 1_000_000, during)
+    }
+
+    fn longest_gap_ms(ends: &[u64]) -> u64 {
+        ends.windows(2)
+            .map(|w| w[1] - w[0])
+            .max()
+            .unwrap_or(u64::MAX)
+            / 1_000_000
+    }
+
+    /// Time-slicing gives each process turns of at most 2 ms: the short kernels keep completing
+    /// while the long one runs, and the long one takes about twice its duration.
+    #[test]
+    fn a_long_kernel_is_preempted_at_the_end_of_its_turn() {
+        let (took_ms, during) = long_against_short(2000);
+        // About 120 ms of each: the long kernel's 120 ms and as much of the short ones.
+        assert!(
+            (200..400).contains(&took_ms),
+            "the long kernel took {took_ms} ms"
+        );
+        assert!(during.len() >= 60, "{} short kernels", during.len());
+        // No short kernel waited for the long one to end: the longest gap between two of their
+        // completions is a turn of the other process and a bit.
+        let gap = longest_gap_ms(&during);
+        assert!(gap < 15, "a gap of {gap} ms");
+    }
+
+    #[test]
+    fn the_timeslice_is_the_length_of_a_turn() {
+        let (took_ms, during) = long_against_short(20_000);
+        assert!(
+            (200..400).contains(&took_ms),
+            "the long kernel took {took_ms} ms"
+        );
+        // Turns of 20 ms: the short kernels complete in bursts, 20 ms apart.
+        let gap = longest_gap_ms(&during);
+        assert!((18..60).contains(&gap), "a gap of {gap} ms");
+    }
+
+    #[test]
+    fn one_kernel_runs_at_a_time_and_two_busy_processes_share_in_halves() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("state").to_str().unwrap().to_string();
         let cfg = Config {
             sample_ms: 20,
             ..config("1x1g")
         };
-        let mut a = Sim::open(&path, move || Ok(cfg)).unwrap();
-        a.attach(4242).unwrap();
+        let sims: Vec<_> = (0..2)
+            .map(|i| std::sync::Arc::new(sim(&path, cfg.clone(), 100 + i)))
+            .collect();
+        let begin = sys::now_ns();
+        let workers: Vec<_> = sims
+            .iter()
+            .map(|s| {
+                let s = s.clone();
+                std::thread::spawn(move || {
+                    let mut runs = Vec::new();
+                    while sys::now_ns() - begin < 300_000_000 {
+                        runs.push(run(&s, 3));
+                    }
+                    runs
+                })
+            })
+            .collect();
+        let runs: Vec<Vec<(u64, u64)>> = workers.into_iter().map(|w| w.join().unwrap()).collect();
+        let engine_ms = |r: &Vec<(u64, u64)>| r.len() as f64 * 3.0;
+        let wall_ms = (sys::now_ns() - begin) as f64 / 1e6;
+        for r in &runs {
+            let share = engine_ms(r) / wall_ms;
+            assert!((0.3..=0.6).contains(&share), "{share}");
+        }
+        assert!(
+            (engine_ms(&runs[0]) + engine_ms(&runs[1])) / wall_ms <= 1.02,
+            "more than one kernel at a time"
+        );
+        // Both had work all along: NVML's per-process figure says so for both.
+        let samples = sims[0].process_samples(0, 0);
+        assert_eq!(samples.len(), 2, "{samples:?}");
+        for sample in &samples {
+            assert!(sample.sm_util >= 90, "{samples:?}");
+        }
+    }
+
+    #[test]
+    fn managed_memory_is_on_the_cards_account_not_the_processs() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state").to_str().unwrap().to_string();
+        let a = sim(&path, config("1x1g"), 7);
+        assert!(a.charge(0, 300 << 20, Charge::Context));
+        assert!(a.charge(0, 600 << 20, Charge::Managed));
+        assert_eq!(a.memory(0).used, 900 << 20);
+        assert_eq!(
+            a.processes(0),
+            vec![ProcessUse {
+                pid: 7,
+                memory: 300 << 20
+            }]
+        );
+        assert!(!a.charge(0, (124 << 20) + 1, Charge::Memory));
+        a.uncharge(0, 600 << 20, Charge::Managed);
+        assert_eq!(a.memory(0).used, 300 << 20);
+    }
+
+    #[test]
+    fn work_time_shows_in_samples_and_no_work_shows_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state").to_str().unwrap().to_string();
+        let cfg = Config {
+            sample_ms: 20,
+            ..config("1x1g")
+        };
+        let a = sim(&path, cfg.clone(), 4242);
+        let idle = sim(&path, cfg, 4343);
+        assert!(idle.charge(0, 1 << 20, Charge::Memory));
         let start = sys::now_ns();
         while sys::now_ns() - start < 100_000_000 {
-            a.run_kernel(0, Duration::from_millis(2));
+            run(&a, 2);
         }
         let samples = a.process_samples(0, 0);
-        assert_eq!(samples.len(), 1);
+        assert_eq!(samples.len(), 1, "{samples:?}");
         assert_eq!(samples[0].pid, 4242);
         assert!(samples[0].sm_util >= 40, "{samples:?}");
         assert!(a.process_samples(0, samples[0].timestamp_us).is_empty());
+        // Queued and not yet run is work too.
+        a.kernel_queued(0);
+        std::thread::sleep(Duration::from_millis(50));
+        let samples = a.process_samples(0, 0);
+        assert!(samples[0].sm_util >= 40, "{samples:?}");
     }
 }

@@ -28,11 +28,15 @@ pub struct Config {
     pub reserved_memory: u64,
     /// Length of one utilisation sample period (NVML's per-process samples), in milliseconds.
     pub sample_ms: u64,
+    /// The longest turn a process has on a card's engine while another process has work there.
+    pub timeslice_us: u64,
 }
 
 pub const DEFAULT_DEVICES: &str = "1x16g:108";
 pub const DEFAULT_CONTEXT_MEMORY: u64 = 300 << 20;
 pub const DEFAULT_SAMPLE_MS: u64 = 100;
+/// 2 ms: the order of the time-slice a GPU without MPS gives each context under contention.
+pub const DEFAULT_TIMESLICE_US: u64 = 2000;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SpecError {
@@ -166,7 +170,8 @@ fn env(name: &str) -> Option<String> {
 
 impl Config {
     /// Reads `GPUPOOL_STANDIN_DEVICES`, `GPUPOOL_STANDIN_UUIDS`, `GPUPOOL_STANDIN_CONTEXT_MEMORY`,
-    /// `GPUPOOL_STANDIN_RESERVED_MEMORY` and `GPUPOOL_STANDIN_SAMPLE_MS`.
+    /// `GPUPOOL_STANDIN_RESERVED_MEMORY`, `GPUPOOL_STANDIN_SAMPLE_MS` and
+    /// `GPUPOOL_STANDIN_TIMESLICE_US`.
     pub fn from_env() -> Result<Config, SpecError> {
         Config::from_lookup(env)
     }
@@ -218,6 +223,19 @@ impl Config {
                 }
             },
         };
+        let timeslice_us = match get("GPUPOOL_STANDIN_TIMESLICE_US") {
+            None => DEFAULT_TIMESLICE_US,
+            Some(text) => match text.trim().parse::<u64>() {
+                Ok(us) if (100..=1_000_000).contains(&us) => us,
+                _ => {
+                    return Err(err(
+                        "GPUPOOL_STANDIN_TIMESLICE_US",
+                        &text,
+                        "microseconds, 100 to 1000000".into(),
+                    ))
+                }
+            },
+        };
         for d in &devices {
             if d.memory <= reserved_memory + context_memory {
                 return Err(err(
@@ -233,6 +251,7 @@ impl Config {
             context_memory,
             reserved_memory,
             sample_ms,
+            timeslice_us,
         })
     }
 }
@@ -320,5 +339,15 @@ mod tests {
         assert_eq!(e.variable, "GPUPOOL_STANDIN_UUIDS");
         let e = Config::from_lookup(env(&[("GPUPOOL_STANDIN_DEVICES", "1x200m")])).unwrap_err();
         assert_eq!(e.variable, "GPUPOOL_STANDIN_DEVICES");
+        assert_eq!(c.timeslice_us, DEFAULT_TIMESLICE_US);
+        let c = Config::from_lookup(env(&[("GPUPOOL_STANDIN_TIMESLICE_US", "500")])).unwrap();
+        assert_eq!(c.timeslice_us, 500);
+        for bad in ["99", "2ms", "1000001"] {
+            let e = Config::from_lookup(move |k: &str| {
+                (k == "GPUPOOL_STANDIN_TIMESLICE_US").then(|| bad.to_string())
+            })
+            .unwrap_err();
+            assert_eq!(e.variable, "GPUPOOL_STANDIN_TIMESLICE_US", "{bad}");
+        }
     }
 }

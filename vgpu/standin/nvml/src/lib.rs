@@ -457,9 +457,12 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
     entry(|| processes(dev, count, infos, info_v3))
 }
 
-/// Per-process samples newer than `last_seen` (microseconds since the epoch; 0: all kept). Without
-/// a buffer, or with too small a one, the count needed and `NVML_ERROR_INSUFFICIENT_SIZE`; with no
-/// sample, `NVML_ERROR_NOT_FOUND`.
+/// Per-process samples newer than `last_seen` (microseconds since the epoch; 0: all kept): `smUtil`
+/// is the share of the sample window in which the process had work on the card (kernels submitted
+/// and not yet complete), so processes that time-slice a saturated card all read near 100, as on
+/// the H200. A process without work in the window has no sample. Without a buffer, or with too
+/// small a one, the count needed and `NVML_ERROR_INSUFFICIENT_SIZE`; with no sample at all,
+/// `NVML_ERROR_NOT_FOUND`.
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetProcessUtilization(
     dev: nvmlDevice_t,

@@ -65,6 +65,10 @@ pub fn error_name(code: CUresult) -> &'static str {
         801 => "CUDA_ERROR_NOT_SUPPORTED",
         900 => "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
         901 => "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
+        903 => "CUDA_ERROR_STREAM_CAPTURE_UNMATCHED",
+        906 => "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
+        907 => "CUDA_ERROR_CAPTURED_EVENT",
+        908 => "CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD",
         999 => "CUDA_ERROR_UNKNOWN",
         _ => "CUDA_ERROR_(other)",
     }
@@ -153,9 +157,15 @@ entry_points! {
     stream_begin_capture_v2: "cuStreamBeginCapture" => sig!(Handle, i32);
     stream_begin_capture_v1: "cuStreamBeginCapture" => sig!(Handle);
     stream_end_capture: "cuStreamEndCapture" => sig!(Handle, *mut Handle);
+    stream_is_capturing: "cuStreamIsCapturing" => sig!(Handle, *mut i32);
+    stream_query: "cuStreamQuery" => sig!(Handle);
+    stream_get_device: "cuStreamGetDevice" => sig!(Handle, *mut i32);
+    thread_exchange_stream_capture_mode: "cuThreadExchangeStreamCaptureMode" => sig!(*mut i32);
     event_create: "cuEventCreate" => sig!(*mut Handle, u32);
     event_record: "cuEventRecord" => sig!(Handle, Handle);
     event_synchronize: "cuEventSynchronize" => sig!(Handle);
+    event_query: "cuEventQuery" => sig!(Handle);
+    event_elapsed_time: "cuEventElapsedTime" => sig!(*mut f32, Handle, Handle);
     event_destroy: "cuEventDestroy" => sig!(Handle);
     module_load_data: "cuModuleLoadData" => sig!(*mut Handle, *const c_void);
     module_get_function: "cuModuleGetFunction" => sig!(*mut Handle, Handle, *const i8);

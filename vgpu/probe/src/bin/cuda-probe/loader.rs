@@ -99,6 +99,7 @@ pub fn header_name(base: &str, per_thread: bool) -> String {
         "cuMemAllocFromPoolAsync",
         "cuStreamEndCapture",
         "cuStreamIsCapturing",
+        "cuStreamGetDevice",
     ];
     match base {
         "cuGraphInstantiate" => "cuGraphInstantiateWithFlags".into(),

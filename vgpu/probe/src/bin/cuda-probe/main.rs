@@ -37,7 +37,7 @@ Subcommands (each prints one JSON object per line; "result" is the CUresult, "er
   devices
       {"op":"device","ordinal","name","uuid","total_mem","sms","texture_pitch_alignment"} per device,
       after {"op":"init","result","error","driver_version","count"}
-  alloc --path P [--size N[,N...]] [--count K] [--views] [--hold] [--no-free]
+  alloc --path P [--size N[,N...]] [--count K] [--pause-ms M] [--views] [--hold] [--no-free]
         [--width W --height H --depth D --element E --format F --channels C --flags X --levels L]
         [--stream created|null|per-thread] [--pool default|created] [--map] [--sync]
       P: cuMemAlloc cuMemAllocPitch cuMemAllocManaged cuMemCreate cuMemAllocAsync
@@ -45,7 +45,7 @@ Subcommands (each prints one JSON object per line; "result" is the CUresult, "er
       one {"op":"alloc","path","index","size","result","error","ptr","pitch","bytes",
            "requirements":{"result","size","alignment"}} per allocation (bytes: what the allocation
            takes on the card when the probe can tell: size, pitch x height, the array's requirements),
-      with --views an {"op":"views",...} line after each, then {"op":"free","path","index","result",
+      with --views an {"op":"views",...} line after each (M ms after it, default 0), then {"op":"free","path","index","result",
       "error"} per allocation (unless --no-free); --hold prints {"op":"hold","pid"} and sleeps until
       killed instead of freeing. --end-context destroy|reset|release ends the context instead of
       freeing (cuCtxDestroy of a --context create one, cuDevicePrimaryCtxReset or
@@ -86,16 +86,38 @@ Subcommands (each prints one JSON object per line; "result" is the CUresult, "er
       cuGetProcAddress_v2(NAME, --cuda-version, flags (default: from --per-thread)):
       {"op":"getproc","symbol","version","flags","result","error","status","address",
        "matches":[exported names whose dlsym(handle) address equals the returned one],
-       "object","object_symbol" (the file the address lies in, the symbol dladdr names there)}
+       "object" (the file the address lies in),"object_symbol" (the symbol dladdr names there)}
   launch [--mode eager|ex|cooperative|graph|capture] [--seconds T] [--kernel-us D] [--grid G]
          [--block B] [--graph-nodes K] [--inflight N] [--stream created|null|per-thread]
-         [--report-ms R]
+         [--report-ms R] [--window-start-unix-ms A --window-ms W] [--no-drain]
+         [--pre-launches P] [--capture-hold-ms H]
       runs kernels of D microseconds (default 1000) for T seconds (default 2), at most N (default 2)
-      launch calls outstanding; graph: explicit kernel nodes, capture: stream capture, K (default 4)
-      kernels per graph; cooperative: --grid up to what fits. Progress lines {"op":"progress",
-      "elapsed_ms","kernels"} every R ms; then {"op":"launch","mode","seconds","kernel_us",
-      "launches","kernels","throughput" (kernels/s),"busy_fraction" (kernels x D / time),
-      "launch_call_max_ms","launch_call_mean_us","result","error"}
+      launch calls outstanding; N = 0: no bound, the program never waits (as PyTorch eager: the
+      driver's launch queue paces it). graph: explicit kernel nodes, capture: stream capture (after
+      P eager launches on the stream, and holding the capture open H ms before ending it), K
+      (default 4) kernels per graph; cooperative: --grid up to what fits. Progress lines
+      {"op":"progress","elapsed_ms","kernels"} every R ms; then {"op":"launch","mode","inflight",
+      "seconds","kernel_us","launches","kernels","throughput" (kernels/s),"busy_fraction" (kernels
+      x D / time),"launch_call_max_ms","launch_call_mean_us","result","error"}. With a window (A:
+      Unix time in ms, W: its length), also "window_kernels" (kernels that completed inside
+      [A, A+W), seen through an event recorded after each launch, its completion time read with
+      cuEventElapsedTime against a reference event whose completion was seen on the host's clock;
+      a graph's kernels count at its launch's event), "window_busy_fraction" (window_kernels x D / W:
+      the share of the card the process got), "window_covered" (the launches ran from before A to
+      after A+W), "completion":"events". The run ends with cuStreamSynchronize, unless --no-drain:
+      then it waits for the window to end and leaves what is still queued (the process exits).
+  capture-rules --call C [--capture-mode M] [--caller same|other] [--caller-mode M]
+      launches a 1 ms kernel on a second stream and records an event after it (work outside the
+      capture), begins a capture in mode M (global, thread-local, relaxed; default global) on a
+      created stream, captures a launch and an event record, then makes call C from the capturing
+      thread or another one (default), after cuThreadExchangeStreamCaptureMode to --caller-mode
+      when given: event-query / event-sync (the outside event), stream-query / stream-sync (the
+      second stream), ctx-sync, mem-alloc (cuMemAlloc of 1 MiB, freed), stream-get-device (the
+      second stream), captured-event-query, capturing-stream-query. Then it asks
+      cuStreamIsCapturing, captures one more launch and ends the capture:
+      {"op":"capture_rules","call","result","error" (the call's),"exchange_result","status_after"
+       (0 none, 1 active, 2 invalidated),"launch_after","end_result","end_error","graph" (one
+       came back)}
   bench-launch [--count N] [--mode eager|graph]
       time of each launch call of an empty kernel (synchronising every 256, not timed):
       {"op":"bench_launch","mode","count","ns_per_launch_mean","ns_per_launch_median","ns_p99"}
@@ -115,8 +137,11 @@ nvmlInit_v2):
   nvml-util [--seconds T] [--interval-ms I] [--index N]
       polls nvmlDeviceGetProcessUtilization (lastSeenTimeStamp = the newest sample seen) and
       nvmlDeviceGetUtilizationRates every I ms (default 200) for T seconds (default 2) on NVML
-      device N (default 0): {"op":"nvml_util","polls","per_pid":{"<pid>":{"samples","mean_sm_util"}},
-      "device_util_mean","samples":[{"pid","timestamp","sm_util"}...]}
+      device N (default 0): {"op":"nvml_util","polls","answers":{"<NVML result name>":polls},
+      "per_pid":{"<pid>":{"samples","mean_sm_util"}},"device_util_mean","samples":[{"pid",
+      "timestamp","sm_util"}...]}. A process's smUtil is the share of the sample window in which
+      it had work on the card, not its share of the card: under time-slicing, processes that
+      share a card saturated all read near 100 (launch --window-... measures shares)
   nvml-procs [--index N]
       {"op":"nvml_procs","v1":{...},"v3":{...}} from both process-list forms
 
@@ -140,6 +165,7 @@ const FLAGS: &[&str] = &[
     "map",
     "sync",
     "child-hold",
+    "no-drain",
 ];
 
 impl Opts {

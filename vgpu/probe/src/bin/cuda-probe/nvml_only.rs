@@ -118,12 +118,19 @@ fn nvml_util(opts: &Opts, n: &Nvml) -> Result<(), String> {
         .map_or(0, |d| d.as_micros() as u64);
     let deadline = Instant::now() + Duration::from_secs_f64(seconds);
     let mut per_pid: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
+    // What each poll of the per-process samples answered (NVML_ERROR_NOT_FOUND: no process had
+    // work in the window).
+    let mut answers: BTreeMap<&str, u64> = BTreeMap::new();
     let mut all = Vec::new();
     let (mut polls, mut device_sum, mut device_n) = (0u64, 0u64, 0u64);
     while Instant::now() < deadline {
         std::thread::sleep(interval);
         polls += 1;
-        if let Ok(samples) = n.process_utilization(dev, last_seen) {
+        let polled = n.process_utilization(dev, last_seen);
+        *answers
+            .entry(nvml_error(*polled.as_ref().err().unwrap_or(&0)))
+            .or_default() += 1;
+        if let Ok(samples) = polled {
             for s in samples {
                 let e = per_pid.entry(s.pid).or_default();
                 e.0 += 1;
@@ -149,6 +156,7 @@ fn nvml_util(opts: &Opts, n: &Nvml) -> Result<(), String> {
     emit(json!({
         "op": "nvml_util",
         "polls": polls,
+        "answers": answers,
         "per_pid": per_pid,
         "device_util_mean": if device_n > 0 { device_sum as f64 / device_n as f64 } else { 0.0 },
         "samples": all,

@@ -47,7 +47,7 @@ pub fn emit(mut v: Value) {
     let _ = out.flush();
 }
 
-fn with_result(mut v: Value, code: CUresult) -> Value {
+pub(crate) fn with_result(mut v: Value, code: CUresult) -> Value {
     v["result"] = json!(code);
     v["error"] = json!(error_name(code));
     v
@@ -68,7 +68,7 @@ macro_rules! need {
     };
 }
 
-struct Session<'a> {
+pub(crate) struct Session<'a> {
     cu: &'a Cu,
     opts: &'a Opts,
     device: i32,
@@ -106,6 +106,7 @@ pub fn run(sub: &str, opts: &Opts, cu: Cu) -> i32 {
         "dlsym",
         "bench-launch",
         "bench-alloc",
+        "capture-rules",
     ];
     if !known.contains(&sub) {
         return usage(format!("unknown subcommand {sub:?} (see --help)"));
@@ -130,6 +131,7 @@ pub fn run(sub: &str, opts: &Opts, cu: Cu) -> i32 {
         "dlsym" => s.dlsym(),
         "bench-launch" => s.bench_launch(),
         "bench-alloc" => s.bench_alloc(),
+        "capture-rules" => s.capture_rules(),
         _ => unreachable!(),
     };
     emit(json!({"op": "resolved", "entry_points": cu.resolutions()}));
@@ -676,12 +678,14 @@ impl Session<'_> {
         let path = self.path()?;
         let sizes = self.opts.nums("size")?.unwrap_or_else(|| vec![1 << 20]);
         let count = self.opts.num_or("count", 1)?;
+        let pause = Duration::from_millis(self.opts.num_or("pause-ms", 0)?);
         let mut held = Vec::new();
         let mut index = 0;
         for _ in 0..count {
             for &size in &sizes {
                 let (line, h) = self.allocate(path, size, index)?;
                 emit(line);
+                std::thread::sleep(pause);
                 if self.opts.flag("views") {
                     emit(self.views());
                 }
@@ -986,6 +990,28 @@ impl Session<'_> {
         unsafe {
             if capture {
                 let stream = self.stream();
+                // Work already queued when the capture begins (a library's events on it may still
+                // be pending), then a capture that takes a while, as a program building a large
+                // graph does.
+                let pre = self.opts.num_or("pre-launches", 0).unwrap_or(0);
+                for _ in 0..pre {
+                    let r = need!(cu.launch_kernel())(
+                        f,
+                        grid,
+                        1,
+                        1,
+                        block,
+                        1,
+                        1,
+                        0,
+                        stream,
+                        params.as_mut_ptr(),
+                        std::ptr::null_mut(),
+                    );
+                    if r != 0 {
+                        return Err(r);
+                    }
+                }
                 let r = if cu.abi(10010, 10010) {
                     need!(cu.stream_begin_capture_v2())(stream, 0)
                 } else {
@@ -1012,6 +1038,8 @@ impl Session<'_> {
                         return Err(r);
                     }
                 }
+                let hold = self.opts.num_or("capture-hold-ms", 0).unwrap_or(0);
+                std::thread::sleep(Duration::from_millis(hold));
                 let r = need!(cu.stream_end_capture())(stream, &mut graph);
                 if r != 0 {
                     return Err(r);
@@ -1070,167 +1098,6 @@ impl Session<'_> {
             need!(cu.graph_destroy())(graph);
             Ok(exec)
         }
-    }
-
-    fn launch(&self) -> Result<(), String> {
-        let mode = self.opts.str("mode").unwrap_or("eager").to_string();
-        let seconds = self
-            .opts
-            .str("seconds")
-            .map(|s| s.parse::<f64>().map_err(|_| "--seconds: a number"))
-            .transpose()?
-            .unwrap_or(2.0);
-        let kernel_us = self.opts.num_or("kernel-us", 1000)?;
-        let grid = self.opts.num_or("grid", 1)? as u32;
-        let block = self.opts.num_or("block", 128)? as u32;
-        let nodes = self.opts.num_or("graph-nodes", 4)?;
-        let inflight = self.opts.num_or("inflight", 2)?.max(1) as usize;
-        let report = self.opts.num("report-ms")?;
-        let report_line = |r: CUresult,
-                           launches: u64,
-                           kernels: u64,
-                           elapsed: f64,
-                           max_call: f64,
-                           sum_call: f64| {
-            emit(with_result(
-                json!({
-                    "op": "launch",
-                    "mode": mode,
-                    "seconds": elapsed,
-                    "kernel_us": kernel_us,
-                    "launches": launches,
-                    "kernels": kernels,
-                    "throughput": kernels as f64 / elapsed.max(1e-9),
-                    "busy_fraction": kernels as f64 * kernel_us as f64 / 1e6 / elapsed.max(1e-9),
-                    "launch_call_max_ms": max_call * 1e3,
-                    "launch_call_mean_us": if launches > 0 { sum_call / launches as f64 * 1e6 } else { 0.0 },
-                }),
-                r,
-            ))
-        };
-        let f = match self.module_function() {
-            Ok(f) => f,
-            Err(r) => {
-                report_line(r, 0, 0, 0.0, 0.0, 0.0);
-                return Ok(());
-            }
-        };
-        let cu = self.cu;
-        let stream = self.stream();
-        let mut ns: u64 = kernel_us * 1000;
-        let graphed = mode == "graph" || mode == "capture";
-        let exec = if graphed {
-            match self.graph(f, &mut ns, nodes, grid, block, mode == "capture") {
-                Ok(e) => Some(e),
-                Err(r) => {
-                    report_line(r, 0, 0, 0.0, 0.0, 0.0);
-                    return Ok(());
-                }
-            }
-        } else {
-            None
-        };
-        let per_launch = if graphed { nodes } else { 1 };
-        let mut events = Vec::new();
-        // SAFETY: valid out-pointers.
-        unsafe {
-            for _ in 0..inflight {
-                let mut e: Handle = std::ptr::null_mut();
-                need!(cu.event_create())(&mut e, 0);
-                events.push(e);
-            }
-        }
-        let launch_kernel = need!(cu.launch_kernel());
-        let mut params: [*mut c_void; 1] = [&mut ns as *mut u64 as *mut c_void];
-        let start = Instant::now();
-        let deadline = start + Duration::from_secs_f64(seconds);
-        let mut next_report = report.map(|ms| start + Duration::from_millis(ms));
-        let (mut launches, mut result, mut max_call, mut sum_call) = (0u64, 0, 0f64, 0f64);
-        while Instant::now() < deadline {
-            let slot = launches as usize % inflight;
-            if launches >= inflight as u64 {
-                // SAFETY: an event recorded below.
-                unsafe { need!(cu.event_synchronize())(events[slot]) };
-            }
-            let t = Instant::now();
-            // SAFETY: the ABIs of cuda.h 12.9 for these entry points; params outlive the calls.
-            let r = unsafe {
-                match mode.as_str() {
-                    "eager" => launch_kernel(
-                        f,
-                        grid,
-                        1,
-                        1,
-                        block,
-                        1,
-                        1,
-                        0,
-                        stream,
-                        params.as_mut_ptr(),
-                        std::ptr::null_mut(),
-                    ),
-                    "cooperative" => need!(cu.launch_cooperative_kernel())(
-                        f,
-                        grid,
-                        1,
-                        1,
-                        block,
-                        1,
-                        1,
-                        0,
-                        stream,
-                        params.as_mut_ptr(),
-                    ),
-                    "ex" => {
-                        let cfg = LaunchConfig {
-                            grid: [grid, 1, 1],
-                            block: [block, 1, 1],
-                            shared_mem_bytes: 0,
-                            stream,
-                            attrs: std::ptr::null_mut(),
-                            num_attrs: 0,
-                        };
-                        need!(cu.launch_kernel_ex())(
-                            &cfg,
-                            f,
-                            params.as_mut_ptr(),
-                            std::ptr::null_mut(),
-                        )
-                    }
-                    _ if graphed => need!(cu.graph_launch())(exec.expect("graph made"), stream),
-                    other => return Err(format!("unknown --mode {other}")),
-                }
-            };
-            let call = t.elapsed().as_secs_f64();
-            max_call = max_call.max(call);
-            sum_call += call;
-            if r != 0 {
-                result = r;
-                break;
-            }
-            // SAFETY: an event of ours on the stream in use.
-            unsafe { need!(cu.event_record())(events[slot], stream) };
-            launches += 1;
-            if let Some(at) = next_report {
-                if Instant::now() >= at {
-                    emit(
-                        json!({"op": "progress", "elapsed_ms": start.elapsed().as_millis() as u64, "kernels": launches * per_launch}),
-                    );
-                    next_report = Some(at + Duration::from_millis(report.unwrap_or(1000)));
-                }
-            }
-        }
-        // SAFETY: the stream in use.
-        unsafe { need!(cu.stream_synchronize())(stream) };
-        report_line(
-            result,
-            launches,
-            launches * per_launch,
-            start.elapsed().as_secs_f64(),
-            max_call,
-            sum_call,
-        );
-        Ok(())
     }
 
     fn bench_launch(&self) -> Result<(), String> {
@@ -1406,3 +1273,9 @@ enum Held {
         mip: bool,
     },
 }
+
+// After `need!`, which they use.
+#[path = "capture_rules.rs"]
+mod capture_rules;
+#[path = "launch.rs"]
+mod launch;

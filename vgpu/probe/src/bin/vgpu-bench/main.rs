@@ -7,7 +7,6 @@
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
 
 const HELP: &str = "vgpu-bench: the cost of gpupool-vgpu per launch and allocation, on the stand-in driver
 
@@ -16,13 +15,16 @@ USAGE: vgpu-bench [--rounds R] [--launches N] [--allocs N] [--accuracy] [--accur
   --rounds R           ABBA rounds (default 5): each runs every configuration forward, then backward
   --launches N         launch calls per probe run (default 20000)
   --allocs N           allocation/free pairs per probe run (default 5000)
-  --accuracy           also measure the SM limit: two containers capped 30 and 70 on one card
+  --accuracy           also measure the SM limit: two containers capped 30 and 70 on one card,
+                       each one's share of the card over a common window of 3 s after a warm-up
+                       of 1.5 s (kernels completed in it x their duration / 3 s)
   --accuracy-repeat K  runs of each accuracy row (default 1)
   --json               one JSON object instead of the tables
 
 Configurations: none (the stand-in alone), lib (the library preloaded, no limit), mem (a memory
 limit of 8 GiB), sm (an SM limit of 50 % with policy FORCE: every launch takes the throttling
-path; the median is a launch that found the gate open). It needs cuda-probe and the three
+path; the median is a launch that found the gate open). Limited processes get the card's arbiter
+file (GPUPOOL_VGPU_ARBITER_0), one per machine folder. It needs cuda-probe and the three
 libraries next to it: cargo build --release -p gpupool-vgpu -p gpupool-standin-cuda
 -p gpupool-standin-nvml -p gpupool-vgpu-probe.
 ";
@@ -240,6 +242,15 @@ impl Machine {
                 .join("vgpu.cache");
             c.env("LD_PRELOAD", &self.library)
                 .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", cache);
+            if env
+                .iter()
+                .any(|(k, _)| k.starts_with("CUDA_DEVICE_SM_LIMIT"))
+            {
+                c.env(
+                    "GPUPOOL_VGPU_ARBITER_0",
+                    self.dir.path().join("arbiter").join("card0"),
+                );
+            }
             for (k, v) in env {
                 c.env(k, v);
             }
@@ -344,9 +355,11 @@ fn costs(machine: &Machine, o: &Options) -> Result<Vec<Value>, String> {
     Ok(rows)
 }
 
-/// One accuracy row: two containers capped 30 and 70 saturate the card with `mode` launches;
-/// after a warm-up a third process reads NVML's per-process utilisation (the stand-in's busy
-/// time of each process's kernels). Returns what each achieved, in percent.
+/// One accuracy row: two containers capped 30 and 70 saturate the card with `mode` launches
+/// (`inflight` 0: no bound, as PyTorch eager); each one's share of the card over a common window
+/// of 3 s after a warm-up of 1.5 s: the kernels that completed in it times their duration over the
+/// window (`launch --window-...`). NVML's per-process utilisation is no measure of it: under
+/// time-slicing both tenants of a saturated card read near 100. Returns the shares in percent.
 fn accuracy_row(
     machine: &Machine,
     mode: &str,
@@ -354,25 +367,27 @@ fn accuracy_row(
     kernel_us: u32,
     tag: &str,
 ) -> Result<(f64, f64), String> {
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_err(|e| e.to_string())?
+        .as_millis() as u64;
+    let args: Vec<String> = vec![
+        "launch".to_string(),
+        "--mode".into(),
+        mode.into(),
+        "--seconds".into(),
+        "4.8".into(),
+        "--inflight".into(),
+        inflight.to_string(),
+        "--kernel-us".into(),
+        kernel_us.to_string(),
+        "--window-start-unix-ms".into(),
+        (now_ms + 1500).to_string(),
+        "--window-ms".into(),
+        "3000".into(),
+        "--no-drain".into(),
+    ];
     let start = |limit: &'static str| -> Result<Child, String> {
-        let args: Vec<String> = [
-            "launch",
-            "--mode",
-            mode,
-            "--seconds",
-            "6",
-            "--report-ms",
-            "100",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .chain([
-            "--inflight".to_string(),
-            inflight.to_string(),
-            "--kernel-us".to_string(),
-            kernel_us.to_string(),
-        ])
-        .collect();
         let env: &[(&str, &str)] = match limit {
             "30" => &[("CUDA_DEVICE_SM_LIMIT", "30")],
             _ => &[("CUDA_DEVICE_SM_LIMIT", "70")],
@@ -382,28 +397,24 @@ fn accuracy_row(
             .spawn()
             .map_err(|e| e.to_string())
     };
-    let mut thirty = start("30")?;
-    let mut seventy = start("70")?;
-    std::thread::sleep(Duration::from_millis(1500));
-    let args: Vec<String> = ["nvml-util", "--seconds", "3.5", "--interval-ms", "500"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    let util = machine.run(None, "monitor", &args, "nvml_util");
-    let mean = |child: &Child, util: &Value| {
-        util["per_pid"][child.id().to_string()]["mean_sm_util"]
-            .as_f64()
-            .unwrap_or(f64::NAN)
+    let share = |child: Child| -> f64 {
+        child
+            .wait_with_output()
+            .ok()
+            .and_then(|out| lines(&out.stdout).into_iter().find(|l| l["op"] == "launch"))
+            .filter(|l| l["result"] == 0 && l["window_covered"] == true)
+            .and_then(|l| l["window_busy_fraction"].as_f64())
+            .map_or(f64::NAN, |f| f * 100.0)
     };
-    let achieved = util.map(|u| (mean(&thirty, &u), mean(&seventy, &u)));
-    for child in [&mut thirty, &mut seventy] {
-        let _ = child.wait();
-    }
-    achieved
+    let thirty = start("30")?;
+    let seventy = start("70")?;
+    Ok((share(thirty), share(seventy)))
 }
 
 fn accuracy(machine: &Machine, o: &Options) -> Result<Vec<Value>, String> {
     let rows: &[(&str, u32, u32, u32)] = &[
+        ("eager", 0, 2000, 1),
+        ("graph", 0, 2000, 4),
         ("eager", 2, 2000, 1),
         ("graph", 2, 2000, 4),
         ("eager", 8, 2000, 1),
@@ -471,7 +482,9 @@ fn print_tables(o: &Options, cost: &[Value], acc: &[Value]) {
         );
     }
     if !acc.is_empty() {
-        println!("\nSM limits 30 / 70 on two containers, achieved (NVML per-process, %)");
+        println!(
+            "\nSM limits 30 / 70 on two containers, share of the card over a common window (%)"
+        );
         for row in acc {
             let runs: Vec<String> = row["runs"]
                 .as_array()
@@ -485,11 +498,16 @@ fn print_tables(o: &Options, cost: &[Value], acc: &[Value]) {
                     )
                 })
                 .collect();
+            let inflight = match row["inflight"].as_u64() {
+                Some(0) => "unbounded".to_string(),
+                Some(n) => n.to_string(),
+                None => "-".to_string(),
+            };
             println!(
                 "{:<6} x{} kernels/launch, {} in flight, {} us kernels: {}",
                 row["mode"].as_str().unwrap_or(""),
                 row["kernels_per_launch"],
-                row["inflight"],
+                inflight,
                 row["kernel_us"],
                 runs.join(", ")
             );
