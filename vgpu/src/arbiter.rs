@@ -554,6 +554,11 @@ impl Arbiter {
         let mut tenant = tenants[t];
         let lease = schedule::renew(&mut tenant, competing, now_ns);
         self.write_tenant(t, &tenant);
+        // The holder keeps the card only while it is the furthest behind (or alone): the
+        // competing tenants' virtual time is its own. A tenant joining later starts level with
+        // it, not with where it stood when it was first granted the card.
+        let header = &self.layout().header;
+        header.vclock.fetch_max(tenant.vtime, Ordering::AcqRel);
         Ok(lease.map(|lease| {
             let end = now_ns + lease;
             self.layout()

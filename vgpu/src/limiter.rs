@@ -44,6 +44,10 @@ pub const DRAIN_MAX_NS: u64 = 500_000_000;
 const INITIAL_LAUNCH_NS: u64 = 1_000_000;
 const MAX_OUTSTANDING: usize = 1024;
 const POLL: Duration = Duration::from_micros(50);
+/// How often a holder giving the card up looks at its last marks: the card idles from its last
+/// kernel's end until the next tenant starts, and a drain lasts a few milliseconds at most. (A
+/// blocking wait on the event would have no bound: a kernel that never ends would hang us.)
+const DRAIN_POLL: Duration = Duration::from_micros(10);
 
 /// What a launch that passed the gate needs afterwards: where to record its mark.
 pub struct Ticket {
@@ -79,6 +83,8 @@ pub struct DeviceLimiter {
     held_since_ns: AtomicU64,
     /// Threads of this process waiting for the card.
     waiting_threads: AtomicU32,
+    /// Launches made since the card was granted or the lease renewed.
+    launched_in_lease: AtomicU64,
     marks: Mutex<Marks>,
     /// One thread of the process renews or gives up the lease at a time.
     turn: Mutex<()>,
@@ -146,9 +152,13 @@ fn throttle(stream: CUstream, per_thread: bool) -> Option<Ticket> {
     loop {
         device.in_gate.fetch_add(1, Ordering::SeqCst);
         let now = now_ns();
-        if arbiter.holds(now) && !device.closing.load(Ordering::SeqCst) {
+        if arbiter.holds(now)
+            && !device.closing.load(Ordering::SeqCst)
+            && !device.would_outlast_lease(arbiter, now)
+        {
             if device.room_to_queue(arbiter, deadline) {
                 device.last_launch_ns.store(now_ns(), Ordering::Relaxed);
+                device.launched_in_lease.fetch_add(1, Ordering::Relaxed);
                 return Some(Ticket { device, stream });
             }
             device.in_gate.fetch_sub(1, Ordering::SeqCst);
@@ -212,6 +222,7 @@ fn device(process: &'static Process, index: usize) -> Option<&'static DeviceLimi
         launch_ns: AtomicU64::new(INITIAL_LAUNCH_NS),
         held_since_ns: AtomicU64::new(0),
         waiting_threads: AtomicU32::new(0),
+        launched_in_lease: AtomicU64::new(0),
         marks: Mutex::new(Marks::default()),
         turn: Mutex::new(()),
     }));
@@ -254,6 +265,19 @@ impl DeviceLimiter {
             }
             std::thread::sleep(POLL);
         }
+    }
+
+    /// Whether this launch, behind the work already queued, would finish after the lease's end:
+    /// the holder then stops launching, so that its queue is empty when the lease ends and the
+    /// next tenant starts at once (not after our queue). The first launch of a lease always goes,
+    /// or a tenant whose launches are longer than its leases would never run.
+    fn would_outlast_lease(&self, arbiter: &Arbiter, now: u64) -> bool {
+        if self.launched_in_lease.load(Ordering::Relaxed) == 0 {
+            return false;
+        }
+        let per_launch = self.launch_ns.load(Ordering::Relaxed);
+        let queued = (self.outstanding() as u64 + 1).saturating_mul(per_launch);
+        now.saturating_add(queued) > arbiter.lease_end_ns()
     }
 
     fn outstanding(&self) -> usize {
@@ -334,12 +358,13 @@ impl DeviceLimiter {
             return;
         }
         let now = now_ns();
-        if now < arbiter.lease_end_ns() {
+        if now < arbiter.lease_end_ns() && !self.would_outlast_lease(arbiter, now) {
             return; // renewed by another thread meanwhile
         }
         match arbiter.renew(now) {
             Ok(Some(_)) => {
                 self.learn_launch_cost(now);
+                self.launched_in_lease.store(0, Ordering::Relaxed);
                 return;
             }
             Ok(None) => {}
@@ -365,7 +390,7 @@ impl DeviceLimiter {
                 );
                 break;
             }
-            std::thread::sleep(POLL);
+            std::thread::sleep(DRAIN_POLL);
         }
         let now = now_ns();
         self.learn_launch_cost(now);
@@ -418,6 +443,7 @@ impl DeviceLimiter {
         }
         if granted {
             self.held_since_ns.store(now_ns(), Ordering::Relaxed);
+            self.launched_in_lease.store(0, Ordering::Relaxed);
         }
         granted
     }

@@ -64,9 +64,15 @@ impl Tenant {
         (self.weight as u64).clamp(1, FULL_WEIGHT)
     }
 
-    /// The most credit a `FORCE` tenant can save up: one round's share (at least one lease).
-    fn credit_cap(&self) -> i64 {
+    /// A `FORCE` tenant's lease: its share of a round (at least [`MIN_LEASE_NS`]).
+    fn force_lease(&self) -> i64 {
         (ROUND_NS * self.weight() / FULL_WEIGHT).max(MIN_LEASE_NS) as i64
+    }
+
+    /// The most credit a `FORCE` tenant can save up: two leases, so that what it earns while it
+    /// waits for another tenant's lease to end is not lost.
+    fn credit_cap(&self) -> i64 {
+        2 * self.force_lease()
     }
 
     /// Fills a `FORCE` tenant's credit for the time since it was last filled.
@@ -81,13 +87,15 @@ impl Tenant {
         self.credit_at_ns = now_ns.max(self.credit_at_ns);
     }
 
+    /// A `FORCE` tenant waits for a whole lease's worth of credit (its share of a round): granted
+    /// every sliver of credit as it came, it would hand the card over for every launch.
     fn eligible(&self) -> bool {
-        !self.force || self.credit_ns >= MIN_LEASE_NS as i64
+        !self.force || self.credit_ns >= self.force_lease()
     }
 
-    /// When a `FORCE` tenant's credit reaches one lease (now if it has).
+    /// When a `FORCE` tenant's credit reaches a whole lease (now if it has).
     fn eligible_at(&self, now_ns: u64) -> u64 {
-        let missing = (MIN_LEASE_NS as i64).saturating_sub(self.credit_ns);
+        let missing = self.force_lease().saturating_sub(self.credit_ns);
         if !self.force || missing <= 0 {
             return now_ns;
         }
@@ -125,8 +133,8 @@ pub fn lease_ns(tenant: &Tenant, competing_weight: u64) -> u64 {
     let share = ROUND_NS * tenant.weight() / competing_weight.max(tenant.weight());
     let mut lease = share.clamp(MIN_LEASE_NS, ROUND_NS);
     if tenant.force {
+        // As long as its credit allows (up to two of its leases, to catch up after a wait).
         lease = lease
-            .min(ROUND_NS * tenant.weight() / FULL_WEIGHT)
             .min(tenant.credit_ns.max(0) as u64)
             .max(MIN_LEASE_NS.min(tenant.credit_ns.max(0) as u64));
     }
@@ -426,14 +434,14 @@ mod tests {
             tenant: 0,
             since_ns: 0,
         }];
-        // 2 ms of credit at 10 %: 20 ms later.
+        // A whole lease at 10 % (4 ms of a 40 ms round) is credited 40 ms later.
         assert_eq!(
             decide(&mut tenants, &waiters, &mut vclock, 1_000 * MS),
-            Decision::NotBefore(1_020 * MS)
+            Decision::NotBefore(1_040 * MS)
         );
         assert!(matches!(
-            decide(&mut tenants, &waiters, &mut vclock, 1_020 * MS),
-            Decision::Grant { process: 3, lease_ns } if lease_ns == 2 * MS
+            decide(&mut tenants, &waiters, &mut vclock, 1_040 * MS),
+            Decision::Grant { process: 3, lease_ns } if lease_ns == 4 * MS
         ));
         assert_eq!(decide(&mut tenants, &[], &mut vclock, 0), Decision::Nobody);
     }
@@ -446,7 +454,15 @@ mod tests {
         let mut force = tenant(30, true);
         force.credit_at_ns = 0;
         assert_eq!(renew(&mut force, 30, 0), None, "no credit yet");
-        assert_eq!(renew(&mut force, 30, 100 * MS), Some(12 * MS));
+        assert_eq!(
+            renew(&mut force, 30, 20 * MS),
+            None,
+            "half a lease of credit"
+        );
+        assert_eq!(renew(&mut force, 30, 40 * MS), Some(12 * MS));
+        // Idle for long, it has saved up two leases, no more.
+        force.credit_ns = 0;
+        assert_eq!(renew(&mut force, 30, 1_000 * MS), Some(24 * MS));
     }
 
     #[test]

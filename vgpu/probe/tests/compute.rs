@@ -14,6 +14,12 @@
 //!
 //! Programs keep the card busy the way PyTorch eager does: no bound on launches in flight, the
 //! driver's 1024-deep queue paces them; or by replaying graphs. Kernels of 2 ms.
+//!
+//! A share is judged against what the card gives one program alone without the library, measured
+//! just before in the same test: the stand-in's card idles between kernels while its worker
+//! threads wait for a core, so on a loaded two-core machine it does less than a real card would
+//! (0.75 of itself seen with other builds running, for a program without any limit), and an
+//! absolute figure would judge the machine's load, not the limiter.
 
 mod harness;
 
@@ -28,16 +34,30 @@ fn args(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
 }
 
+/// What the card gives one program alone without the library, with `mode` launches, now: the
+/// measure of every share in this file.
+fn capacity(sandbox: &Sandbox, mode: &str) -> f64 {
+    let w = Window::after(Duration::from_millis(1000), Duration::from_millis(1500));
+    let share = card_share(&sandbox.bare(&args(&w.saturating(mode, 2000))).run());
+    eprintln!("{mode}: the card alone, without the library: {share:.3}");
+    share
+}
+
 /// Two containers with SM limits `a` and `b` keep one card busy with `mode` launches; each one's
-/// share of the card over a common window of 3 s after a warm-up of 1.5 s, in percent.
+/// share of the card over a common window of 3 s after a warm-up of 1.5 s, in percent of what
+/// the card gives one program alone.
 fn pair(a: u32, b: u32, mode: &str) -> (f64, f64) {
     let sandbox = Sandbox::new("1x16g:108");
+    let card = capacity(&sandbox, mode);
     let w = Window::after(WARM_UP, WINDOW);
     let launch = w.saturating(mode, 2000);
     let first = sandbox.limited(&a.to_string(), &args(&launch)).spawn();
     let second = sandbox.limited(&b.to_string(), &args(&launch)).spawn();
     let (first, second) = (finish(first), finish(second));
-    let shares = (card_share(&first) * 100.0, card_share(&second) * 100.0);
+    let shares = (
+        card_share(&first) / card * 100.0,
+        card_share(&second) / card * 100.0,
+    );
     eprintln!(
         "{mode}: limits {a}/{b} gave {:.1}/{:.1}",
         shares.0, shares.1
@@ -45,12 +65,26 @@ fn pair(a: u32, b: u32, mode: &str) -> (f64, f64) {
     shares
 }
 
+/// Each side within 5 points of its limit. A second try is allowed: on a loaded two-core machine
+/// the stand-in's card can lose a tenth of its time to its own threads waiting for a core for a
+/// few seconds, for both tenants alike; a limiter that does not hold fails both tries.
 fn assert_pair(a: u32, b: u32, mode: &str) {
     let _serial = one_at_a_time();
-    let (got_a, got_b) = pair(a, b, mode);
+    let holds = |(got_a, got_b): (f64, f64)| {
+        (got_a - a as f64).abs() <= 5.0 && (got_b - b as f64).abs() <= 5.0
+    };
+    let first = pair(a, b, mode);
+    if holds(first) {
+        return;
+    }
+    let second = pair(a, b, mode);
     assert!(
-        (got_a - a as f64).abs() <= 5.0 && (got_b - b as f64).abs() <= 5.0,
-        "{mode}: {a}/{b} gave {got_a:.1}/{got_b:.1}"
+        holds(second),
+        "{mode}: {a}/{b} gave {:.1}/{:.1}, then {:.1}/{:.1}",
+        first.0,
+        first.1,
+        second.0,
+        second.1
     );
 }
 
@@ -84,26 +118,28 @@ fn limits_50_and_50_hold_with_graph_launches() {
     assert_pair(50, 50, "graph");
 }
 
-/// One container alone on the card, limit `percent`, `policy`: its share of the card.
+/// One container alone on the card, limit `percent`, `policy`: its share of what the card gives
+/// a program alone without the library.
 fn alone(percent: &str, policy: Option<&str>) -> f64 {
     let sandbox = Sandbox::new("1x16g:108");
+    let card = capacity(&sandbox, "eager");
     let w = Window::after(Duration::from_millis(1000), Duration::from_millis(1500));
     let mut run = sandbox.limited(percent, &args(&w.saturating("eager", 2000)));
     if let Some(policy) = policy {
         run = run.env("GPU_CORE_UTILIZATION_POLICY", policy);
     }
-    let share = card_share(&run.run());
+    let share = card_share(&run.run()) / card;
     eprintln!("alone, limit {percent}, policy {policy:?}: {share:.3}");
     share
 }
 
 /// DEFAULT is work-conserving: a share nobody uses goes to whoever wants it, so a container alone
-/// with a limit of 30 gets about the whole card (alone, the stand-in's card is 0.9+ busy).
+/// with a limit of 30 gets about the whole card.
 #[test]
 fn alone_with_the_default_policy_a_container_gets_the_whole_card() {
     let _serial = one_at_a_time();
     let share = alone("30", None);
-    assert!(share >= 0.85, "{share}");
+    assert!(share >= 0.9, "{share}");
 }
 
 #[test]
@@ -117,7 +153,7 @@ fn force_caps_a_container_alone_at_its_share() {
 fn disable_never_throttles() {
     let _serial = one_at_a_time();
     let share = alone("10", Some("DISABLE"));
-    assert!(share >= 0.85, "{share}");
+    assert!(share >= 0.9, "{share}");
 }
 
 fn bounded_launch(sandbox: &Sandbox, bound_ms: &str, seconds: &str) -> Value {
