@@ -13,8 +13,17 @@
  *       everything is freed.
  *   driver_check launch [--count N]
  *       N launches of an empty kernel, each call timed: {"op":"launch","median_ns",...}
+ *   driver_check share --mode eager|cooperative (--iters N | --calibrate-ms M) --slot K
+ *                      --warmup-ms W --seconds S
+ *       a fixed amount of work per launch (a loop of N dependent multiply-adds per thread over the
+ *       whole card), launched back to back with at most 4 launches in flight, through
+ *       cuLaunchKernel or cuLaunchCooperativeKernel. It prints {"op":"ready"}, reads a start time
+ *       (CLOCK_MONOTONIC, seconds) on stdin, warms up W ms from start + K x (W + S), and counts
+ *       the launches of the S seconds after: {"op":"share","per_second",...}. Work, not time: a
+ *       kernel that spins on a clock finishes on time whatever share of the card it gets.
  *   driver_check nvml
- *       whether NVML's per-process queries answer for this process (a context and 64 MiB held).
+ *       whether NVML's per-process queries answer for this process (a context and 64 MiB held),
+ *       asked while its kernels run.
  *   driver_check procaddr
  *       whether cuGetProcAddress returns the driver's exported symbols (dlsym's addresses).
  */
@@ -305,6 +314,20 @@ static const char PTX[] =
     "$L__BB0_1:\n\tmov.u64 %rd3, %globaltimer;\n\tsub.s64 %rd4, %rd3, %rd2;\n"
     "\tsetp.lt.u64 %p1, %rd4, %rd1;\n\t@%p1 bra $L__BB0_1;\n\tret;\n}\n";
 
+/* Work for the share checks: `iters` dependent multiply-adds per thread; the result is stored
+ * only if it is impossible, which the compiler cannot know, so the loop stays. (A stand-in
+ * driver reads the first parameter as nanoseconds of work.) */
+static const char WORK_PTX[] =
+    ".version 7.0\n.target sm_70\n.address_size 64\n"
+    ".visible .entry gpupool_work(.param .u64 gpupool_work_iters, .param .u64 gpupool_work_out)\n{\n"
+    "\t.reg .pred %p<3>;\n\t.reg .b64 %rd<5>;\n\t.reg .f32 %f<3>;\n"
+    "\tld.param.u64 %rd1, [gpupool_work_iters];\n\tld.param.u64 %rd4, [gpupool_work_out];\n"
+    "\tmov.u64 %rd2, 0;\n\tmov.f32 %f1, 0f3F800000;\n"
+    "$L__WORK:\n\tfma.rn.f32 %f1, %f1, 0f3F7FFFFF, 0f33D6BF95;\n\tadd.u64 %rd2, %rd2, 1;\n"
+    "\tsetp.lt.u64 %p1, %rd2, %rd1;\n\t@%p1 bra $L__WORK;\n"
+    "\tsetp.eq.f32 %p2, %f1, 0f461C3C00;\n\t@!%p2 bra $L__DONE;\n"
+    "\tst.global.f32 [%rd4], %f1;\n$L__DONE:\n\tret;\n}\n";
+
 static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
@@ -347,13 +370,110 @@ static int launch(long count, unsigned long long ns, int report) {
     return r != CUDA_SUCCESS;
 }
 
+static double monotonic_s(void) { return now_ns() / 1e9; }
+
+static void sleep_until(double t) {
+    double left = t - monotonic_s();
+    if (left > 0) usleep((useconds_t)(left * 1e6));
+}
+
+#define CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT 16
+
+/* The share workload (see the top of the file). */
+static int share(const char *mode, unsigned long long iters, double calibrate_ms, int slot, double warmup_ms,
+                 double seconds) {
+    CUmodule module;
+    CUfunction f;
+    CUresult r = CU(cuModuleLoadData, CUmodule *, const void *)(&module, WORK_PTX);
+    if (r == CUDA_SUCCESS) r = CU(cuModuleGetFunction, CUfunction *, CUmodule, const char *)(&f, module, "gpupool_work");
+    CUdeviceptr out = 0;
+    if (r == CUDA_SUCCESS) r = CU(cuMemAlloc, CUdeviceptr *, size_t)(&out, 4096);
+    int sms = 0, per_sm = 0, block = 256;
+    if (r == CUDA_SUCCESS) r = CU(cuDeviceGetAttribute, int *, int, CUdevice)(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device);
+    if (r == CUDA_SUCCESS)
+        r = CU(cuOccupancyMaxActiveBlocksPerMultiprocessor, int *, CUfunction, int, size_t)(&per_sm, f, block, 0);
+    if (r != CUDA_SUCCESS || sms <= 0 || per_sm <= 0) {
+        printf("{\"op\":\"share\",\"mode\":\"%s\",\"result\":%d}\n", mode, r);
+        return 1;
+    }
+    /* The whole card, every block resident at once (what a cooperative launch needs). */
+    unsigned grid = (unsigned)(sms * per_sm);
+    int cooperative = !strcmp(mode, "cooperative");
+    CU(cuStreamCreate, CUstream *, unsigned)(&stream, 0);
+    CUresult (*plain)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
+                      void **, void **) =
+        (CUresult(*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, void **,
+                     void **))entry("cuLaunchKernel");
+    CUresult (*coop)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
+                     void **) =
+        (CUresult(*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
+                     void **))entry("cuLaunchCooperativeKernel");
+    CUresult (*sync)(CUstream) = (CUresult(*)(CUstream))entry("cuStreamSynchronize");
+    void *params[] = {&iters, &out};
+#define LAUNCH() (cooperative ? coop(f, grid, 1, 1, block, 1, 1, 0, stream, params) \
+                              : plain(f, grid, 1, 1, block, 1, 1, 0, stream, params, NULL))
+    double launch_ms = 0;
+    if (calibrate_ms > 0) {
+        /* Alone on the card: scale the work until one launch takes about calibrate_ms. */
+        iters = 100000;
+        for (int round = 0; round < 6; round++) {
+            r = LAUNCH();
+            sync(stream);
+            double t = now_ns();
+            for (int i = 0; i < 3 && r == CUDA_SUCCESS; i++) r = LAUNCH();
+            sync(stream);
+            launch_ms = (now_ns() - t) / 3e6;
+            if (r != CUDA_SUCCESS || launch_ms <= 0) break;
+            iters = (unsigned long long)(iters * (calibrate_ms / launch_ms));
+            if (iters < 1000) iters = 1000;
+        }
+    }
+    printf("{\"op\":\"ready\",\"mode\":\"%s\",\"result\":%d}\n", mode, r);
+    fflush(stdout);
+    double start = 0;
+    if (scanf("%lf", &start) != 1) return 2;
+    double warm = start + slot * (warmup_ms / 1e3 + seconds), from = warm + warmup_ms / 1e3, until = from + seconds;
+    sleep_until(warm);
+    long launches = 0, in_flight = 0;
+    while (monotonic_s() < from && r == CUDA_SUCCESS) {
+        r = LAUNCH();
+        if (++in_flight == 4) { sync(stream); in_flight = 0; }
+    }
+    sync(stream);
+    double t0 = now_ns();
+    in_flight = 0;
+    while (monotonic_s() < until && r == CUDA_SUCCESS) {
+        r = LAUNCH();
+        launches++;
+        if (++in_flight == 4) { sync(stream); in_flight = 0; }
+    }
+    sync(stream);
+    double elapsed = (now_ns() - t0) / 1e9;
+#undef LAUNCH
+    printf("{\"op\":\"share\",\"mode\":\"%s\",\"result\":%d,\"iters\":%llu,\"grid\":%u,\"launch_ms\":%.3f,"
+           "\"launches\":%ld,\"seconds\":%.3f,\"per_second\":%.3f}\n",
+           mode, r, iters, grid, launch_ms, launches, elapsed, elapsed > 0 ? launches / elapsed : 0.0);
+    return r != CUDA_SUCCESS;
+}
+
 static int nvml_check(void) {
     CUdeviceptr p = 0;
     CUresult r = CU(cuMemAlloc, CUdeviceptr *, size_t)(&p, 64 << 20);
-    /* Busy for about a second (1 ms kernels), then a moment more than NVML's shortest sample
-     * period (1/6 s), so that there is a utilisation sample of ours to read. */
-    launch(1000, 1000000, 0);
-    usleep(300000);
+    /* Kernels queued for about 1.5 s (1 ms each); NVML is asked after a second, while they run:
+     * a process with no work in NVML's sample window gets no sample at all. */
+    CUmodule module;
+    CUfunction f;
+    CU(cuModuleLoadData, CUmodule *, const void *)(&module, PTX);
+    CU(cuModuleGetFunction, CUfunction *, CUmodule, const char *)(&f, module, "gpupool_spin");
+    CU(cuStreamCreate, CUstream *, unsigned)(&stream, 0);
+    CUresult (*launch_kernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                              CUstream, void **, void **) =
+        (CUresult(*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
+                     void **, void **))entry("cuLaunchKernel");
+    unsigned long long ms = 1000000;
+    void *params[] = {&ms};
+    for (int i = 0; i < 1500; i++) launch_kernel(f, 1, 1, 1, 32, 1, 1, 0, stream, params, NULL);
+    usleep(1000000);
     char ns[64] = "";
     ssize_t len = readlink("/proc/self/ns/pid", ns, sizeof ns - 1);
     if (len > 0) ns[len] = 0;
@@ -379,6 +499,7 @@ static int nvml_check(void) {
         printf("]}");
     }
     printf("}\n");
+    CU(cuStreamSynchronize, CUstream)(stream);
     CU(cuMemFree, CUdeviceptr)(p);
     return 0;
 }
@@ -405,21 +526,31 @@ static int procaddr(void) {
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);
     if (argc < 2) {
-        fprintf(stderr, "usage: driver_check paths|launch|nvml|procaddr [options]\n");
+        fprintf(stderr, "usage: driver_check paths|launch|share|nvml|procaddr [options]\n");
         return 2;
     }
-    const char *only = NULL;
+    const char *only = NULL, *mode = "eager";
     size_t chunk = 64 << 20;
     long count = 20000;
+    unsigned long long iters = 0;
+    double calibrate_ms = 0, warmup_ms = 1000, seconds = 3;
+    int slot = 0;
     for (int i = 2; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--path")) only = argv[i + 1];
         else if (!strcmp(argv[i], "--chunk-mib")) chunk = strtoull(argv[i + 1], NULL, 10) << 20;
         else if (!strcmp(argv[i], "--count")) count = strtol(argv[i + 1], NULL, 10);
+        else if (!strcmp(argv[i], "--mode")) mode = argv[i + 1];
+        else if (!strcmp(argv[i], "--iters")) iters = strtoull(argv[i + 1], NULL, 10);
+        else if (!strcmp(argv[i], "--calibrate-ms")) calibrate_ms = strtod(argv[i + 1], NULL);
+        else if (!strcmp(argv[i], "--slot")) slot = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--warmup-ms")) warmup_ms = strtod(argv[i + 1], NULL);
+        else if (!strcmp(argv[i], "--seconds")) seconds = strtod(argv[i + 1], NULL);
     }
     if (!setup()) return 3;
     if (!strcmp(argv[1], "paths")) return paths(only, chunk);
     if (!strcmp(argv[1], "launch")) return launch(count, 0, 1);
     if (!strcmp(argv[1], "nvml")) return nvml_check();
+    if (!strcmp(argv[1], "share")) return share(mode, iters, calibrate_ms, slot, warmup_ms, seconds);
     if (!strcmp(argv[1], "procaddr")) return procaddr();
     fprintf(stderr, "unknown subcommand %s\n", argv[1]);
     return 2;

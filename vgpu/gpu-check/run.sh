@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# gpu-check: what gpupool-vgpu does on a real GPU, in one run of a few minutes (README.md).
+# gpu-check: what gpupool-vgpu does on a real GPU, in one run of about six minutes (README.md).
 #
-#   vgpu/gpu-check/run.sh /path/to/libgpupool_vgpu.so [--out DIR] [--steps abcde] [--limit-mib N]
+#   vgpu/gpu-check/run.sh /path/to/libgpupool_vgpu.so [--out DIR] [--steps abcdef] [--limit-mib N]
 #
-# Needs: one NVIDIA GPU and its driver, python3, a C compiler (cc, gcc or nvcc); PyTorch, CuPy and
-# nvidia-ml-py for the steps that use them (a missing one is reported as skipped). No network.
+# Needs: one NVIDIA GPU and its driver, python3, a C compiler (cc, gcc or nvcc); PyTorch, Triton, CuPy,
+# nvidia-ml-py, nvidia-smi, nvidia-cuda-mps-control for the steps that use them (a missing one is
+# reported as skipped). No network.
 # Results: DIR/results.jsonl (one JSON line per check), DIR/summary.txt, DIR/environment.txt.
 # Exit status: 0 when no check failed, 1 when one did, 2 on a usage error, 124 past 10 minutes.
 set -euo pipefail

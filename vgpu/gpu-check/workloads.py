@@ -3,8 +3,17 @@ limits and the allocator settings of its environment apply from the start). Prin
 
     python3 workloads.py views                      torch/CuPy/NVML views of device 0
     python3 workloads.py fill --chunk-mib N         PyTorch tensors until OutOfMemoryError
-    python3 workloads.py spin --mode eager|graph --seconds T --warmup W
-                                                    matmuls (or CUDA graph replays), counted
+    python3 workloads.py spin --modes eager,graph,triton --warmup W --seconds T [--slot K]
+                              [--triton-iters N | --calibrate-ms M]
+                                                    prepares every mode, prints {"op":"ready"},
+                                                    reads a start time (CLOCK_MONOTONIC seconds)
+                                                    on stdin, then runs mode i in slot K + i: a
+                                                    warm-up of W s from start + slot x (W + T),
+                                                    then T s counted: 8192^2 fp16 matmuls (eager),
+                                                    replays of a CUDA graph of 8 (graph), or a
+                                                    Triton kernel of fixed work (triton);
+                                                    --mode M: one mode, started at once
+    python3 workloads.py hold --mib N               holds N MiB (PyTorch) until stdin closes
     python3 workloads.py launchloop --count N       a launch-bound loop of tiny kernels
     python3 workloads.py monitor --seconds T        NVML per-process utilisation samples
 
@@ -105,45 +114,111 @@ def fill(args):
     )
 
 
+def triton_busy(torch, calibrate_ms, iters):
+    """A Triton kernel of fixed work over the whole card (a chain of multiply-adds per element),
+    launched through Triton's own launcher. Returns (launch, iters, ms per launch measured)."""
+    triton = need("triton")
+    import triton.language as tl
+
+    @triton.jit
+    def busy(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs)
+        for _ in range(n):
+            x = x * 0.9999 + 0.0001
+        tl.store(x_ptr + offs, x)
+
+    block = 1024
+    grid = (torch.cuda.get_device_properties(0).multi_processor_count * 8,)
+    x = torch.ones(grid[0] * block, device="cuda", dtype=torch.float32)
+    state = {"n": iters or 20000}
+
+    def launch():
+        busy[grid](x, state["n"], BLOCK=block)
+
+    launch()  # compiles
+    torch.cuda.synchronize()
+    ms = 0.0
+    for _ in range(5 if calibrate_ms else 1):
+        t = time.monotonic()
+        for _ in range(5):
+            launch()
+        torch.cuda.synchronize()
+        ms = (time.monotonic() - t) * 1e3 / 5
+        if calibrate_ms and ms > 0:
+            state["n"] = max(1000, int(state["n"] * calibrate_ms / ms))
+    return launch, state["n"], ms
+
+
 def spin(args):
     torch = need("torch")
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.float16)
     b = torch.randn(n, n, device="cuda", dtype=torch.float16)
     out = torch.empty(n, n, device="cuda", dtype=torch.float16)
-    per_step = 1
 
-    def step():
+    def matmul():
         torch.matmul(a, b, out=out)
 
-    if args.mode == "graph":
-        per_step = 8
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(per_step):
-                step()
-        step = graph.replay
+    steps = {}  # mode -> (one step, units of work per step)
+    for mode in (args.mode or args.modes).split(","):
+        if mode == "eager":
+            steps[mode] = (matmul, 1)
+        elif mode == "graph":
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(3):
+                    matmul()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(8):
+                    matmul()
+            steps[mode] = (graph.replay, 8)
+        elif mode == "triton":
+            launch, iters, ms = triton_busy(torch, args.calibrate_ms, args.triton_iters)
+            steps[mode] = (launch, 1)
+            emit(op="triton", iters=iters, launch_ms=ms)
+        else:
+            raise SystemExit(f"unknown mode {mode}")
     torch.cuda.synchronize()
-    measure_from = time.monotonic() + args.warmup
-    end = measure_from + args.seconds
-    steps, counted = 0, 0
-    while time.monotonic() < end:
-        step()
-        steps += 1
-        if steps % 4 == 0:
-            # A few steps in flight, as a training loop has, never an unbounded queue.
-            torch.cuda.current_stream().synchronize()
-        if time.monotonic() >= measure_from:
-            counted += per_step
+    emit(op="ready", pid=os.getpid())
+    # `--mode` (one mode) starts at once, without a start time on stdin.
+    start = time.monotonic() if args.mode else float(sys.stdin.readline())
+    for i, mode in enumerate(steps):
+        step, units = steps[mode]
+        warm = start + (args.slot + i) * (args.warmup + args.seconds)
+        measure_from, end = warm + args.warmup, warm + args.warmup + args.seconds
+        time.sleep(max(0.0, warm - time.monotonic()))
+        done = 0
+        while time.monotonic() < measure_from:
+            step()
+            done += 1
+            if done % 4 == 0:
+                torch.cuda.current_stream().synchronize()
+        # Counted from an empty queue to an empty queue: the work done in the window, whatever
+        # the card's share. A few steps in flight, as a training loop has.
+        torch.cuda.synchronize()
+        t0 = time.monotonic()
+        done = 0
+        while time.monotonic() < end:
+            step()
+            done += 1
+            if done % 4 == 0:
+                torch.cuda.current_stream().synchronize()
+        torch.cuda.synchronize()
+        elapsed = time.monotonic() - t0
+        emit(op="spin", mode=mode, pid=os.getpid(), units=done * units, seconds=elapsed,
+             per_second=done * units / elapsed)
+
+
+def hold(args):
+    torch = need("torch")
+    held = torch.empty(args.mib << 20, dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()
-    emit(op="spin", mode=args.mode, pid=os.getpid(), matmuls=counted, seconds=args.seconds,
-         per_second=counted / args.seconds)
+    emit(op="ready", pid=os.getpid(), held=held.numel())
+    sys.stdin.read()
 
 
 def launchloop(args):
@@ -194,15 +269,22 @@ def main():
     p = sub.add_parser("fill")
     p.add_argument("--chunk-mib", type=int, default=64)
     p = sub.add_parser("spin")
-    p.add_argument("--mode", choices=["eager", "graph"], default="eager")
-    p.add_argument("--seconds", type=float, default=10.0)
-    p.add_argument("--warmup", type=float, default=3.0)
+    p.add_argument("--modes", default="eager,graph,triton")
+    p.add_argument("--mode", help="one mode, started at once (no start time on stdin)")
+    p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--warmup", type=float, default=1.0)
+    p.add_argument("--slot", type=int, default=0)
+    p.add_argument("--triton-iters", type=int, default=0)
+    p.add_argument("--calibrate-ms", type=float, default=0.0)
+    p = sub.add_parser("hold")
+    p.add_argument("--mib", type=int, default=1024)
     p = sub.add_parser("launchloop")
     p.add_argument("--count", type=int, default=20000)
     p = sub.add_parser("monitor")
     p.add_argument("--seconds", type=float, default=10.0)
     args = parser.parse_args()
-    {"views": views, "fill": fill, "spin": spin, "launchloop": launchloop, "monitor": monitor}[args.command](args)
+    {"views": views, "fill": fill, "spin": spin, "hold": hold, "launchloop": launchloop,
+     "monitor": monitor}[args.command](args)
 
 
 if __name__ == "__main__":
