@@ -327,6 +327,7 @@ mod tests {
             memory_limit_field: Some("p.memoryLimit".into()),
             core_limit_field: Some("p.coreLimit".into()),
             enforcement_field: Some("p.enforcement".into()),
+            compute_field: Some("p.compute".into()),
         }
     }
 
