@@ -94,6 +94,7 @@ fn prepared_entry(
             memory_bytes: *memory,
             cores: *cores,
             enforcement: *enforcement,
+            compute: gpupool_api::config::Compute::Limiter,
             priority: None,
         })
         .collect();
@@ -134,6 +135,7 @@ fn prepared_entry(
         warning: rendered.warning,
         recovered: false,
         mig: Vec::new(),
+        mps: Vec::new(),
     }
 }
 

@@ -9,6 +9,8 @@
 //!   written through a `.<name>.tmp` file first.
 //! - `<run-dir>/` (0711, per boot, normally a tmpfs): the per-claim folders, one tree per kind
 //!   ([`CLAIM_FOLDERS`]), `<run-dir>/<kind>/<uid>/`.
+//! - `<run-dir>/mps/<card UUID>/` (0711): a card's MPS control daemon's pipe, log and shared-memory
+//!   folders, while it runs ([`crate::mps::layout`]).
 //! - the HAMi-core lock folder, `/tmp/vgpulock`, shared by every container on the node.
 //! - the enforcement libraries on the host, which the driver only reads: gpupool's
 //!   (`--gpupool-lib-dir`, installed by the DaemonSet's init container with `install-lib`) and
@@ -105,6 +107,9 @@ pub struct NodeLayout {
     /// A lock file when other driver instances share these folders (a rolling update with surge),
     /// see [`NodeState::take_turn`](super::NodeState::take_turn).
     pub serialize_lock: Option<PathBuf>,
+    /// How the cards' MPS control daemons are run; their folders are under `run_dir`
+    /// ([`crate::mps::layout`]).
+    pub mps: crate::mps::MpsSettings,
 }
 
 impl NodeLayout {
@@ -136,6 +141,7 @@ impl NodeLayout {
             vgpu_lock_dir: PathBuf::from(VGPU_LOCK_DIR),
             fake_gpus,
             serialize_lock: None,
+            mps: crate::mps::MpsSettings::default(),
         }
     }
 
