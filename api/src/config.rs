@@ -581,7 +581,10 @@ mod tests {
         assert_eq!(effective.config.compute, Some(Compute::Limiter));
         assert_eq!(effective.compute_field.as_deref(), Some("c1.compute"));
         assert_eq!(
-            effective_config(&[], "gpu").config.compute.unwrap_or_default(),
+            effective_config(&[], "gpu")
+                .config
+                .compute
+                .unwrap_or_default(),
             Compute::Limiter,
             "the default stays the library's limiter"
         );

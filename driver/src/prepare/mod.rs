@@ -15,6 +15,7 @@ pub(crate) mod limits;
 mod mig_status;
 mod mps;
 mod nvidia_cdi;
+pub mod offline;
 pub(crate) mod status;
 mod status_writes;
 
