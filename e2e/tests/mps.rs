@@ -59,8 +59,15 @@ impl Drop for MpsNode {
 
 impl MpsNode {
     async fn new(name: &str) -> MpsNode {
+        let node = CrashNode::with_namespace(name, GPUS, NAMESPACE).await;
+        // Traversable by every user, as a node's /var/run is: clients of other users reach the
+        // pipe folder under it (a container runtime makes the path's parents in the container).
+        for dir in node.host_root().ancestors().take(2) {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711)).unwrap();
+        }
         MpsNode {
-            node: CrashNode::with_namespace(name, GPUS, NAMESPACE).await,
+            node,
             control: standin(),
         }
     }
@@ -607,4 +614,89 @@ async fn without_nvidia_cuda_mps_control_the_claim_fails_saying_so_and_leaves_no
         .create_claim_on(NAMESPACE, "limited", "gpu-0", Some(("8Gi", "50")))
         .await;
     mps.prepare(&limited).await.unwrap();
+}
+
+/// The GPU check (`driver/gpu-check/`) must not rot while no GPU is at hand: its shell and Python
+/// parse, and its CPU part runs through `run.sh` as on a GPU, over fake GPUs and the stand-in
+/// daemon: the driver prepares the 30 and 70 shares, two clients attach with what their CDI specs
+/// give (and one of another user), the daemon lists one server with both, and the unprepare leaves
+/// no daemon, server or folder. The throughput steps report themselves skipped.
+#[test]
+fn the_gpu_check_parses_and_its_cpu_part_passes_over_the_stand_in() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../driver/gpu-check");
+    let bash = std::process::Command::new("bash")
+        .arg("-n")
+        .arg(dir.join("run.sh"))
+        .output()
+        .expect("bash runs");
+    assert!(
+        bash.status.success(),
+        "{}",
+        String::from_utf8_lossy(&bash.stderr)
+    );
+    let cache = tempfile::tempdir().expect("tempdir");
+    let python = std::process::Command::new("python3")
+        .args(["-m", "py_compile"])
+        .arg(dir.join("check.py"))
+        .env("PYTHONPYCACHEPREFIX", cache.path())
+        .output()
+        .expect("python3 runs");
+    assert!(
+        python.status.success(),
+        "{}",
+        String::from_utf8_lossy(&python.stderr)
+    );
+
+    let out = tempfile::tempdir().expect("tempdir");
+    let check = find_binary("gpupool-mps-check").unwrap_or_else(|e| panic!("{e}"));
+    let run = std::process::Command::new(dir.join("run.sh"))
+        .arg(&check)
+        .arg("--out")
+        .arg(out.path())
+        .arg("--mps-control")
+        .arg(standin())
+        .args([
+            "--fake-gpus",
+            "a100-40gb:1",
+            "--cpu-only",
+            "--seconds",
+            "1",
+            "--warmup",
+            "0.5",
+        ])
+        .output()
+        .expect("run.sh runs");
+    let printed = format!(
+        "{}{}",
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert!(run.status.success(), "{printed}");
+    let rows: Vec<Value> = std::fs::read_to_string(out.path().join("results.jsonl"))
+        .expect("results.jsonl")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect();
+    let ok = |check: &str| {
+        rows.iter()
+            .find(|r| r["check"] == check)
+            .unwrap_or_else(|| panic!("no {check} in {printed}"))["ok"]
+            .clone()
+    };
+    for check in [
+        "prepare_30_70_multi_user_true",
+        "spec_30",
+        "spec_70",
+        "one_server_two_clients_while_running",
+        "client_30_through_mps",
+        "client_70_through_mps",
+        "client_of_another_user",
+        "unprepare_stops_the_daemon_and_leaves_nothing",
+    ] {
+        assert_eq!(ok(check), true, "{check}: {printed}");
+    }
+    assert_eq!(ok("alone_without_mps"), Value::Null);
+    assert!(std::fs::read_to_string(out.path().join("summary.txt"))
+        .unwrap()
+        .contains("0 failed"));
 }

@@ -1,7 +1,7 @@
 //! Where a card's MPS daemon keeps its files (pure): `<run-dir>/mps/<card UUID>/` with
 //!
 //! - `pipe/` (0755): the daemon's control socket and PID file (`CUDA_MPS_PIPE_DIRECTORY`), mounted
-//!   at [`CONTAINER_PIPE_DIR`] in the claims' containers;
+//!   in the claims' containers at the same path and at [`CONTAINER_PIPE_DIR`];
 //! - `log/` (0700): `control.log` and `server.log` (`CUDA_MPS_LOG_DIRECTORY`), the driver's only;
 //! - `shm/` (1777): the daemon's `/dev/shm` (a bind mount in its own mount namespace) and the
 //!   containers' `/dev/shm`, since an MPS client reaches its server through shared memory.
@@ -15,8 +15,8 @@ use gpupool_api::validation::is_uuid;
 
 /// The folder under the run folder holding one folder per card.
 pub const MPS_DIR: &str = "mps";
-/// Where the pipe folder is mounted in a container: CUDA's own default, so a process that drops
-/// `CUDA_MPS_PIPE_DIRECTORY` from its environment still finds the daemon.
+/// Where the pipe folder is mounted in a container besides its own path: CUDA's default, so a
+/// process that drops `CUDA_MPS_PIPE_DIRECTORY` from its environment still finds the daemon.
 pub const CONTAINER_PIPE_DIR: &str = "/tmp/nvidia-mps";
 pub const CONTAINER_SHM_DIR: &str = "/dev/shm";
 /// The daemon's socket in its pipe folder.

@@ -114,22 +114,34 @@ pub fn hold(allocated: &AllocatedDevice, gpu: &Gpu, limit: &DeviceLimits) -> Mps
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ContainerEdits {
     pub env: Vec<String>,
-    pub mounts: Vec<(PathBuf, &'static str)>,
+    pub mounts: Vec<(PathBuf, ContainerPath)>,
 }
 
-/// The edits of the share at CUDA ordinal `ordinal`, served by the daemon in `dirs`.
+/// The edits of the share at CUDA ordinal `ordinal`, served by the daemon in `dirs`: the pipe
+/// folder where the daemon has it (its servers and clients then name every socket alike) and at
+/// CUDA's default (a process that drops the variable still reaches the daemon), the daemon's
+/// `/dev/shm` as the container's.
 pub fn container_edits(hold: &MpsHold, ordinal: usize, dirs: &DaemonDirs) -> ContainerEdits {
     ContainerEdits {
         env: vec![
-            format!("{PIPE_DIRECTORY_ENV}={CONTAINER_PIPE_DIR}"),
+            format!("{PIPE_DIRECTORY_ENV}={}", dirs.pipe.display()),
             format!("{ACTIVE_THREAD_PERCENTAGE_ENV}={}", hold.percentage),
             format!("{PINNED_MEMORY_LIMIT_ENV}={ordinal}={}M", hold.memory_mib),
         ],
         mounts: vec![
-            (dirs.pipe.clone(), CONTAINER_PIPE_DIR),
-            (dirs.shm.clone(), CONTAINER_SHM_DIR),
+            (dirs.pipe.clone(), ContainerPath::Host),
+            (dirs.pipe.clone(), ContainerPath::At(CONTAINER_PIPE_DIR)),
+            (dirs.shm.clone(), ContainerPath::At(CONTAINER_SHM_DIR)),
         ],
     }
+}
+
+/// Where a mount goes in the container.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ContainerPath {
+    /// The host path itself.
+    Host,
+    At(&'static str),
 }
 
 /// What the card's daemon allows any client: the largest share prepared on it, SMs in percent
@@ -291,7 +303,7 @@ mod tests {
     }
 
     #[test]
-    fn the_container_reaches_the_daemon_at_cudas_default_pipe_folder_with_its_shm() {
+    fn the_container_reaches_the_daemon_where_it_has_its_pipe_folder_and_at_cudas_default() {
         let dirs = DaemonDirs::of(
             std::path::Path::new("/run/g"),
             "GPU-51b8cb73-0d3e-4d3c-9a8e-000000000001",
@@ -307,7 +319,7 @@ mod tests {
         assert_eq!(
             edits.env,
             [
-                "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps",
+                "CUDA_MPS_PIPE_DIRECTORY=/run/g/mps/GPU-51b8cb73-0d3e-4d3c-9a8e-000000000001/pipe",
                 "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30",
                 "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=8192M",
             ]
@@ -315,8 +327,9 @@ mod tests {
         assert_eq!(
             edits.mounts,
             [
-                (dirs.pipe.clone(), "/tmp/nvidia-mps"),
-                (dirs.shm.clone(), "/dev/shm")
+                (dirs.pipe.clone(), ContainerPath::Host),
+                (dirs.pipe.clone(), ContainerPath::At("/tmp/nvidia-mps")),
+                (dirs.shm.clone(), ContainerPath::At("/dev/shm"))
             ]
         );
     }

@@ -170,11 +170,15 @@ pub fn render(
                 .map_err(|e| CdiError::Invalid(e.to_string()))?;
             let mps = crate::mps::share::container_edits(&hold, d.limits.ordinal, &dirs);
             edits.env.extend(mps.env);
-            edits.mounts.extend(
-                mps.mounts
-                    .iter()
-                    .map(|(host, container)| bind(host, container, false)),
-            );
+            edits
+                .mounts
+                .extend(mps.mounts.iter().map(|(host, container)| {
+                    let container = match container {
+                        crate::mps::share::ContainerPath::Host => host.display().to_string(),
+                        crate::mps::share::ContainerPath::At(path) => path.to_string(),
+                    };
+                    bind(host, &container, false)
+                }));
         }
         if let (Some(lib), true) = (library, d.limits.enforcement != Enforcement::None) {
             edits.env.extend(limits::limit_env(d.limits));
@@ -552,7 +556,7 @@ mod tests {
         for env in [
             "CUDA_DEVICE_MEMORY_LIMIT_0=8192m".to_string(),
             "CUDA_DEVICE_SM_LIMIT_0=0".to_string(),
-            "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps".to_string(),
+            format!("CUDA_MPS_PIPE_DIRECTORY={card}/pipe"),
             "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30".to_string(),
             "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=8192M".to_string(),
             format!("CUDA_VISIBLE_DEVICES={}", inv.gpus[1].uuid),
@@ -567,6 +571,7 @@ mod tests {
         let shm = format!("{card}/shm");
         let m = mounts(edits);
         assert!(m.contains(&(pipe.as_str(), "/tmp/nvidia-mps")), "{m:?}");
+        assert!(m.contains(&(pipe.as_str(), pipe.as_str())), "{m:?}");
         assert!(m.contains(&(shm.as_str(), "/dev/shm")), "{m:?}");
         assert!(m.contains(&("/var/lib/gpupool/ld.so.preload.gpupool", LD_SO_PRELOAD)));
         let shm_mount = edits

@@ -47,6 +47,14 @@ fn refused(reason: &str) -> ExitCode {
     ExitCode::FAILURE
 }
 
+fn same_file(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    }
+}
+
 pub fn client_main(hold_ms: u64) -> ExitCode {
     let dirs = Dirs::from_env();
     let socket = dirs.socket();
@@ -73,13 +81,30 @@ pub fn client_main(hold_ms: u64) -> ExitCode {
         return refused("the daemon closed the connection");
     }
     let words: Vec<&str> = reply.split_whitespace().collect();
-    let ["ATTACHED", server, percentage, shm] = words.as_slice() else {
+    let ["ATTACHED", server, percentage] = words.as_slice() else {
         return refused(reply.trim());
     };
+    let (mut shm, mut daemon_pipe) = (String::new(), String::new());
+    if reader.read_line(&mut shm).is_err() || reader.read_line(&mut daemon_pipe).is_err() {
+        return refused("the daemon closed the connection");
+    }
+    let (shm, daemon_pipe) = (shm.trim_end(), daemon_pipe.trim_end());
     if !Path::new(shm).exists() {
         return refused(&format!(
             "the MPS server's shared memory {shm} is not in this process's /dev/shm: \
              it must be the control daemon's"
+        ));
+    }
+    // The server's sockets are named after the daemon's pipe folder: the client must find the
+    // same folder under that name.
+    if !same_file(
+        &Path::new(daemon_pipe).join(crate::paths::CONTROL_SOCKET),
+        &socket,
+    ) {
+        return refused(&format!(
+            "the daemon's pipe folder {daemon_pipe} is not where this process reaches it ({}): \
+             its servers' sockets are named after it",
+            dirs.pipe.display()
         ));
     }
     std::thread::sleep(std::time::Duration::from_millis(hold_ms));

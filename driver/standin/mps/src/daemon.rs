@@ -501,7 +501,13 @@ impl Daemon {
                     "NEW CLIENT {pid} from user {uid}: server {server}, active thread percentage {effective:.1}, \
                      pinned memory limit {pinned:?}, CUDA_VISIBLE_DEVICES {visible:?}"
                 ));
-                format!("ATTACHED {server} {effective:.1} {}\n", marker.display())
+                // The shared memory and the pipe folder as the daemon names them: a client must
+                // reach both under those names.
+                format!(
+                    "ATTACHED {server} {effective:.1}\n{}\n{}\n",
+                    marker.display(),
+                    self.dirs.pipe.display()
+                )
             }
             Err(message) => {
                 self.log
