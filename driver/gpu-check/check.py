@@ -41,7 +41,10 @@ class Run:
         self.results = open(self.out / "results.jsonl", "a")
         self.rows = []
         # Short: the daemon's control socket path lies under it (at most 107 bytes).
-        self.work = Path(tempfile.mkdtemp(prefix="gpupool-mps-"))
+        # On /run (a tmpfs, as a node's run folder is) where it can be: the daemon's /dev/shm is a
+        # folder under it.
+        base = "/run" if os.access("/run", os.W_OK) else None
+        self.work = Path(tempfile.mkdtemp(prefix="gpupool-mps-", dir=base))
         # Traversable by every user, as a node's /var/run is: a client of another user reaches
         # the pipe folder under it.
         self.work.chmod(0o711)

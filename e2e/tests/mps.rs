@@ -700,3 +700,39 @@ fn the_gpu_check_parses_and_its_cpu_part_passes_over_the_stand_in() {
         .unwrap()
         .contains("0 failed"));
 }
+
+/// During a rolling update each driver instance has its own PID namespace: the daemon the other
+/// instance started has a PID that means nothing here, yet it answers on the card's socket. It is
+/// kept (no second daemon on the card) until it stops answering. Played by recording a PID that
+/// is not the daemon's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_answering_on_its_socket_is_kept_though_its_pid_is_not_seen() {
+    let mut mps = MpsNode::new("node-mps-elsewhere").await;
+    mps.start_ok().await;
+    let thirty = mps.share("thirty", "gpu-0", "30").await;
+    mps.prepare(&thirty).await.unwrap();
+    let card = mps.card(0);
+    let pid = mps.daemon_pid(&card);
+    let status = mps.node.stop_driver().await;
+    assert!(status.is_some_and(|s| s.success()), "{status:?}");
+    let state = &mps.node.dirs.state;
+    let mut data = gpupool_driver::node_state::checkpoint::load(state)
+        .unwrap()
+        .unwrap();
+    let record = data.mps.get_mut(&card).unwrap();
+    record.pid = Some(i32::MAX - 1);
+    gpupool_driver::node_state::checkpoint::save(state, &data).unwrap();
+
+    mps.start_ok().await;
+    // Through a check of the watcher too.
+    tokio::time::sleep(gpupool_driver::prepare::MPS_CHECK_INTERVAL + Duration::from_secs(1)).await;
+    assert_eq!(
+        processes_under(&mps.node.dirs.run, CONTROL),
+        [pid],
+        "one daemon on the card, the one that answers\n{}",
+        mps.node.log()
+    );
+    mps.unprepare(&thirty).await;
+    assert!(processes_under(&mps.node.dirs.run, CONTROL).is_empty());
+    assert!(list_dir(&mps_root(&mps.node.dirs.run)).is_empty());
+}

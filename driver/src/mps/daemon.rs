@@ -60,6 +60,11 @@ pub enum DaemonError {
     },
     #[error("the MPS control daemon {pid} did not exit, even after SIGKILL")]
     Unkillable { pid: i32 },
+    #[error(
+        "an MPS control daemon answers on {pipe} and did not quit, and it runs in another PID \
+         namespace (another driver instance's): it cannot be killed from here"
+    )]
+    Elsewhere { pipe: PathBuf },
 }
 
 /// What `/proc` says of a process.
@@ -126,6 +131,18 @@ pub fn is_running(settings: &MpsSettings, id: DaemonId) -> bool {
     reap(id.pid);
     process(id.pid)
         .is_some_and(|p| p.start_time == id.start_time && p.name == daemon_name(settings))
+}
+
+/// Whether a daemon answers on the control socket of `dirs`, whoever started it: a daemon of the
+/// other driver instance of a rolling update runs in that instance's PID namespace, where its PID
+/// means nothing here, yet its socket is the same file.
+pub fn answers(settings: &MpsSettings, dirs: &DaemonDirs) -> bool {
+    control::servers(&settings.control, dirs).is_ok()
+}
+
+/// Whether the daemon of `dirs` runs: `id` is alive, or something answers on its socket.
+pub fn is_serving(settings: &MpsSettings, dirs: &DaemonDirs, id: Option<DaemonId>) -> bool {
+    id.is_some_and(|id| is_running(settings, id)) || answers(settings, dirs)
 }
 
 /// Whether the process `id` still lives (its PID not reused since), whatever its program: what a
@@ -318,11 +335,17 @@ fn kill(pid: i32) {
     }
 }
 
-/// Waits up to `timeout` for `id` to be gone.
-fn gone_within(settings: &MpsSettings, id: DaemonId, timeout: Duration) -> bool {
+/// Waits up to `timeout` for the daemon of `dirs` (`id`, when this process can see it) to be
+/// gone: no such process, nothing answering on the socket.
+fn gone_within(
+    settings: &MpsSettings,
+    dirs: &DaemonDirs,
+    id: Option<DaemonId>,
+    timeout: Duration,
+) -> bool {
     let deadline = Instant::now() + timeout;
     loop {
-        if !is_running(settings, id) {
+        if !is_serving(settings, dirs, id) {
             return true;
         }
         if Instant::now() >= deadline {
@@ -332,8 +355,9 @@ fn gone_within(settings: &MpsSettings, id: DaemonId, timeout: Duration) -> bool 
     }
 }
 
-/// Stops the daemon of `dirs` (`id`, or whichever its PID file names) and every server of the
-/// folder: `quit`, then SIGKILL for what is left; then its socket and PID file are gone too.
+/// Stops the daemon of `dirs` (`id`, or whichever its PID file names, or whatever answers on its
+/// socket) and every server of the folder: `quit`, then SIGKILL for what is left; then its socket
+/// and PID file are gone too.
 pub fn stop(
     settings: &MpsSettings,
     dirs: &DaemonDirs,
@@ -342,14 +366,20 @@ pub fn stop(
     let id = id
         .filter(|id| is_running(settings, *id))
         .or_else(|| find(settings, dirs));
-    if let Some(id) = id {
-        // Best effort: a daemon that does not answer is killed below.
+    if is_serving(settings, dirs, id) {
+        // Best effort: a daemon that does not take it is killed below.
         if let Err(e) = control::run(&settings.control, dirs, &["quit".to_string()]) {
-            tracing::warn!(pid = id.pid, error = %e, "the MPS control daemon did not take quit; killing it");
+            tracing::warn!(pid = ?id.map(|id| id.pid), error = %e, "the MPS control daemon did not take quit; killing it");
         }
-        if !gone_within(settings, id, QUIT_TIMEOUT) {
+        if !gone_within(settings, dirs, id, QUIT_TIMEOUT) {
+            let Some(id) = id else {
+                // It answers, but runs where this process cannot see it (another PID namespace).
+                return Err(DaemonError::Elsewhere {
+                    pipe: dirs.pipe.clone(),
+                });
+            };
             kill(id.pid);
-            if !gone_within(settings, id, QUIT_TIMEOUT) {
+            if !gone_within(settings, dirs, Some(id), QUIT_TIMEOUT) {
                 return Err(DaemonError::Unkillable { pid: id.pid });
             }
         }

@@ -132,7 +132,7 @@ impl NodeState {
         let record = self.read(|data| data.mps.get(card).cloned());
         let previous = match record {
             Some(r) if r.state == MpsDaemonState::Running => match recorded_id(&r) {
-                Some(id) if daemon::is_running(settings, id) => return Ok(()),
+                id if daemon::is_serving(settings, &dirs, id) => return Ok(()),
                 _ => Some(MpsDaemonRecord {
                     failure: Some(format!(
                         "the MPS control daemon of {card} (pid {}) had exited; started again",
@@ -234,9 +234,16 @@ impl NodeState {
         let records = self.read(|data| data.mps.clone());
         let mut changed = false;
         for (card, record) in records {
+            if record.state == MpsDaemonState::Stopping {
+                continue;
+            }
+            let id = recorded_id(&record);
+            // The PID first (no process started); the socket only when the PID says gone.
             let running = record.state == MpsDaemonState::Running
-                && recorded_id(&record).is_some_and(|id| daemon::is_running(&self.layout.mps, id));
-            if running || record.state == MpsDaemonState::Stopping {
+                && (id.is_some_and(|id| daemon::is_running(&self.layout.mps, id))
+                    || dirs_of(&self.layout, &card)
+                        .is_ok_and(|dirs| daemon::answers(&self.layout.mps, &dirs)));
+            if running {
                 continue;
             }
             tracing::error!(card, pid = ?record.pid, state = ?record.state, "the MPS control daemon is not running; starting it again");
@@ -308,8 +315,8 @@ pub(super) fn recover(layout: &NodeLayout, data: &mut CheckpointData, rebooted: 
             }
             continue;
         }
-        let alive = record.state == MpsDaemonState::Running
-            && id.is_some_and(|id| daemon::is_running(settings, id));
+        let alive =
+            record.state == MpsDaemonState::Running && daemon::is_serving(settings, &dirs, id);
         if alive {
             tracing::info!(
                 card,
