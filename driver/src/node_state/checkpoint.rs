@@ -338,7 +338,9 @@ impl Change {
     }
 }
 
-/// An entry before a change (none: there was none).
+/// An entry before a change (none: there was none). It lives for one commit, on the stack: boxing
+/// the large variant would cost every prepare an allocation for nothing.
+#[allow(clippy::large_enum_variant)]
 enum Undo {
     Claim(String, Option<ClaimEntry>),
     Mps(String, Option<MpsDaemonRecord>),
