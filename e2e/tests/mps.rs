@@ -7,12 +7,12 @@
 mod crash_support;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crash_support::*;
 use gpupool_api::claim::ClaimRef;
+use gpupool_driver::mps::daemon::processes_under;
 use gpupool_driver::mps::layout::{mps_root, DaemonDirs};
 use gpupool_driver::node_state::fault::MPS_FAULT_POINTS;
 use gpupool_e2e::harness::find_binary;
@@ -282,32 +282,6 @@ fn parent_of(pid: i32) -> i32 {
                 .ok()
         })
         .unwrap_or(-1)
-}
-
-/// Live processes called `name` whose MPS pipe folder is under `root`.
-fn processes_under(root: &Path, name: &str) -> Vec<i32> {
-    let mut prefix = b"CUDA_MPS_PIPE_DIRECTORY=".to_vec();
-    prefix.extend_from_slice(root.as_os_str().as_bytes());
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    entries
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|pid| {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            let live = stat
-                .rsplit_once(')')
-                .is_some_and(|(_, rest)| !rest.trim_start().starts_with(['Z', 'X']));
-            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            let argv0 = cmdline.split(|b| *b == 0).next().unwrap_or_default();
-            let named = Path::new(std::ffi::OsStr::from_bytes(argv0))
-                .file_name()
-                .is_some_and(|n| n == name);
-            let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-            live && named && environ.split(|b| *b == 0).any(|v| v.starts_with(&prefix))
-        })
-        .collect()
 }
 
 async fn wait_until<T>(what: &str, timeout: Duration, mut done: impl FnMut() -> Option<T>) -> T {

@@ -26,7 +26,7 @@ use std::sync::Arc;
 use clap::{Parser, Subcommand};
 use gpupool_api::claim::ClaimRef;
 use gpupool_driver::mps::layout::{mps_root, DaemonDirs};
-use gpupool_driver::mps::{control, MpsSettings};
+use gpupool_driver::mps::{control, daemon, MpsSettings};
 use gpupool_driver::node_state::checkpoint;
 use gpupool_driver::node_state::NodeLayout;
 use gpupool_driver::prepare::{ClaimPreparer, DefaultEnforcement, DriverLibraries, PrepareOptions};
@@ -374,8 +374,7 @@ fn clients(node: &NodeArgs) -> Result<bool, String> {
                 })
                 .collect::<Result<Vec<_>, _>>()
         });
-        let log = std::fs::read_to_string(dirs.log.join(gpupool_driver::mps::daemon::CONTROL_LOG))
-            .unwrap_or_default();
+        let log = std::fs::read_to_string(dirs.log.join(daemon::CONTROL_LOG)).unwrap_or_default();
         let tail: Vec<&str> = log
             .lines()
             .rev()
@@ -395,31 +394,6 @@ fn clients(node: &NodeArgs) -> Result<bool, String> {
         }
     }
     Ok(ok)
-}
-
-/// Processes named `name` whose MPS pipe folder is under `root`.
-fn processes_under(root: &Path, name: &str) -> Vec<i32> {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    let prefix = format!("CUDA_MPS_PIPE_DIRECTORY={}", root.display()).into_bytes();
-    entries
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|pid| {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            let zombie = stat
-                .rsplit_once(')')
-                .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'));
-            let argv0 = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            let argv0 = argv0.split(|b| *b == 0).next().unwrap_or_default();
-            let named = Path::new(std::ffi::OsStr::from_bytes(argv0))
-                .file_name()
-                .is_some_and(|n| n == name);
-            let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-            !zombie && named && environ.split(|b| *b == 0).any(|v| v.starts_with(&prefix))
-        })
-        .collect()
 }
 
 async fn unprepare(node: &NodeArgs) -> Result<bool, String> {
@@ -453,8 +427,8 @@ async fn unprepare(node: &NodeArgs) -> Result<bool, String> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let daemons = processes_under(&run, &daemon_name);
-    let servers = processes_under(&run, gpupool_driver::mps::daemon::SERVER_NAME);
+    let daemons = daemon::processes_under(&run, &daemon_name);
+    let servers = daemon::processes_under(&run, daemon::SERVER_NAME);
     let folders: Vec<String> = std::fs::read_dir(mps_root(&run))
         .map(|entries| {
             entries

@@ -96,16 +96,40 @@ fn process(pid: i32) -> Option<ProcessInfo> {
     Some(ProcessInfo { start_time, name })
 }
 
-/// Whether the process's environment names `pipe` as its MPS pipe folder.
-fn serves_pipe(pid: i32, pipe: &Path) -> bool {
-    let Ok(environ) = std::fs::read(format!("/proc/{pid}/environ")) else {
-        return false;
-    };
-    let mut wanted = format!("{PIPE_DIRECTORY_ENV}=").into_bytes();
-    wanted.extend_from_slice(pipe.as_os_str().as_bytes());
+/// The MPS pipe folder the process's environment names, if any.
+fn pipe_of(pid: i32) -> Option<PathBuf> {
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    let prefix = format!("{PIPE_DIRECTORY_ENV}=").into_bytes();
     environ
         .split(|b| *b == 0)
-        .any(|var| var == wanted.as_slice())
+        .find_map(|var| var.strip_prefix(prefix.as_slice()))
+        .map(|value| PathBuf::from(std::ffi::OsStr::from_bytes(value)))
+}
+
+/// Whether the process's environment names `pipe` as its MPS pipe folder.
+fn serves_pipe(pid: i32, pipe: &Path) -> bool {
+    pipe_of(pid).is_some_and(|p| p == pipe)
+}
+
+/// Live processes called `name` (`argv[0]`'s file name) whose MPS pipe folder `wanted` accepts.
+fn processes(name: &str, wanted: impl Fn(&Path) -> bool) -> Vec<i32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            process(*pid).is_some_and(|p| p.name == name)
+                && pipe_of(*pid).is_some_and(|pipe| wanted(&pipe))
+        })
+        .collect()
+}
+
+/// Live processes called `name` whose MPS pipe folder lies under `root`: what a node's (or a
+/// test's) daemons and servers are, wherever they came from.
+pub fn processes_under(root: &Path, name: &str) -> Vec<i32> {
+    processes(name, |pipe| pipe.starts_with(root))
 }
 
 /// Reaps `pid` if it is this process's child that has exited (the driver is PID 1 of its
@@ -170,16 +194,7 @@ pub fn find(settings: &MpsSettings, dirs: &DaemonDirs) -> Option<DaemonId> {
 /// The servers of `dirs`' daemon still running, also those a killed daemon left: processes named
 /// `nvidia-cuda-mps-server` whose pipe folder is this one.
 pub fn servers(dirs: &DaemonDirs) -> Vec<i32> {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    entries
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|pid| {
-            process(*pid).is_some_and(|p| p.name == SERVER_NAME) && serves_pipe(*pid, &dirs.pipe)
-        })
-        .collect()
+    processes(SERVER_NAME, |pipe| pipe == dirs.pipe)
 }
 
 fn folder(path: &Path, mode: u32) -> Result<(), DaemonError> {
