@@ -710,3 +710,40 @@ async fn a_daemon_answering_on_its_socket_is_kept_though_its_pid_is_not_seen() {
     assert!(processes_under(&mps.node.dirs.run, CONTROL).is_empty());
     assert!(list_dir(&mps_root(&mps.node.dirs.run)).is_empty());
 }
+
+/// Pods arrive together: the kubelet prepares their claims at once. Shares of one card then share
+/// one daemon, started once; none of them stops the other's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shares_of_one_card_prepared_at_once_start_one_daemon() {
+    let mut mps = MpsNode::new("node-mps-together").await;
+    mps.start_ok().await;
+    let claims: Vec<ClaimRef> = futures::future::join_all(
+        ["a", "b", "c", "d"]
+            .iter()
+            .map(|name| mps.share(name, "gpu-0", "20")),
+    )
+    .await;
+    let outcome = mps.node.prepare_retrying(&claims).await;
+    for claim in &claims {
+        if let Err(e) = &outcome[&claim.uid] {
+            panic!("{}: {e}\n{}", claim.name, mps.node.log());
+        }
+    }
+    let card = mps.card(0);
+    let believed: BTreeMap<String, String> = claims
+        .iter()
+        .map(|c| (c.uid.clone(), card.clone()))
+        .collect();
+    mps.check_daemons(&believed).unwrap();
+    assert_eq!(
+        mps.control_log(&card)
+            .matches("Starting control daemon")
+            .count(),
+        1,
+        "{}",
+        mps.control_log(&card)
+    );
+    let outcome = mps.node.unprepare_retrying(&claims).await;
+    assert!(outcome.values().all(Result::is_ok), "{outcome:?}");
+    mps.check_daemons(&BTreeMap::new()).unwrap();
+}

@@ -129,6 +129,11 @@ pub struct NodeState {
     /// The serialize lock's file (with other instances on the node), open for the process's
     /// life: a turn is a `flock` and an unlock, not an open, a `flock` and a close.
     serialize_lock: Option<Arc<std::fs::File>>,
+    /// Held through each change of the MPS daemons (`mps.rs`): claims of one call, or of calls
+    /// for pods that start together, are prepared at once, and a daemon's steps must not
+    /// interleave with another claim's on the same card. The other instance is kept out by the
+    /// turn.
+    mps_lock: std::sync::Mutex<()>,
 }
 
 /// Where MIG instances may exist: the node's cards that have MIG.
@@ -165,6 +170,7 @@ impl NodeState {
             turn: Arc::default(),
             mig: mig.manager,
             serialize_lock,
+            mps_lock: std::sync::Mutex::new(()),
         };
         Ok((state, recovered.corrupt))
     }
@@ -445,7 +451,7 @@ impl NodeState {
         }
         // The card's MPS daemon stops with its last holder (node_state/mps.rs).
         if self.read(|data| data.claims.get(uid).is_some_and(|e| !e.mps.is_empty())) {
-            self.release_mps(Some(uid))?;
+            return self.remove_mps_holder(uid);
         }
         if self.read(|data| data.claims.contains_key(uid)) {
             self.checkpoint.commit(Change::Remove(uid.to_string()))?;

@@ -102,6 +102,7 @@ impl NodeState {
     /// daemon running with a ceiling that admits the claim's share. On failure the entry is
     /// removed and a daemon no other claim holds is stopped. Blocking.
     pub fn hold_mps(&self, uid: &str, mut started: ClaimEntry) -> Result<(), NodeStateError> {
+        let _one_at_a_time = self.mps_lock.lock().unwrap_or_else(|e| e.into_inner());
         started.state = ClaimState::PrepareStarted;
         self.checkpoint
             .commit(Change::Put(uid.to_string(), Box::new(started.clone())))?;
@@ -116,7 +117,7 @@ impl NodeState {
             if let Err(e) = self.checkpoint.commit(Change::Remove(uid.to_string())) {
                 tracing::error!(uid, error = %e, "rolling back a failed MPS start could not update the checkpoint; the next start will");
             }
-            if let Err(e) = self.release_mps(None) {
+            if let Err(e) = self.release_mps_locked(None) {
                 tracing::error!(uid, error = %e, "rolling back a failed MPS start could not stop the daemon; the next start will");
             }
             return Err(e);
@@ -181,6 +182,12 @@ impl NodeState {
     /// are returned (the kubelet's retry of an unprepare tries again); a ceiling that cannot be
     /// lowered is logged.
     pub(super) fn release_mps(&self, leaving: Option<&str>) -> Result<(), NodeStateError> {
+        let _one_at_a_time = self.mps_lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.release_mps_locked(leaving)
+    }
+
+    /// [`NodeState::release_mps`] with the MPS lock held.
+    fn release_mps_locked(&self, leaving: Option<&str>) -> Result<(), NodeStateError> {
         let (records, holders): (BTreeMap<String, MpsDaemonRecord>, BTreeSet<String>) =
             self.read(|data| {
                 let holders = data
@@ -208,6 +215,16 @@ impl NodeState {
         result
     }
 
+    /// The entry of a claim holding MPS cards goes: the daemons only it holds are stopped, then
+    /// the entry is removed, both under the MPS lock, so that two holders leaving at once cannot
+    /// each count on the other to stop the daemon.
+    pub(super) fn remove_mps_holder(&self, uid: &str) -> Result<(), NodeStateError> {
+        let _one_at_a_time = self.mps_lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.release_mps_locked(Some(uid))?;
+        self.checkpoint.commit(Change::Remove(uid.to_string()))?;
+        Ok(())
+    }
+
     /// Stops a card's daemon and removes its folders and record, `Stopping` recorded first.
     fn stop_daemon(&self, card: &str, record: MpsDaemonRecord) -> Result<(), NodeStateError> {
         let id = recorded_id(&record);
@@ -231,6 +248,7 @@ impl NodeState {
     /// Every recorded daemon that should run and does not (found dead, or never started after a
     /// failure) is started again; true when one was. Blocking.
     pub fn check_mps(&self) -> bool {
+        let _one_at_a_time = self.mps_lock.lock().unwrap_or_else(|e| e.into_inner());
         let records = self.read(|data| data.mps.clone());
         let mut changed = false;
         for (card, record) in records {

@@ -758,12 +758,13 @@ impl ClaimPreparer {
             let entry = data.claims.get(&claim.uid);
             (
                 entry.map(|e| claim::prepared_allocation_id(&e.devices)),
-                entry.is_some_and(|e| !e.mig.is_empty()),
+                entry.is_some_and(|e| !e.mig.is_empty() || !e.mps.is_empty()),
             )
         });
         let (state, uid) = (self.state.clone(), claim.uid.clone());
         if mig {
-            // Destroying MIG instances goes through NVML: that blocks.
+            // Destroying MIG instances goes through NVML, stopping an MPS daemon waits for it:
+            // that blocks.
             run_blocking(claim, move || state.remove(&uid)).await?;
         } else {
             // Files on the CDI folder's tmpfs and a checkpoint line: cheaper on this thread than
