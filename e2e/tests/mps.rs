@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use crash_support::*;
 use gpupool_api::claim::ClaimRef;
-use gpupool_driver::mps::daemon::processes_under;
+use gpupool_driver::mps::daemon::{daemons_under, processes_under};
 use gpupool_driver::mps::layout::{mps_root, DaemonDirs};
 use gpupool_driver::node_state::fault::MPS_FAULT_POINTS;
 use gpupool_e2e::harness::find_binary;
@@ -47,7 +47,7 @@ struct MpsNode {
 
 impl Drop for MpsNode {
     fn drop(&mut self) {
-        for pid in processes_under(&self.node.dirs.run, CONTROL)
+        for pid in daemons_under(&self.node.dirs.run, CONTROL)
             .into_iter()
             .chain(processes_under(&self.node.dirs.run, SERVER))
         {
@@ -152,7 +152,7 @@ impl MpsNode {
         assert_eq!(record["state"], "Running", "{record}");
         let pid = record["pid"].as_i64().expect("a pid") as i32;
         assert!(
-            processes_under(&self.node.dirs.run, CONTROL).contains(&pid),
+            daemons_under(&self.node.dirs.run, CONTROL).contains(&pid),
             "daemon {pid} is not running"
         );
         pid
@@ -171,7 +171,7 @@ impl MpsNode {
                 "daemons recorded for {recorded:?}, the prepared MPS claims hold {wanted:?}"
             ));
         }
-        let running = processes_under(&self.node.dirs.run, CONTROL);
+        let running = daemons_under(&self.node.dirs.run, CONTROL);
         let mut pids = BTreeSet::new();
         for (card, record) in &records {
             let pid = record["pid"].as_i64().unwrap_or(-1) as i32;
@@ -701,13 +701,13 @@ async fn a_daemon_answering_on_its_socket_is_kept_though_its_pid_is_not_seen() {
     // Through a check of the watcher too.
     tokio::time::sleep(gpupool_driver::prepare::MPS_CHECK_INTERVAL + Duration::from_secs(1)).await;
     assert_eq!(
-        processes_under(&mps.node.dirs.run, CONTROL),
+        daemons_under(&mps.node.dirs.run, CONTROL),
         [pid],
         "one daemon on the card, the one that answers\n{}",
         mps.node.log()
     );
     mps.unprepare(&thirty).await;
-    assert!(processes_under(&mps.node.dirs.run, CONTROL).is_empty());
+    assert!(daemons_under(&mps.node.dirs.run, CONTROL).is_empty());
     assert!(list_dir(&mps_root(&mps.node.dirs.run)).is_empty());
 }
 

@@ -427,7 +427,7 @@ async fn unprepare(node: &NodeArgs) -> Result<bool, String> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let daemons = daemon::processes_under(&run, &daemon_name);
+    let daemons = daemon::daemons_under(&run, &daemon_name);
     let servers = daemon::processes_under(&run, daemon::SERVER_NAME);
     let folders: Vec<String> = std::fs::read_dir(mps_root(&run))
         .map(|entries| {

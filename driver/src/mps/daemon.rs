@@ -72,6 +72,9 @@ struct ProcessInfo {
     start_time: u64,
     /// `argv[0]`'s file name.
     name: String,
+    /// Started as a daemon (`-d` or `-f` among its arguments), not as the control utility that
+    /// shares its name.
+    daemon: bool,
 }
 
 /// A live process (not a zombie): its start time and name.
@@ -88,12 +91,18 @@ fn process(pid: i32) -> Option<ProcessInfo> {
     }
     let start_time = fields.get(19)?.parse().ok()?;
     let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-    let argv0 = cmdline.split(|b| *b == 0).next().unwrap_or_default();
+    let mut args = cmdline.split(|b| *b == 0);
+    let argv0 = args.next().unwrap_or_default();
     let name = Path::new(std::ffi::OsStr::from_bytes(argv0))
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    Some(ProcessInfo { start_time, name })
+    let daemon = args.any(|a| a == b"-d" || a == b"-f");
+    Some(ProcessInfo {
+        start_time,
+        name,
+        daemon,
+    })
 }
 
 /// The MPS pipe folder the process's environment names, if any.
@@ -127,9 +136,18 @@ fn processes(name: &str, wanted: impl Fn(&Path) -> bool) -> Vec<i32> {
 }
 
 /// Live processes called `name` whose MPS pipe folder lies under `root`: what a node's (or a
-/// test's) daemons and servers are, wherever they came from.
+/// test's) servers are, wherever they came from.
 pub fn processes_under(root: &Path, name: &str) -> Vec<i32> {
     processes(name, |pipe| pipe.starts_with(root))
+}
+
+/// [`processes_under`] that run as control daemons (the control utility, a command for a
+/// moment, shares their name).
+pub fn daemons_under(root: &Path, name: &str) -> Vec<i32> {
+    processes_under(root, name)
+        .into_iter()
+        .filter(|pid| process(*pid).is_some_and(|p| p.daemon))
+        .collect()
 }
 
 /// Reaps `pid` if it is this process's child that has exited (the driver is PID 1 of its
@@ -185,10 +203,12 @@ pub fn find(settings: &MpsSettings, dirs: &DaemonDirs) -> Option<DaemonId> {
         .ok()?;
     reap(pid);
     let info = process(pid)?;
-    (info.name == daemon_name(settings) && serves_pipe(pid, &dirs.pipe)).then_some(DaemonId {
-        pid,
-        start_time: info.start_time,
-    })
+    (info.name == daemon_name(settings) && info.daemon && serves_pipe(pid, &dirs.pipe)).then_some(
+        DaemonId {
+            pid,
+            start_time: info.start_time,
+        },
+    )
 }
 
 /// The servers of `dirs`' daemon still running, also those a killed daemon left: processes named
