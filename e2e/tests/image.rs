@@ -804,6 +804,7 @@ async fn an_mps_shares_container_reaches_its_cards_daemon() {
     })
     .await;
     let node = cluster.node_at(0);
+    let _daemons = KillDaemonsOnDrop(node.dirs.run.clone());
     // A node's run folder lies under /var/run (0755): clients of every user pass through it.
     {
         use std::os::unix::fs::PermissionsExt;
@@ -858,4 +859,35 @@ async fn an_mps_shares_container_reaches_its_cards_daemon() {
     }
     let bare = client(None, "0:0");
     assert_eq!(bare["mps"], false, "{bare}");
+
+    // The pod goes, the kubelet unprepares its claim, and the card's daemon stops with it.
+    let daemons =
+        || gpupool_driver::mps::daemon::daemons_under(&node.dirs.run, "nvidia-cuda-mps-control");
+    assert_eq!(daemons().len(), 1, "one daemon for the card");
+    common::delete_pod(&cluster, "default", "mps-share").await;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !daemons().is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the daemon outlived the last claim of its card: {:?}",
+            daemons()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+/// Kills the MPS daemons and servers of a node's run folder when dropped: a failed test leaves
+/// none running.
+struct KillDaemonsOnDrop(PathBuf);
+
+impl Drop for KillDaemonsOnDrop {
+    fn drop(&mut self) {
+        use gpupool_driver::mps::daemon::{processes_under, SERVER_NAME};
+        for name in ["nvidia-cuda-mps-control", SERVER_NAME] {
+            for pid in processes_under(&self.0, name) {
+                // SAFETY: kill(2) of a stand-in process this test's driver started.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
+    }
 }
