@@ -7,6 +7,7 @@
 //! memoryLimit: 4Gi           # may only lower the allocated memory
 //! coreLimit: 25              # percent, may only lower the allocated cores
 //! enforcement: Gpupool       # or HamiCore, or None: no limits in the container
+//! compute: Mps               # or Limiter: who holds the cores share (see [`Compute`])
 //! priority: 1                # HAMi-core's CUDA_TASK_PRIORITY (0 high, 1 low)
 //! ```
 //!
@@ -36,6 +37,7 @@ const KNOWN_FIELDS: &[&str] = &[
     "memoryLimit",
     "coreLimit",
     "enforcement",
+    "compute",
     "priority",
 ];
 
@@ -76,6 +78,27 @@ impl Enforcement {
     }
 }
 
+/// Who holds a share's `cores` (its SMs); memory stays with the enforcement library either way.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Compute {
+    /// The enforcement library's SM limiter (`CUDA_DEVICE_SM_LIMIT_<i>`): a duty cycle in time.
+    #[default]
+    Limiter,
+    /// NVIDIA MPS: the driver runs the card's MPS control daemon and the container's processes are
+    /// its clients with `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` = `cores`, a partition of the SMs in
+    /// hardware. Every share of the card must then be an MPS share.
+    Mps,
+}
+
+impl Compute {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Compute::Limiter => "Limiter",
+            Compute::Mps => "Mps",
+        }
+    }
+}
+
 /// One decoded GpuConfig; `None` fields leave the decision to an earlier config or the default.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -86,6 +109,7 @@ pub struct GpuConfig {
     /// Percent of the card, 0..=100.
     pub core_limit: Option<u32>,
     pub enforcement: Option<Enforcement>,
+    pub compute: Option<Compute>,
     pub priority: Option<i64>,
 }
 
@@ -111,6 +135,7 @@ impl GpuConfig {
         self.memory_limit = later.memory_limit.or(self.memory_limit);
         self.core_limit = later.core_limit.or(self.core_limit);
         self.enforcement = later.enforcement.or(self.enforcement);
+        self.compute = later.compute.or(self.compute);
         self.priority = later.priority.or(self.priority);
     }
 }
@@ -226,6 +251,18 @@ pub fn decode(parameters: &Value, field: &str) -> Result<GpuConfig, ConfigError>
             }
         });
     }
+    if let Some(v) = map.get("compute") {
+        config.compute = Some(match v.as_str() {
+            Some("Limiter") => Compute::Limiter,
+            Some("Mps") => Compute::Mps,
+            _ => {
+                return Err(err(
+                    at("compute"),
+                    format!("unsupported value {v}, expected \"Limiter\" or \"Mps\""),
+                ))
+            }
+        });
+    }
     if let Some(v) = map.get("memoryLimit") {
         config.memory_limit = Some(decode_memory(v).map_err(|m| err(at("memoryLimit"), m))?);
     }
@@ -316,6 +353,7 @@ pub struct EffectiveConfig {
     pub memory_limit_field: Option<String>,
     pub core_limit_field: Option<String>,
     pub enforcement_field: Option<String>,
+    pub compute_field: Option<String>,
 }
 
 /// The effective config of one allocation result: class entries, then claim entries, later wins.
@@ -343,6 +381,9 @@ pub fn effective_config(entries: &[ConfigEntry], result_request: &str) -> Effect
             }
             if c.enforcement.is_some() {
                 effective.enforcement_field = Some(format!("{}.enforcement", entry.field));
+            }
+            if c.compute.is_some() {
+                effective.compute_field = Some(format!("{}.compute", entry.field));
             }
             effective.config.overlay(c);
         }
@@ -377,7 +418,7 @@ mod tests {
         let v = json!({
             "apiVersion": "gpupool.dev/v1alpha1", "kind": "GpuConfig",
             "sharing": "Fractional", "memoryLimit": "4Gi", "coreLimit": 25,
-            "enforcement": "None", "priority": 0
+            "enforcement": "None", "compute": "Mps", "priority": 0
         });
         let c = decode(&v, F).unwrap();
         assert_eq!(
@@ -387,6 +428,7 @@ mod tests {
                 memory_limit: Some(4 << 30),
                 core_limit: Some(25),
                 enforcement: Some(Enforcement::None),
+                compute: Some(Compute::Mps),
                 priority: Some(0),
             }
         );
@@ -410,6 +452,8 @@ mod tests {
         let cases = [
             ("sharing", json!("Shared")),
             ("enforcement", json!("hamicore")),
+            ("compute", json!("MPS")),
+            ("compute", json!(true)),
             ("coreLimit", json!(101)),
             ("coreLimit", json!("50")),
             ("coreLimit", json!(-1)),
@@ -510,6 +554,42 @@ mod tests {
         assert!(!request_matches("gpu/v100", "gpu"));
     }
 
+    #[test]
+    fn compute_comes_from_the_class_unless_the_claim_says_and_names_its_field() {
+        let class = ConfigEntry {
+            source: ConfigSource::FromClass,
+            field: "c0".into(),
+            requests: vec![],
+            config: GpuConfig {
+                compute: Some(Compute::Mps),
+                ..Default::default()
+            },
+        };
+        let effective = effective_config(std::slice::from_ref(&class), "gpu");
+        assert_eq!(effective.config.compute, Some(Compute::Mps));
+        assert_eq!(effective.compute_field.as_deref(), Some("c0.compute"));
+        let claim = ConfigEntry {
+            source: ConfigSource::FromClaim,
+            field: "c1".into(),
+            requests: vec![],
+            config: GpuConfig {
+                compute: Some(Compute::Limiter),
+                ..Default::default()
+            },
+        };
+        let effective = effective_config(&[claim, class], "gpu");
+        assert_eq!(effective.config.compute, Some(Compute::Limiter));
+        assert_eq!(effective.compute_field.as_deref(), Some("c1.compute"));
+        assert_eq!(
+            effective_config(&[], "gpu")
+                .config
+                .compute
+                .unwrap_or_default(),
+            Compute::Limiter,
+            "the default stays the library's limiter"
+        );
+    }
+
     fn arb_json() -> impl Strategy<Value = Value> {
         let leaf = prop_oneof![
             Just(Value::Null),
@@ -521,6 +601,7 @@ mod tests {
                 Just("GpuConfig"),
                 Just("gpupool.dev/v1alpha1"),
                 Just("HamiCore"),
+                Just("Mps"),
                 Just("Exclusive"),
                 Just("8Gi"),
                 Just("1e40"),
@@ -538,6 +619,7 @@ mod tests {
                         Just("coreLimit".to_string()),
                         Just("priority".to_string()),
                         Just("sharing".to_string()),
+                        Just("compute".to_string()),
                         "[a-z]{1,8}",
                     ],
                     inner,

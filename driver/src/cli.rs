@@ -320,6 +320,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             node_name: node.clone(),
             layout: NodeLayout {
                 serialize_lock: args.serialize_lock(),
+                mps: args.mps(),
                 ..NodeLayout::new(
                     args.state_dir.clone(),
                     args.cdi_root.clone(),
@@ -372,16 +373,22 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         ),
     };
     drop(reports_tx);
-    // Claims prepared on a device that turns unhealthy say so in their status (Ready=False).
+    // Claims prepared on a device that turns unhealthy say so in their status (Ready=False), and
+    // so do the claims of a card whose MPS daemon was found dead (and started again).
     let claim_health_task = tokio::spawn({
         let (preparer, mut health, stop) = (preparer.clone(), devices_rx.clone(), stop.clone());
         async move {
+            let mut mps_check = tokio::time::interval(crate::prepare::MPS_CHECK_INTERVAL);
             loop {
-                let unhealthy = health.borrow_and_update().unhealthy();
+                let mut unhealthy = health.borrow_and_update().unhealthy();
+                for (device, fault) in preparer.mps_faults() {
+                    unhealthy.entry(device).or_insert(fault);
+                }
                 preparer.report_device_health(unhealthy);
                 tokio::select! {
                     _ = stop.cancelled() => return,
                     changed = health.changed() => if changed.is_err() { return },
+                    _ = mps_check.tick() => { preparer.check_mps().await; }
                 }
             }
         }

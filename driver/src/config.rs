@@ -156,6 +156,15 @@ pub struct RunArgs {
     /// the kubelet moves to it without a gap; both then take turns on the node's claims.
     #[arg(long, env = "POD_UID", value_parser = parse_pod_uid)]
     pub pod_uid: Option<String>,
+    /// NVIDIA's `nvidia-cuda-mps-control` (a path, or a name looked up on PATH), run for claims with
+    /// `compute: Mps`: one control daemon per card that holds MPS shares. Needed only then.
+    #[arg(long, env = "MPS_CONTROL", default_value = crate::mps::CONTROL_BINARY)]
+    pub mps_control: PathBuf,
+    /// Start the MPS daemons with `-M`: one server serves the clients of every user (pods running
+    /// as different users share the card at once). Without it a pod of another user than the
+    /// card's current clients waits until they have all exited.
+    #[arg(long, env = "MPS_MULTI_USER", default_value_t = true, action = clap::ArgAction::Set)]
+    pub mps_multi_user: bool,
     /// XIDs that taint a GPU `gpupool.dev/xid=<xid>:NoSchedule` until it is cleared.
     #[arg(long, env = "XID_FATAL", value_delimiter = ',', default_values_t = crate::health::DEFAULT_XID_FATAL)]
     pub xid_fatal: Vec<u32>,
@@ -215,6 +224,13 @@ impl RunArgs {
             DefaultEnforcementArg::Gpupool => Fixed(Enforcement::Gpupool),
             DefaultEnforcementArg::HamiCore => Fixed(Enforcement::HamiCore),
             DefaultEnforcementArg::None => Fixed(Enforcement::None),
+        }
+    }
+
+    pub fn mps(&self) -> crate::mps::MpsSettings {
+        crate::mps::MpsSettings {
+            control: self.mps_control.clone(),
+            multi_user: self.mps_multi_user,
         }
     }
 
@@ -359,6 +375,26 @@ mod tests {
         }
         let e = run_args(&["--default-enforcement", "hami"]).unwrap_err();
         assert!(e.to_string().contains("Gpupool"), "{e}");
+    }
+
+    #[test]
+    fn mps_runs_nvidia_cuda_mps_control_from_path_in_multi_user_mode_unless_told() {
+        let args = run_args(&[]).unwrap();
+        assert_eq!(args.mps(), crate::mps::MpsSettings::default());
+        assert_eq!(args.mps().control, PathBuf::from("nvidia-cuda-mps-control"));
+        assert!(args.mps().multi_user);
+        let args = run_args(&[
+            "--mps-control",
+            "/usr/local/nvidia/bin/nvidia-cuda-mps-control",
+            "--mps-multi-user",
+            "false",
+        ])
+        .unwrap();
+        assert_eq!(
+            args.mps().control,
+            PathBuf::from("/usr/local/nvidia/bin/nvidia-cuda-mps-control")
+        );
+        assert!(!args.mps().multi_user);
     }
 
     #[test]

@@ -14,6 +14,7 @@ pub mod install;
 pub mod inventory;
 pub mod metrics;
 pub mod mig;
+pub mod mps;
 pub mod node_state;
 mod nvml_ffi;
 pub mod plugin;

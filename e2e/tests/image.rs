@@ -766,3 +766,128 @@ async fn a_claims_container_from_the_cdi_spec_is_held_to_its_memory() {
     );
     assert_eq!(over["error"], "CUDA_ERROR_OUT_OF_MEMORY", "{over}");
 }
+
+/// An MPS share's container, started by podman from the driver's CDI spec: its processes reach
+/// the card's MPS control daemon (the stand-in `nvidia-cuda-mps-control` the driver started) through
+/// the mounted pipe folder, see the daemon's `/dev/shm` as theirs and get the claim's share, also
+/// as another user (the daemon runs with `-M`); without the claim's device a container runs
+/// without MPS. What is a stand-in: the daemon and the CUDA client attaching (the stand-in's
+/// `--standin-cuda-client`, which fails where a real client would: no shared memory, another pipe
+/// path); the driver, the kubelet emulator's prepare, the CDI spec and podman are the real ones.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_mps_shares_container_reaches_its_cards_daemon() {
+    const TEST: &str = "an_mps_shares_container_reaches_its_cards_daemon";
+    let Some(image) = image(TEST) else {
+        return;
+    };
+    let standin = image.built.join("nvidia-cuda-mps-control");
+    if !standin.is_file() {
+        skip(
+            TEST,
+            "the stand-in nvidia-cuda-mps-control is not built (cargo test --workspace builds it)",
+        );
+        return;
+    }
+    let cdi_dir = Path::new("/var/run/cdi");
+    if std::fs::create_dir_all(cdi_dir).is_err() {
+        skip(
+            TEST,
+            "podman's CDI folder /var/run/cdi is not writable here",
+        );
+        return;
+    }
+    let mut node = NodeSpec::new("node-1", "a100-40gb:1");
+    node.extra_driver_args = vec!["--mps-control".into(), standin.display().to_string()];
+    let cluster = common::start(ClusterSpec {
+        nodes: vec![node],
+        ..ClusterSpec::new()
+    })
+    .await;
+    let node = cluster.node_at(0);
+    let _daemons = KillDaemonsOnDrop(node.dirs.run.clone());
+    // A node's run folder lies under /var/run (0755): clients of every user pass through it.
+    {
+        use std::os::unix::fs::PermissionsExt;
+        for dir in node.dirs.run.ancestors().skip(1).take(3) {
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711)).unwrap();
+        }
+    }
+    common::apply_device_class(&cluster).await;
+    let uuid = common::device_uuid(&cluster, "node-1", "gpu-0", 1).await;
+    let mut request = Request::new("gpu").on(&uuid).memory("1Gi").cores("30");
+    request.gpu_config = Some(serde_json::json!({"compute": "Mps"}));
+    common::apply_claim_and_pod(&cluster, "default", "mps-share", &[request]).await;
+    common::wait_pod_running(&cluster, "default", "mps-share").await;
+    let claim = common::claim(&cluster, "default", "mps-share").await;
+    let claim_uid = claim.metadata.uid.clone().expect("a claim uid");
+    let device_ids = common::prepared(node, &claim_uid).await.cdi_device_ids();
+    let spec_path = node.cdi_spec_path(&claim_uid);
+    let in_runtime = cdi_dir.join(spec_path.file_name().expect("a file name"));
+    std::fs::copy(&spec_path, &in_runtime).expect("the spec into /var/run/cdi");
+    let _remove = RemoveOnDrop(in_runtime);
+
+    let tools = tempfile::tempdir().expect("tempdir");
+    std::fs::copy(&standin, tools.path().join("nvidia-cuda-mps-control")).expect("copy");
+    let client = |device: Option<&str>, user: &str| {
+        let mut args: Vec<String> = vec![
+            "--user".into(),
+            user.into(),
+            "-v".into(),
+            format!("{}:/usr/local/mps:ro", tools.path().display()),
+        ];
+        if let Some(device) = device {
+            args.extend(["--device".into(), device.to_owned()]);
+        }
+        args.extend([
+            BASE_IMAGE.to_owned(),
+            "/usr/local/mps/nvidia-cuda-mps-control".into(),
+            "--standin-cuda-client".into(),
+        ]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = image.podman.run(&args);
+        let stdout = succeeded(out, &format!("the MPS client as {user} with {device:?}"));
+        serde_json::from_str::<Value>(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+    };
+    let device = device_ids[0].as_str();
+    for user in ["0:0", "65534:65534"] {
+        let attached = client(Some(device), user);
+        assert_eq!(attached["mps"], true, "{user}: {attached}");
+        assert_eq!(
+            attached["activeThreadPercentage"], 30.0,
+            "{user}: {attached}"
+        );
+    }
+    let bare = client(None, "0:0");
+    assert_eq!(bare["mps"], false, "{bare}");
+
+    // The pod goes, the kubelet unprepares its claim, and the card's daemon stops with it.
+    let daemons =
+        || gpupool_driver::mps::daemon::daemons_under(&node.dirs.run, "nvidia-cuda-mps-control");
+    assert_eq!(daemons().len(), 1, "one daemon for the card");
+    common::delete_pod(&cluster, "default", "mps-share").await;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !daemons().is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the daemon outlived the last claim of its card: {:?}",
+            daemons()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+/// Kills the MPS daemons and servers of a node's run folder when dropped: a failed test leaves
+/// none running.
+struct KillDaemonsOnDrop(PathBuf);
+
+impl Drop for KillDaemonsOnDrop {
+    fn drop(&mut self) {
+        use gpupool_driver::mps::daemon::{processes_under, SERVER_NAME};
+        for name in ["nvidia-cuda-mps-control", SERVER_NAME] {
+            for pid in processes_under(&self.0, name) {
+                // SAFETY: kill(2) of a stand-in process this test's driver started.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
+    }
+}

@@ -255,6 +255,8 @@ pub struct NodeState {
     pub gpus: BTreeMap<String, GpuAllocation>,
     pub shares: Vec<ShareLimit>,
     pub claims: Vec<ClaimShares>,
+    /// The cards' MPS control daemons, by card UUID.
+    pub mps_daemons: BTreeMap<String, crate::node_state::checkpoint::MpsDaemonRecord>,
 }
 
 /// `KEY_<ordinal>=value` in a CDI device's env, for a key HAMi-core reads per device.
@@ -295,7 +297,16 @@ pub fn node_state(inventory: &Inventory, data: &CheckpointData) -> NodeState {
                 .and_then(|v| v.strip_suffix('m'))
                 .and_then(|v| v.parse::<u64>().ok())
                 .map(|mib| mib * MIB);
-            let cores = env_limit(env, "CUDA_DEVICE_SM_LIMIT").and_then(|v| v.parse::<u32>().ok());
+            // An MPS share's SMs are its daemon's (the library's SM limit is 0 then).
+            let mps = env.iter().find_map(|e| {
+                e.strip_prefix(crate::mps::share::ACTIVE_THREAD_PERCENTAGE_ENV)?
+                    .strip_prefix('=')?
+                    .parse::<u32>()
+                    .ok()
+            });
+            let cores = mps.or_else(|| {
+                env_limit(env, "CUDA_DEVICE_SM_LIMIT").and_then(|v| v.parse::<u32>().ok())
+            });
             let gpu = state.gpus.entry(device.device_name.clone()).or_default();
             gpu.shares += 1;
             gpu.memory_bytes += memory.unwrap_or(0);
@@ -319,6 +330,7 @@ pub fn node_state(inventory: &Inventory, data: &CheckpointData) -> NodeState {
                 .collect(),
         });
     }
+    state.mps_daemons = data.mps.clone();
     state
 }
 
@@ -436,6 +448,33 @@ impl Collector for NodeCollector {
                 let healthy = health.health(&name) == crate::health::DeviceHealth::Healthy;
                 (vec![("gpu", name)], i64::from(healthy))
             }),
+        )?;
+        let daemon_labels = |uuid: &str, r: &crate::node_state::checkpoint::MpsDaemonRecord| {
+            vec![("gpu", r.device.clone()), ("uuid", uuid.to_string())]
+        };
+        gauge(
+            &mut encoder,
+            "gpupool_mps_daemon_up",
+            "1 while the MPS control daemon of a card with MPS shares runs, else 0.",
+            state.mps_daemons.iter().map(|(uuid, r)| {
+                let up = r.state == crate::node_state::checkpoint::MpsDaemonState::Running
+                    && r.pid.zip(r.start_time).is_some_and(|(pid, start_time)| {
+                        crate::mps::daemon::is_alive(crate::mps::daemon::DaemonId {
+                            pid,
+                            start_time,
+                        })
+                    });
+                (daemon_labels(uuid, r), i64::from(up))
+            }),
+        )?;
+        gauge(
+            &mut encoder,
+            "gpupool_mps_daemon_restarts",
+            "How often a card's MPS control daemon was found dead and started again since it was first started.",
+            state
+                .mps_daemons
+                .iter()
+                .map(|(uuid, r)| (daemon_labels(uuid, r), i64::from(r.restarts))),
         )?;
         let share_labels = |s: &ShareLimit| {
             vec![

@@ -76,6 +76,23 @@ fn prepared_entry(
     name: &str,
     devices: &[(&str, u64, u32, Enforcement)],
 ) -> ClaimEntry {
+    prepared_entry_with(
+        inventory,
+        uid,
+        name,
+        devices,
+        gpupool_api::config::Compute::Limiter,
+    )
+}
+
+/// [`prepared_entry`] with its shares' cores held by `compute`.
+fn prepared_entry_with(
+    inventory: &Inventory,
+    uid: &str,
+    name: &str,
+    devices: &[(&str, u64, u32, Enforcement)],
+    compute: gpupool_api::config::Compute,
+) -> ClaimEntry {
     let allocated: Vec<AllocatedDevice> = devices
         .iter()
         .map(|(device, _, _, _)| AllocatedDevice {
@@ -94,6 +111,7 @@ fn prepared_entry(
             memory_bytes: *memory,
             cores: *cores,
             enforcement: *enforcement,
+            compute,
             priority: None,
         })
         .collect();
@@ -134,6 +152,7 @@ fn prepared_entry(
         warning: rendered.warning,
         recovered: false,
         mig: Vec::new(),
+        mps: Vec::new(),
     }
 }
 
@@ -202,6 +221,87 @@ fn allocation_per_gpu_sums_the_limits_of_the_prepared_shares() {
     assert_eq!((free.memory_bytes, free.cores_percent), (None, None));
     let pair = state.claims.iter().find(|c| c.name == "pair").unwrap();
     assert_eq!(pair.gpus, ["gpu-1", "gpu-2"]);
+}
+
+#[tokio::test]
+async fn an_mps_shares_cores_count_and_its_cards_daemon_is_up_while_it_runs() {
+    use crate::node_state::checkpoint::{MpsDaemonRecord, MpsDaemonState};
+    let inventory = Arc::new(fake_inventory("a100-40gb:2", "node-1").unwrap());
+    let mut data = CheckpointData::default();
+    let mps = prepared_entry_with(
+        &inventory,
+        "u1",
+        "thirty",
+        &[("gpu-0", 8 * GIB, 30, Enforcement::Gpupool)],
+        gpupool_api::config::Compute::Mps,
+    );
+    data.claims.insert("u1".into(), mps);
+    let state = node_state(&inventory, &data);
+    assert_eq!(
+        state.gpus["gpu-0"].cores_percent, 30,
+        "the library's SM limit is 0, the share's cores are MPS's"
+    );
+    // This process plays a running daemon (its PID and start time), a recorded PID that is gone
+    // a dead one.
+    let me = std::process::id() as i32;
+    let stat = std::fs::read_to_string(format!("/proc/{me}/stat")).unwrap();
+    let start_time: u64 = stat
+        .rsplit_once(')')
+        .unwrap()
+        .1
+        .split_whitespace()
+        .nth(19)
+        .unwrap()
+        .parse()
+        .unwrap();
+    let record = |device: &str, pid: i32, restarts| MpsDaemonRecord {
+        state: MpsDaemonState::Running,
+        device: device.into(),
+        pid: Some(pid),
+        start_time: Some(start_time),
+        restarts,
+        failure: None,
+    };
+    let (up, dead) = (
+        inventory.gpus[0].uuid.clone(),
+        inventory.gpus[1].uuid.clone(),
+    );
+    data.mps.insert(up.clone(), record("gpu-0", me, 0));
+    data.mps
+        .insert(dead.clone(), record("gpu-1", i32::MAX - 1, 2));
+    let mut metrics = DriverMetrics::new();
+    let (inv, snapshot) = (inventory.clone(), data.clone());
+    let (_, health) = tokio::sync::watch::channel(crate::health::HealthMap::new(
+        inventory
+            .gpus
+            .iter()
+            .map(|g| gpupool_api::names::device_name(g.index)),
+    ));
+    metrics.register_node(
+        inventory,
+        move || node_state(&inv, &snapshot),
+        health,
+        kube::Client::new(
+            tower::service_fn(|_: http::Request<kube::client::Body>| async {
+                Err::<http::Response<kube::client::Body>, _>(std::io::Error::other("offline"))
+            }),
+            "default",
+        ),
+    );
+    let text = metrics.render(false).await;
+    let series = |name: &str, gpu: &str, uuid: &str| {
+        sample(&text, &format!("{name}{{gpu=\"{gpu}\",uuid=\"{uuid}\"}}"))
+    };
+    assert_eq!(
+        series("gpupool_mps_daemon_up", "gpu-0", &up),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(series("gpupool_mps_daemon_up", "gpu-1", &dead), Some(0.0));
+    assert_eq!(
+        series("gpupool_mps_daemon_restarts", "gpu-1", &dead),
+        Some(2.0)
+    );
 }
 
 #[test]

@@ -108,6 +108,61 @@ pub struct ClaimEntry {
     /// taken (see [`MigRecord`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mig: Vec<MigRecord>,
+    /// The card whose MPS control daemon the claim's share uses, recorded (in `PrepareStarted`)
+    /// before the daemon is started or joined: a daemon runs while an entry names its card.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mps: Vec<MpsHold>,
+}
+
+/// A claim's share of an MPS card: what its container gets, and what the card's daemon must allow.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MpsHold {
+    /// The card's UUID.
+    pub card: String,
+    /// `gpu-<i>`.
+    pub device: String,
+    /// `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`.
+    pub percentage: u32,
+    /// `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`, MiB.
+    pub memory_mib: u64,
+}
+
+/// Where a card's MPS control daemon is in its life. Each state is recorded before the step it
+/// names: a crash in that step leaves a record that says what may exist.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MpsDaemonState {
+    /// Its folders and process may exist, its PID is not known yet.
+    Starting,
+    /// Running as `pid` since `startTime`.
+    Running,
+    /// Being stopped: the process, its servers and folders may still exist.
+    Stopping,
+}
+
+/// A card's MPS control daemon, by card UUID in [`CheckpointData::mps`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MpsDaemonRecord {
+    pub state: MpsDaemonState,
+    /// `gpu-<i>`.
+    pub device: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid: Option<i32>,
+    /// The kernel's start time of `pid` (clock ticks after boot), which tells it from a later
+    /// process with the same PID.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_time: Option<u64>,
+    /// How often it was found dead and started again since its first start.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub restarts: u32,
+    /// The last time it was found dead, as the claims on the card are told until it stops.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<String>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// One MIG device of a claim, as far as it got: the intent (card, profile, placement) is
@@ -145,6 +200,9 @@ pub struct CheckpointData {
     /// By claim UID.
     #[serde(default)]
     pub claims: BTreeMap<String, ClaimEntry>,
+    /// The MPS control daemons, by card UUID (see `node_state/mps.rs`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub mps: BTreeMap<String, MpsDaemonRecord>,
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
@@ -239,12 +297,17 @@ pub fn log_path(state_dir: &Path) -> PathBuf {
     state_dir.join(LOG_FILE)
 }
 
-/// One change to the claims of a checkpoint; one line of the log.
+/// One change to a checkpoint; one line of the log. The MPS daemons' changes are variants of
+/// their own: a driver from before them cannot read such a line (during a rolling update only
+/// when an MPS claim was prepared by the newer one; an orderly stop folds the log away).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub enum Change {
     Put(String, Box<ClaimEntry>),
     Remove(String),
+    /// A card's MPS daemon, by card UUID.
+    PutMps(String, Box<MpsDaemonRecord>),
+    RemoveMps(String),
 }
 
 impl Change {
@@ -252,30 +315,49 @@ impl Change {
         self.apply_with_undo(data);
     }
 
-    /// Apply; returns what restores the claim's previous entry.
+    /// Apply; returns what restores the previous entry.
     fn apply_with_undo(self, data: &mut CheckpointData) -> Undo {
         match self {
             Change::Put(uid, entry) => {
                 let previous = data.claims.insert(uid.clone(), *entry);
-                Undo(uid, previous)
+                Undo::Claim(uid, previous)
             }
             Change::Remove(uid) => {
                 let previous = data.claims.remove(&uid);
-                Undo(uid, previous)
+                Undo::Claim(uid, previous)
+            }
+            Change::PutMps(card, record) => {
+                let previous = data.mps.insert(card.clone(), *record);
+                Undo::Mps(card, previous)
+            }
+            Change::RemoveMps(card) => {
+                let previous = data.mps.remove(&card);
+                Undo::Mps(card, previous)
             }
         }
     }
 }
 
-/// A claim's entry before a change (none: it had none).
-struct Undo(String, Option<ClaimEntry>);
+/// An entry before a change (none: there was none). It lives for one commit, on the stack: boxing
+/// the large variant would cost every prepare an allocation for nothing.
+#[allow(clippy::large_enum_variant)]
+enum Undo {
+    Claim(String, Option<ClaimEntry>),
+    Mps(String, Option<MpsDaemonRecord>),
+}
 
 impl Undo {
     fn apply(self, data: &mut CheckpointData) {
-        match self.1 {
-            Some(entry) => data.claims.insert(self.0, entry),
-            None => data.claims.remove(&self.0),
-        };
+        fn restore<V>(map: &mut BTreeMap<String, V>, key: String, previous: Option<V>) {
+            match previous {
+                Some(value) => map.insert(key, value),
+                None => map.remove(&key),
+            };
+        }
+        match self {
+            Undo::Claim(uid, previous) => restore(&mut data.claims, uid, previous),
+            Undo::Mps(card, previous) => restore(&mut data.mps, card, previous),
+        }
     }
 }
 
@@ -824,11 +906,13 @@ mod tests {
                 warning: Some("w".into()),
                 recovered: false,
                 mig: Vec::new(),
+                mps: Vec::new(),
             },
         );
         CheckpointData {
             boot_id: "b1".into(),
             claims,
+            mps: BTreeMap::new(),
         }
     }
 
@@ -883,6 +967,44 @@ mod tests {
     }
 
     #[test]
+    fn mps_daemons_and_holds_go_through_the_log_and_files_without_them_still_load() {
+        let dir = tempfile::tempdir().unwrap();
+        save(dir.path(), &sample()).unwrap();
+        let store = Store::new(dir.path().to_path_buf(), sample());
+        let card = "GPU-51b8cb73-0d3e-4d3c-9a8e-000000000001".to_string();
+        let mut holder = sample().claims.into_values().next().unwrap();
+        holder.mps = vec![MpsHold {
+            card: card.clone(),
+            device: "gpu-0".into(),
+            percentage: 30,
+            memory_mib: 8192,
+        }];
+        store
+            .commit(Change::Put("u-mps".into(), Box::new(holder.clone())))
+            .unwrap();
+        let running = MpsDaemonRecord {
+            state: MpsDaemonState::Running,
+            device: "gpu-0".into(),
+            pid: Some(4242),
+            start_time: Some(987_654),
+            restarts: 1,
+            failure: Some("found dead".into()),
+        };
+        store
+            .commit(Change::PutMps(card.clone(), Box::new(running.clone())))
+            .unwrap();
+        let loaded = load(dir.path()).unwrap().unwrap();
+        assert_eq!(loaded.mps.get(&card), Some(&running));
+        assert_eq!(loaded.claims["u-mps"].mps, holder.mps);
+        store.commit(Change::RemoveMps(card.clone())).unwrap();
+        assert!(load(dir.path()).unwrap().unwrap().mps.is_empty());
+        // What a driver before MPS wrote has neither field, and reads back as no daemons.
+        let text = String::from_utf8(encode(&sample())).unwrap();
+        assert!(!text.contains("\"mps\""), "{text}");
+        assert!(decode(text.as_bytes()).unwrap().mps.is_empty());
+    }
+
+    #[test]
     fn a_corrupt_file_is_moved_aside() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(path(dir.path()), b"{\"version\":1,").unwrap();
@@ -900,6 +1022,7 @@ mod tests {
         let stale = CheckpointData {
             boot_id: "b1".into(),
             claims: BTreeMap::new(),
+            mps: BTreeMap::new(),
         };
         let mut entry = sample().claims.into_values().next().unwrap();
         entry.name = "other".into();

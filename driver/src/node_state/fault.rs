@@ -17,6 +17,18 @@ pub const FAULT_POINTS: &[&str] = &[
     "after-compute-instance-destroyed",
 ];
 
+/// The points of a card's MPS control daemon (`node_state/mps.rs`), passed by claims with
+/// `compute: Mps` besides the ones above: a claim recorded as the card's holder, the daemon
+/// recorded as starting, started, recorded running; recorded stopping, stopped.
+pub const MPS_FAULT_POINTS: &[&str] = &[
+    "after-mps-hold-recorded",
+    "after-mps-daemon-recorded",
+    "after-mps-daemon-started",
+    "after-mps-daemon-running",
+    "after-mps-daemon-stopping-recorded",
+    "after-mps-daemon-stopped",
+];
+
 pub const FAULT_POINT_ENV: &str = "GPUPOOL_FAULT_POINT";
 
 #[cfg(any(debug_assertions, feature = "fault-injection"))]

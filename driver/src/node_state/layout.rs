@@ -12,6 +12,8 @@
 //!   (`<run-dir>/vgpu-arbiter/<card uuid>`, 0666 in a 0711 folder), through which gpupool's library
 //!   in every container with an SM limit on that card takes turns holding it. A card's file
 //!   outlives its claims (it holds the card's tenants' history, a few KiB); it goes with the boot.
+//! - `<run-dir>/mps/<card UUID>/` (0711): a card's MPS control daemon's pipe, log and shared-memory
+//!   folders, while it runs ([`crate::mps::layout`]).
 //! - the HAMi-core lock folder, `/tmp/vgpulock`, shared by every container on the node.
 //! - the enforcement libraries on the host, which the driver only reads: gpupool's
 //!   (`--gpupool-lib-dir`, installed by the DaemonSet's init container with `install-lib`) and
@@ -111,6 +113,9 @@ pub struct NodeLayout {
     /// A lock file when other driver instances share these folders (a rolling update with surge),
     /// see [`NodeState::take_turn`](super::NodeState::take_turn).
     pub serialize_lock: Option<PathBuf>,
+    /// How the cards' MPS control daemons are run; their folders are under `run_dir`
+    /// ([`crate::mps::layout`]).
+    pub mps: crate::mps::MpsSettings,
 }
 
 impl NodeLayout {
@@ -142,6 +147,7 @@ impl NodeLayout {
             vgpu_lock_dir: PathBuf::from(VGPU_LOCK_DIR),
             fake_gpus,
             serialize_lock: None,
+            mps: crate::mps::MpsSettings::default(),
         }
     }
 

@@ -15,12 +15,15 @@
 //!   again, and the kubelet's retry removes all of it.
 //! - [`NodeState::recover`]: completed entries get their spec back, anything else is rolled back,
 //!   files and MIG instances no completed entry accounts for are removed.
+//! - MPS daemons (claims with `compute: Mps`): started before the spec that mounts their folders,
+//!   stopped with their last claim, before its entry goes (`mps.rs`).
 
 pub mod checkpoint;
 pub mod fault;
 mod files;
 pub(crate) mod fsutil;
 pub mod layout;
+mod mps;
 mod recovery;
 
 use std::path::PathBuf;
@@ -84,6 +87,8 @@ pub enum NodeStateError {
     Refresh(#[source] CheckpointError),
     #[error(transparent)]
     Mig(#[from] MigError),
+    #[error("MPS: {0}")]
+    Mps(#[from] crate::mps::MpsError),
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
 }
@@ -124,6 +129,11 @@ pub struct NodeState {
     /// The serialize lock's file (with other instances on the node), open for the process's
     /// life: a turn is a `flock` and an unlock, not an open, a `flock` and a close.
     serialize_lock: Option<Arc<std::fs::File>>,
+    /// Held through each change of the MPS daemons (`mps.rs`): claims of one call, or of calls
+    /// for pods that start together, are prepared at once, and a daemon's steps must not
+    /// interleave with another claim's on the same card. The other instance is kept out by the
+    /// turn.
+    mps_lock: std::sync::Mutex<()>,
 }
 
 /// Where MIG instances may exist: the node's cards that have MIG.
@@ -160,6 +170,7 @@ impl NodeState {
             turn: Arc::default(),
             mig: mig.manager,
             serialize_lock,
+            mps_lock: std::sync::Mutex::new(()),
         };
         Ok((state, recovered.corrupt))
     }
@@ -376,6 +387,7 @@ impl NodeState {
             warning: completed.warning.clone(),
             recovered: false,
             mig: completed.mig.clone(),
+            mps: completed.mps.clone(),
         };
         self.checkpoint
             .commit(Change::Put(uid.to_string(), Box::new(started)))?;
@@ -410,8 +422,14 @@ impl NodeState {
                 .unwrap_or_default()
         });
         self.destroy_all(uid, &records);
+        let held_mps = self.read(|data| data.claims.get(uid).is_some_and(|e| !e.mps.is_empty()));
         if let Err(e) = self.checkpoint.commit(Change::Remove(uid.to_string())) {
             tracing::error!(uid, error = %e, "rolling back a failed prepare could not update the checkpoint; the next start will");
+        }
+        if held_mps {
+            if let Err(e) = self.release_mps(None) {
+                tracing::error!(uid, error = %e, "rolling back a failed prepare could not stop its MPS daemon; the next start will");
+            }
         }
     }
 
@@ -430,6 +448,10 @@ impl NodeState {
         // the kubelet's retry finishes the job.
         for record in records.iter().rev() {
             self.destroy(record)?;
+        }
+        // The card's MPS daemon stops with its last holder (node_state/mps.rs).
+        if self.read(|data| data.claims.get(uid).is_some_and(|e| !e.mps.is_empty())) {
+            return self.remove_mps_holder(uid);
         }
         if self.read(|data| data.claims.contains_key(uid)) {
             self.checkpoint.commit(Change::Remove(uid.to_string()))?;

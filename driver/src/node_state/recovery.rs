@@ -142,6 +142,7 @@ pub(super) fn recover(
         }
     }
     data.claims = keep;
+    super::mps::recover(layout, &mut data, rebooted);
     sweep_orphans(layout, &data)?;
     sweep_mig(mig, &data);
 
@@ -322,6 +323,7 @@ fn from_cdi_root(cdi_root: &Path) -> CheckpointData {
                     warning: None,
                     recovered: true,
                     mig: Vec::new(),
+                    mps: Vec::new(),
                 },
             );
         }

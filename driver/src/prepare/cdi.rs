@@ -12,7 +12,7 @@
 use std::path::Path;
 
 use gpupool_api::cdi::{self, ContainerEdits, Device, DeviceNode, Mount, Spec};
-use gpupool_api::config::Enforcement;
+use gpupool_api::config::{Compute, Enforcement};
 use gpupool_api::inventory::Gpu;
 use gpupool_api::names::{cdi_device_id, cdi_device_name, CDI_KIND};
 use thiserror::Error;
@@ -130,7 +130,8 @@ pub fn render(
     // the wrong card).
     // A MIG device is only reachable through its MIG UUID in this list.
     let has_mig = devices.iter().any(|d| d.mig.is_some());
-    let visible = (!layout.fake_gpus && (!enforced.is_empty() || has_mig)).then(|| {
+    let has_mps = devices.iter().any(|d| d.limits.compute == Compute::Mps);
+    let visible = (!layout.fake_gpus && (!enforced.is_empty() || has_mig || has_mps)).then(|| {
         let uuids: Vec<&str> = devices.iter().map(SpecDevice::uuid).collect();
         format!("CUDA_VISIBLE_DEVICES={}", uuids.join(","))
     });
@@ -158,14 +159,36 @@ pub fn render(
                 });
             }
         }
-        if d.mig.is_some() {
+        let mps = d.limits.compute == Compute::Mps;
+        if d.mig.is_some() || (mps && d.limits.enforcement == Enforcement::None) {
             edits.env.extend(visible.iter().cloned());
+        }
+        if mps {
+            // The card's MPS daemon: its pipe folder and its /dev/shm (crate::mps::share).
+            let hold = crate::mps::share::hold(d.allocated, d.gpu, d.limits);
+            let dirs = crate::mps::layout::DaemonDirs::of(&layout.run_dir, &d.gpu.uuid)
+                .map_err(|e| CdiError::Invalid(e.to_string()))?;
+            let mps = crate::mps::share::container_edits(&hold, d.limits.ordinal, &dirs);
+            edits.env.extend(mps.env);
+            edits
+                .mounts
+                .extend(mps.mounts.iter().map(|(host, container)| {
+                    let container = match container {
+                        crate::mps::share::ContainerPath::Host => host.display().to_string(),
+                        crate::mps::share::ContainerPath::At(path) => path.to_string(),
+                    };
+                    bind(host, &container, false)
+                }));
         }
         if let (Some(lib), true) = (library, d.limits.enforcement != Enforcement::None) {
             edits.env.extend(limits::limit_env(d.limits));
             // gpupool's library holds an SM limit by taking turns on the card with the other
-            // containers there, through the card's arbiter file (HAMi-core has no such file).
-            if d.limits.enforcement == Enforcement::Gpupool && d.limits.cores > 0 && d.mig.is_none()
+            // containers there, through the card's arbiter file (HAMi-core has no such file; an
+            // MPS share's cores are held by MPS, with no SM limit for the library).
+            if d.limits.enforcement == Enforcement::Gpupool
+                && d.limits.compute == Compute::Limiter
+                && d.limits.cores > 0
+                && d.mig.is_none()
             {
                 if let Some(arbiter) = layout.card_arbiter(&d.gpu.uuid) {
                     edits.env.push(format!(
@@ -289,6 +312,7 @@ mod tests {
             memory_bytes: mib << 20,
             cores,
             enforcement,
+            compute: gpupool_api::config::Compute::Limiter,
             priority: None,
         }
     }
@@ -377,12 +401,17 @@ mod tests {
     fn only_an_sm_limit_under_gpupools_library_gets_the_cards_arbiter() {
         let inv = inventory();
         let a = allocated("gpu-1", Some("s1"));
-        for (cores, enforcement) in [
-            (0, Enforcement::Gpupool),
-            (50, Enforcement::HamiCore),
-            (50, Enforcement::None),
+        for (cores, enforcement, compute) in [
+            (0, Enforcement::Gpupool, Compute::Limiter),
+            (50, Enforcement::HamiCore, Compute::Limiter),
+            (50, Enforcement::None, Compute::Limiter),
+            // MPS holds an MPS share's cores; the library gets no SM limit for it.
+            (50, Enforcement::Gpupool, Compute::Mps),
         ] {
-            let l = limits(0, 8192, cores, enforcement);
+            let l = DeviceLimits {
+                compute,
+                ..limits(0, 8192, cores, enforcement)
+            };
             let devices = [SpecDevice {
                 allocated: &a,
                 gpu: &inv.gpus[1],
@@ -399,7 +428,7 @@ mod tests {
                     && !mounts(edits)
                         .iter()
                         .any(|(h, _)| h.contains("vgpu-arbiter")),
-                "{cores} cores under {enforcement:?}: {edits:?}"
+                "{cores} cores under {enforcement:?}, {compute:?}: {edits:?}"
             );
         }
     }
@@ -563,6 +592,74 @@ mod tests {
         assert!(edits.mounts.is_empty());
         assert!(edits.env.iter().all(|e| e.starts_with("GPUPOOL_DEVICE_")));
         assert_eq!(r.warning, None);
+    }
+
+    #[test]
+    fn an_mps_share_reaches_its_cards_daemon_keeps_its_memory_limit_and_gets_no_sm_limit() {
+        let inv = inventory();
+        let a = AllocatedDevice {
+            consumed: BTreeMap::from([
+                ("memory".to_string(), "8Gi".to_string()),
+                ("cores".to_string(), "30".to_string()),
+            ]),
+            ..allocated("gpu-1", Some("s1"))
+        };
+        let mut l = limits(0, 8192, 30, Enforcement::Gpupool);
+        l.compute = Compute::Mps;
+        let devices = [SpecDevice {
+            allocated: &a,
+            gpu: &inv.gpus[1],
+            limits: &l,
+            mig: None,
+        }];
+        let r = render(UID, &devices, &layout(false), &everything_exists).unwrap();
+        let edits = &r.spec.devices[0].container_edits;
+        let card = format!("/var/run/gpupool/mps/{}", inv.gpus[1].uuid);
+        for env in [
+            "CUDA_DEVICE_MEMORY_LIMIT_0=8192m".to_string(),
+            "CUDA_DEVICE_SM_LIMIT_0=0".to_string(),
+            format!("CUDA_MPS_PIPE_DIRECTORY={card}/pipe"),
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30".to_string(),
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=8192M".to_string(),
+            format!("CUDA_VISIBLE_DEVICES={}", inv.gpus[1].uuid),
+        ] {
+            assert!(
+                edits.env.contains(&env),
+                "{env} missing from {:?}",
+                edits.env
+            );
+        }
+        let pipe = format!("{card}/pipe");
+        let shm = format!("{card}/shm");
+        let m = mounts(edits);
+        assert!(m.contains(&(pipe.as_str(), "/tmp/nvidia-mps")), "{m:?}");
+        assert!(m.contains(&(pipe.as_str(), pipe.as_str())), "{m:?}");
+        assert!(m.contains(&(shm.as_str(), "/dev/shm")), "{m:?}");
+        assert!(m.contains(&("/var/lib/gpupool/ld.so.preload.gpupool", LD_SO_PRELOAD)));
+        let shm_mount = edits
+            .mounts
+            .iter()
+            .find(|m| m.container_path == "/dev/shm")
+            .unwrap();
+        assert!(shm_mount.options.contains(&"rw".to_string()));
+        assert_eq!(cdi::validate(&r.spec), Vec::<String>::new());
+
+        // Without the library the share still reaches its daemon and sees only its card.
+        l.enforcement = Enforcement::None;
+        let devices = [SpecDevice {
+            allocated: &a,
+            gpu: &inv.gpus[1],
+            limits: &l,
+            mig: None,
+        }];
+        let r = render(UID, &devices, &layout(false), &everything_exists).unwrap();
+        let env = &r.spec.devices[0].container_edits.env;
+        assert!(env.contains(&"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30".to_string()));
+        assert!(env.contains(&format!("CUDA_VISIBLE_DEVICES={}", inv.gpus[1].uuid)));
+        assert!(
+            !env.iter().any(|e| e.starts_with("CUDA_DEVICE_")),
+            "{env:?}"
+        );
     }
 
     #[test]

@@ -9,7 +9,7 @@
 //! gpupool claims would get two caches and overlapping ordinals: one claim per container is the
 //! supported shape (a claim may hold up to 16 devices).
 
-use gpupool_api::config::{EffectiveConfig, Enforcement, Sharing};
+use gpupool_api::config::{Compute, EffectiveConfig, Enforcement, Sharing};
 use gpupool_api::inventory::{Gpu, MigProfile};
 use gpupool_api::names::{capacity, MEMORY_STEP_BYTES};
 use gpupool_api::quantity;
@@ -57,6 +57,9 @@ pub struct DeviceLimits {
     /// Percent of the card's SMs; 0 = no SM limit.
     pub cores: u32,
     pub enforcement: Enforcement,
+    /// Who holds `cores`: the library's SM limiter, or the card's MPS daemon (then the library
+    /// gets no SM limit, see `crate::mps::share`).
+    pub compute: Compute,
     pub priority: Option<i64>,
 }
 
@@ -177,6 +180,7 @@ pub fn device_limits(
         memory_bytes,
         cores,
         enforcement: c.enforcement.unwrap_or(default_enforcement),
+        compute: c.compute.unwrap_or_default(),
         priority: c.priority,
     })
 }
@@ -212,6 +216,7 @@ pub fn mig_limits(
         memory_bytes: profile.memory_bytes,
         cores: 0,
         enforcement: Enforcement::None,
+        compute: Compute::Limiter,
         priority: c.priority,
     })
 }
@@ -222,9 +227,14 @@ pub fn limit_env(limits: &DeviceLimits) -> Vec<String> {
         return Vec::new();
     }
     let i = limits.ordinal;
+    // An MPS share's SMs are the daemon's to hold: the library must not throttle it as well.
+    let sm_limit = match limits.compute {
+        Compute::Limiter => limits.cores,
+        Compute::Mps => 0,
+    };
     vec![
         format!("CUDA_DEVICE_MEMORY_LIMIT_{i}={}m", limits.memory_mib()),
-        format!("CUDA_DEVICE_SM_LIMIT_{i}={}", limits.cores),
+        format!("CUDA_DEVICE_SM_LIMIT_{i}={sm_limit}"),
     ]
 }
 
@@ -327,6 +337,7 @@ mod tests {
             memory_limit_field: Some("p.memoryLimit".into()),
             core_limit_field: Some("p.coreLimit".into()),
             enforcement_field: Some("p.enforcement".into()),
+            compute_field: Some("p.compute".into()),
         }
     }
 
@@ -405,6 +416,31 @@ mod tests {
             [
                 "CUDA_DEVICE_MEMORY_SHARED_CACHE=/c/u/x.cache",
                 "CUDA_TASK_PRIORITY=1"
+            ]
+        );
+    }
+
+    #[test]
+    fn an_mps_share_keeps_its_memory_limit_and_gets_no_sm_limit_from_the_library() {
+        let inv = inventory();
+        let mps = GpuConfig {
+            compute: Some(Compute::Mps),
+            ..Default::default()
+        };
+        let l = device_limits(
+            0,
+            &device("gpu-0", Some("8Gi"), Some("30")),
+            &inv.gpus[0],
+            &cfg(mps),
+            D,
+        )
+        .unwrap();
+        assert_eq!((l.cores, l.compute), (30, Compute::Mps));
+        assert_eq!(
+            limit_env(&l),
+            [
+                "CUDA_DEVICE_MEMORY_LIMIT_0=8192m",
+                "CUDA_DEVICE_SM_LIMIT_0=0"
             ]
         );
     }

@@ -107,6 +107,7 @@ mod tests {
             memory_bytes: profile.memory_bytes,
             cores: 0,
             enforcement: Enforcement::None,
+            compute: gpupool_api::config::Compute::Limiter,
             priority: None,
         };
         let allocated = AllocatedDevice {

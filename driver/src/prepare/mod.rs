@@ -13,7 +13,9 @@ mod error;
 mod guard;
 pub(crate) mod limits;
 mod mig_status;
+mod mps;
 mod nvidia_cdi;
+pub mod offline;
 pub(crate) mod status;
 mod status_writes;
 
@@ -35,10 +37,11 @@ use self::claim::{AllocatedDevice, AllocationId, Tombstone};
 pub use self::error::{PrepareError, PrepareErrorKind};
 use self::guard::{Held, Use};
 pub use self::limits::DefaultEnforcement;
+pub use self::mps::MPS_CHECK_INTERVAL;
 pub use self::nvidia_cdi::DriverLibraries;
 use self::status_writes::{write_device_health, StatusQueue, StatusWrite};
 use crate::devices::{self, DeviceKind, NodeDevice};
-use crate::node_state::checkpoint::{CheckpointData, ClaimEntry, ClaimState, MigRecord};
+use crate::node_state::checkpoint::{CheckpointData, ClaimEntry, ClaimState, MigRecord, MpsHold};
 use crate::node_state::{current_boot_id, MigCards, NodeLayout, NodeState, NodeStateError};
 
 /// What preparation needs to know about the node.
@@ -419,6 +422,26 @@ impl ClaimPreparer {
             .resolve(|e| layout.library(e).is_some_and(|lib| lib.host_path.exists()));
         let device_limits =
             limits::claim_limits(&per_device, default_enforcement).map_err(|e| fail(e.into()))?;
+        // MPS: the card's daemon runs, admitting the share, before the spec names its folders.
+        let mps: Vec<MpsHold> = crate::mps::share::check(&per_device, &device_limits)
+            .map_err(|e| fail(e.into()))?
+            .into_iter()
+            .collect();
+        if !mps.is_empty() {
+            let started = ClaimEntry {
+                state: ClaimState::PrepareStarted,
+                namespace: claim.namespace.clone(),
+                name: claim.name.clone(),
+                devices: Vec::new(),
+                spec: None,
+                warning: None,
+                recovered: false,
+                mig: Vec::new(),
+                mps: mps.clone(),
+            };
+            let (state, uid) = (self.state.clone(), claim.uid.clone());
+            run_blocking(claim, move || state.hold_mps(&uid, started)).await?;
+        }
 
         let hami_core = device_limits
             .iter()
@@ -455,6 +478,7 @@ impl ClaimPreparer {
                 warning: None,
                 recovered: false,
                 mig: intents,
+                mps: Vec::new(),
             };
             let (state, uid) = (self.state.clone(), claim.uid.clone());
             run_blocking(claim, move || state.create_mig(&uid, started)).await?
@@ -480,6 +504,7 @@ impl ClaimPreparer {
             warning: rendered.warning.clone(),
             recovered: false,
             mig: mig.clone(),
+            mps,
         };
         let (state, uid) = (self.state.clone(), claim.uid.clone());
         if mig.is_empty() {
@@ -618,7 +643,10 @@ impl ClaimPreparer {
     ) -> Result<Reservation<'_>, PrepareErrorKind> {
         let wanted: Vec<(String, Use)> = per_device
             .iter()
-            .map(|(_, device, _)| (device.name.clone(), use_of(device)))
+            .map(|(_, device, config)| {
+                let mps = config.config.compute == Some(gpupool_api::config::Compute::Mps);
+                (device.name.clone(), use_of(device, mps))
+            })
             .collect();
         let mut in_flight = self.in_flight.lock().expect("never poisoned");
         let mut held: Vec<Held> = self.state.read(|data| {
@@ -634,9 +662,10 @@ impl ClaimPreparer {
                         .chain(entry.mig.iter().map(|r| r.device.clone()))
                         .filter_map(|device| {
                             let found = devices::find(&self.inventory, &device)?;
+                            let mps = entry.mps.iter().any(|h| h.device == device);
                             Some(Held {
                                 claim: name.clone(),
-                                what: use_of(&found),
+                                what: use_of(&found, mps),
                                 device,
                             })
                         })
@@ -729,12 +758,13 @@ impl ClaimPreparer {
             let entry = data.claims.get(&claim.uid);
             (
                 entry.map(|e| claim::prepared_allocation_id(&e.devices)),
-                entry.is_some_and(|e| !e.mig.is_empty()),
+                entry.is_some_and(|e| !e.mig.is_empty() || !e.mps.is_empty()),
             )
         });
         let (state, uid) = (self.state.clone(), claim.uid.clone());
         if mig {
-            // Destroying MIG instances goes through NVML: that blocks.
+            // Destroying MIG instances goes through NVML, stopping an MPS daemon waits for it:
+            // that blocks.
             run_blocking(claim, move || state.remove(&uid)).await?;
         } else {
             // Files on the CDI folder's tmpfs and a checkpoint line: cheaper on this thread than
@@ -827,8 +857,9 @@ impl Drop for Reservation<'_> {
     }
 }
 
-/// What a device takes of its card, for the node guard.
-fn use_of(device: &NodeDevice<'_>) -> Use {
+/// What a device takes of its card, for the node guard; `mps`: a share through the card's MPS
+/// daemon.
+fn use_of(device: &NodeDevice<'_>, mps: bool) -> Use {
     match device.memory_slices() {
         Some(slices) => Use::Mig {
             gpu: device.gpu.index,
@@ -836,6 +867,7 @@ fn use_of(device: &NodeDevice<'_>) -> Use {
         },
         None => Use::Card {
             gpu: device.gpu.index,
+            mps,
         },
     }
 }

@@ -47,6 +47,9 @@ pub fn device_data(
     data.insert("model".into(), json!(gpu.model));
     data.insert("uuid".into(), json!(gpu.uuid));
     data.insert("enforcement".into(), json!(limits.enforcement.as_str()));
+    if limits.compute == gpupool_api::config::Compute::Mps {
+        data.insert("compute".into(), json!(limits.compute.as_str()));
+    }
     data.insert("cudaOrdinal".into(), json!(limits.ordinal));
     if let Some(w) = warning {
         data.insert("warning".into(), json!(w));
@@ -63,10 +66,11 @@ pub fn device_data(
 
 /// What the Ready condition says; it agrees with the reason: enforced, or why not.
 fn ready_message(limits: &DeviceLimits, warning: Option<&str>) -> String {
-    let cores = if limits.cores == 0 {
-        "no SM limit".to_string()
-    } else {
-        format!("{}% of the SMs", limits.cores)
+    let cores = match (limits.cores, limits.compute) {
+        (0, gpupool_api::config::Compute::Mps) => "all SMs through MPS".to_string(),
+        (0, _) => "no SM limit".to_string(),
+        (cores, gpupool_api::config::Compute::Mps) => format!("{cores}% of the SMs through MPS"),
+        (cores, _) => format!("{cores}% of the SMs"),
     };
     let enforcement = match (warning, limits.enforcement.library_name()) {
         (Some(warning), _) => format!("; {warning}"),
@@ -293,6 +297,7 @@ mod tests {
             memory_bytes: 8 << 30,
             cores: 50,
             enforcement: Enforcement::HamiCore,
+            compute: gpupool_api::config::Compute::Limiter,
             priority: None,
         }
     }
@@ -389,6 +394,24 @@ mod tests {
             ready(&off, None).1,
             "prepared: 8Gi of memory, no SM limit, not enforced (enforcement None)"
         );
+        let mps = DeviceLimits {
+            enforcement: Enforcement::Gpupool,
+            compute: gpupool_api::config::Compute::Mps,
+            cores: 30,
+            ..limits()
+        };
+        assert_eq!(
+            ready(&mps, None).1,
+            "prepared: 8Gi of memory, 30% of the SMs through MPS, enforced by gpupool-vgpu"
+        );
+        let data = device_data(&inv.gpus[0], &mps, None, None);
+        assert_eq!(
+            (data["compute"].as_str(), data["coreLimit"].as_u64()),
+            (Some("Mps"), Some(30))
+        );
+        assert!(device_data(&inv.gpus[0], &limits(), None, None)
+            .get("compute")
+            .is_none());
     }
 
     /// Our entry for the test device, and the same device as another driver's entry.

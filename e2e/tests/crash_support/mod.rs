@@ -303,8 +303,13 @@ impl CrashNode {
             .create(&PostParams::default(), &claim)
             .await
             .unwrap_or_else(|e| panic!("creating claim {namespace}/{name}: {e}"));
-        let patch =
-            json!({"status": {"allocation": {"devices": {"results": results, "config": config}}}});
+        // The scheduler allocates a node's devices with a node selector for that node, which is
+        // also what lets the driver's token write the claim's status (associated-node).
+        let patch = json!({"status": {"allocation": {
+            "devices": {"results": results, "config": config},
+            "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
+                {"key": "metadata.name", "operator": "In", "values": [self.name]}]}]},
+        }}});
         api.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
             .unwrap_or_else(|e| panic!("allocating claim {namespace}/{name}: {e}"));
@@ -563,6 +568,8 @@ impl CrashNode {
                 gpupool_driver::health::monitor::STATE_FILE,
                 // Where the fake cards keep their MIG instances (a real card keeps them itself).
                 gpupool_driver::mig::fake::STATE_FILE,
+                // The MPS daemons' folders, one per card (checked by the MPS tests).
+                gpupool_driver::mps::layout::MPS_DIR,
             ])
             .collect();
         for name in list_dir(&self.dirs.run) {

@@ -150,5 +150,10 @@ fn the_driver_api_steps_run_over_the_stand_in() {
         .filter(|r| r["ok"] == false && r["step"] != "c")
         .collect();
     assert!(failed.is_empty(), "{failed:#?}");
-    assert!(matches!(run.code, Some(0 | 1)), "{}\n{}", run.stdout, run.stderr);
+    assert!(
+        matches!(run.code, Some(0 | 1)),
+        "{}\n{}",
+        run.stdout,
+        run.stderr
+    );
 }
