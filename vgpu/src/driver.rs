@@ -6,6 +6,31 @@ use crate::interpose::{Library, CUDA, NVML};
 use std::ffi::{c_char, c_int, c_uint, CStr};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+/// Whether the stream is capturing (a launch into a capture runs nothing). An error (the legacy
+/// stream while another stream captures) counts as capturing: the launch is the program's to make.
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // the stream is an opaque handle for the driver
+pub fn capturing(stream: CUstream) -> bool {
+    let mut status: c_int = CU_STREAM_CAPTURE_STATUS_NONE;
+    match unsafe { cuStreamIsCapturing(stream, &mut status) } {
+        Some(CUDA_SUCCESS) => status != CU_STREAM_CAPTURE_STATUS_NONE,
+        Some(_) => true,
+        None => false,
+    }
+}
+
+/// Runs `f` in the relaxed stream-capture mode: our own calls (event queries, a stream's device)
+/// must not count as the "potentially unsafe" calls that invalidate another thread's capture in
+/// global mode.
+pub fn relaxed<R>(f: impl FnOnce() -> R) -> R {
+    let mut mode: c_int = CU_STREAM_CAPTURE_MODE_RELAXED;
+    let exchanged = unsafe { cuThreadExchangeStreamCaptureMode(&mut mode) } == Some(CUDA_SUCCESS);
+    let result = f();
+    if exchanged {
+        unsafe { cuThreadExchangeStreamCaptureMode(&mut mode) };
+    }
+    result
+}
+
 /// A function pointer looked up once. 0: not looked up yet; 1: absent.
 pub struct LazyFn {
     library: &'static Library,

@@ -26,7 +26,6 @@ use crate::env::MAX_DEVICES;
 use crate::process::{self, Process, GATE, GATE_PASS, GATE_REFUSED, GATE_THROTTLE};
 use crate::sys::{futex_wait, now_ns};
 use std::collections::VecDeque;
-use std::ffi::c_int;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
@@ -142,7 +141,7 @@ fn throttle(stream: CUstream, per_thread: bool) -> Option<Ticket> {
     let index = process.launch_device()?;
     let arbiter = process.arbiter(index)?;
     let stream = explicit(stream, per_thread);
-    if capturing(stream) {
+    if driver::capturing(stream) {
         return None;
     }
     let device = device(process, index)?;
@@ -180,30 +179,6 @@ fn throttle(stream: CUstream, per_thread: bool) -> Option<Ticket> {
             return Some(Ticket { device, stream });
         }
     }
-}
-
-/// Whether the stream is capturing (a launch into a capture runs nothing). An error (the legacy
-/// stream while another stream captures) counts as capturing: the launch is the program's to make.
-fn capturing(stream: CUstream) -> bool {
-    let mut status: c_int = CU_STREAM_CAPTURE_STATUS_NONE;
-    match unsafe { driver::cuStreamIsCapturing(stream, &mut status) } {
-        Some(CUDA_SUCCESS) => status != CU_STREAM_CAPTURE_STATUS_NONE,
-        Some(_) => true,
-        None => false,
-    }
-}
-
-/// Runs `f` in the relaxed stream-capture mode: our own event calls must not count as the
-/// "potentially unsafe" calls that invalidate another thread's capture in global mode.
-fn relaxed<R>(f: impl FnOnce() -> R) -> R {
-    let mut mode: c_int = CU_STREAM_CAPTURE_MODE_RELAXED;
-    let exchanged =
-        unsafe { driver::cuThreadExchangeStreamCaptureMode(&mut mode) } == Some(CUDA_SUCCESS);
-    let result = f();
-    if exchanged {
-        unsafe { driver::cuThreadExchangeStreamCaptureMode(&mut mode) };
-    }
-    result
 }
 
 fn device(process: &'static Process, index: usize) -> Option<&'static DeviceLimiter> {
@@ -300,7 +275,7 @@ impl DeviceLimiter {
             Some(i) => marks.spare.swap_remove(i).event,
             None => {
                 let mut event: CUevent = std::ptr::null_mut();
-                let created = relaxed(|| unsafe {
+                let created = driver::relaxed(|| unsafe {
                     driver::cuEventCreate(&mut event, CU_EVENT_DISABLE_TIMING)
                 });
                 if created != Some(CUDA_SUCCESS) {
@@ -309,11 +284,12 @@ impl DeviceLimiter {
                 event as usize
             }
         };
-        let recorded = relaxed(|| unsafe { driver::cuEventRecord(event as CUevent, stream) });
+        let recorded =
+            driver::relaxed(|| unsafe { driver::cuEventRecord(event as CUevent, stream) });
         if recorded == Some(CUDA_SUCCESS) {
             marks.outstanding.push_back(Mark { context, event });
         } else {
-            relaxed(|| unsafe { driver::cuEventDestroy_v2(event as CUevent) });
+            driver::relaxed(|| unsafe { driver::cuEventDestroy_v2(event as CUevent) });
         }
     }
 
@@ -328,7 +304,7 @@ impl DeviceLimiter {
             spare,
             completed_in_lease,
         } = &mut *marks;
-        relaxed(|| {
+        driver::relaxed(|| {
             outstanding.retain(|mark| {
                 match unsafe { driver::cuEventQuery(mark.event as CUevent) } {
                     Some(CUDA_ERROR_NOT_READY) => true,

@@ -486,11 +486,19 @@ impl Process {
             .then(|| (device, self.device_index(device)))
     }
 
-    /// The device a stream belongs to (the current context's when the driver cannot say).
+    /// The device a stream belongs to (the current context's when the driver cannot say). Asked
+    /// in the relaxed capture mode, and not at all of a capturing stream: driver 580 refuses
+    /// `cuStreamGetDevice` during a global capture and invalidates the capture, which would make
+    /// a legal `cudaMallocAsync` break another thread's CUDA graph.
     #[allow(clippy::not_unsafe_ptr_arg_deref)] // the stream is an opaque handle for the driver
     pub fn stream_device(&self, stream: CUstream) -> Option<(CUdevice, Option<usize>)> {
+        if driver::capturing(stream) {
+            return self.current_device();
+        }
         let mut device = 0;
-        if cuda_ok(unsafe { driver::cuStreamGetDevice(stream, &mut device) }) {
+        if cuda_ok(driver::relaxed(|| unsafe {
+            driver::cuStreamGetDevice(stream, &mut device)
+        })) {
             return Some((device, self.device_index(device)));
         }
         self.current_device()

@@ -791,3 +791,36 @@ fn a_process_idle_after_a_device_reset_is_charged_nothing() {
         "only this process's own context is charged: {v}"
     );
 }
+
+#[test]
+fn a_stream_ordered_allocation_never_breaks_another_threads_capture() {
+    // PyTorch captures graphs in global mode; another thread's cudaMallocAsync on another stream
+    // is legal meanwhile. The library must not make it illegal by what it asks the driver to
+    // charge it (cuStreamGetDevice is refused during a global capture on driver 580, and the
+    // capture is invalidated).
+    let sandbox = Sandbox::new("1x16g:108");
+    let outcome = sandbox
+        .probe(
+            &sandbox.container(),
+            &[
+                "capture-rules",
+                "--call",
+                "mem-alloc-async",
+                "--caller",
+                "other",
+            ],
+        )
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+        .run_ok();
+    let c = outcome.one("capture_rules");
+    assert_eq!(c["result"], 0, "{c}\n{}", outcome.stderr);
+    assert_eq!(
+        (
+            c["status_after"].as_i64(),
+            c["end_result"].as_i64(),
+            &c["graph"]
+        ),
+        (Some(1), Some(0), &serde_json::Value::Bool(true)),
+        "the capture was broken: {c}"
+    );
+}

@@ -766,9 +766,6 @@ fn launches_follow_the_launch_rules() {
     assert!(l["busy_fraction"].as_f64().unwrap() > 0.7, "{l}");
 }
 
-/// Two processes keep the card busy the way PyTorch eager does (a deep launch queue, nothing
-/// waited for); one launches single kernels, the other graphs. The engine runs one kernel at a
-/// time and gives them turns: each gets half the card.
 /// What `capture-rules` says happened: the call's result, and whether the capture survived.
 fn capture_rule(
     m: &Sandbox,

@@ -25,6 +25,7 @@ pub const CALLS: &[&str] = &[
     "stream-sync",
     "ctx-sync",
     "mem-alloc",
+    "mem-alloc-async",
     "stream-get-device",
     "captured-event-query",
     "capturing-stream-query",
@@ -36,6 +37,8 @@ type FnModeSwap = unsafe extern "C" fn(*mut i32) -> CUresult;
 type FnAlloc = unsafe extern "C" fn(*mut CUdeviceptr, usize) -> CUresult;
 type FnFree = unsafe extern "C" fn(CUdeviceptr) -> CUresult;
 type FnStreamDevice = unsafe extern "C" fn(Handle, *mut i32) -> CUresult;
+type FnAllocAsync = unsafe extern "C" fn(*mut CUdeviceptr, usize, Handle) -> CUresult;
+type FnFreeAsync = unsafe extern "C" fn(CUdeviceptr, Handle) -> CUresult;
 
 /// Raw handles and entry points, moved to the calling thread (they are plain addresses).
 #[derive(Clone, Copy)]
@@ -55,6 +58,8 @@ struct Call {
     ctx_sync: Fn0,
     mem_alloc: FnAlloc,
     mem_free: FnFree,
+    mem_alloc_async: FnAllocAsync,
+    mem_free_async: FnFreeAsync,
     stream_get_device: Option<FnStreamDevice>,
 }
 
@@ -83,6 +88,14 @@ impl Call {
                 let r = (self.mem_alloc)(&mut p, 1 << 20);
                 if r == 0 {
                     (self.mem_free)(p);
+                }
+                r
+            }
+            "mem-alloc-async" => {
+                let mut p: CUdeviceptr = 0;
+                let r = (self.mem_alloc_async)(&mut p, 1 << 20, self.other as Handle);
+                if r == 0 {
+                    (self.mem_free_async)(p, self.other as Handle);
                 }
                 r
             }
@@ -169,6 +182,8 @@ impl Session<'_> {
                 ctx_sync: need!(cu.ctx_synchronize()),
                 mem_alloc: need!(cu.mem_alloc_v2()),
                 mem_free: need!(cu.mem_free_v2()),
+                mem_alloc_async: need!(cu.mem_alloc_async()),
+                mem_free_async: need!(cu.mem_free_async()),
                 stream_get_device: cu.stream_get_device().ok(),
             };
             let (exchanged, result) = if other_thread {

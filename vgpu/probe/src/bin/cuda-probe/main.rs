@@ -112,7 +112,8 @@ Subcommands (each prints one JSON object per line; "result" is the CUresult, "er
       created stream, captures a launch and an event record, then makes call C from the capturing
       thread or another one (default), after cuThreadExchangeStreamCaptureMode to --caller-mode
       when given: event-query / event-sync (the outside event), stream-query / stream-sync (the
-      second stream), ctx-sync, mem-alloc (cuMemAlloc of 1 MiB, freed), stream-get-device (the
+      second stream), ctx-sync, mem-alloc (cuMemAlloc of 1 MiB, freed), mem-alloc-async (cuMemAllocAsync of 1 MiB
+      on the second stream, freed there), stream-get-device (the
       second stream), captured-event-query, capturing-stream-query. Then it asks
       cuStreamIsCapturing, captures one more launch and ends the capture:
       {"op":"capture_rules","call","result","error" (the call's),"exchange_result","status_after"
