@@ -269,10 +269,10 @@ class Tenant:
 
 
 def phase(run, tenants, py_args, c_args, monitor=False):
-    warmup, seconds = run.sm_warmup, run.sm_seconds
     """Starts every tenant's PyTorch workload (slots 0-2) and driver-API workload (slot 3) in its
     own container, waits until all are ready, gives them one start time, and returns
     {tenant name: {mode: spin or share line}}, plus the NVML monitor's line."""
+    warmup, seconds = run.sm_warmup, run.sm_seconds
     procs = []
     for t in tenants:
         container = run.container()
@@ -290,7 +290,7 @@ def phase(run, tenants, py_args, c_args, monitor=False):
         procs.append((t, py, c))
     got = {t.name: {} for t in tenants}
     extras = {t.name: [] for t in tenants}
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 90
     for t, py, c in procs:
         for child in (py, c):
             extras[t.name] += read_until_ready(child, deadline)
@@ -318,7 +318,7 @@ def phase(run, tenants, py_args, c_args, monitor=False):
                     got[t.name][line["mode"]] = line
                 elif line.get("op") == "share":
                     got[t.name][C_MODE] = line
-                elif line.get("op") in ("triton", "skipped"):
+                elif line.get("op") in ("triton", "skipped", "mode_skipped"):
                     got[t.name][line["op"]] = line
             extras[t.name] = []
     monitored = None
@@ -334,7 +334,8 @@ def mps_daemon(run):
     control = shutil.which("nvidia-cuda-mps-control")
     if not control:
         return None
-    root = Path(tempfile.mkdtemp(prefix="mps-", dir=run.out))
+    # Short: the control pipe is a Unix socket in it (at most 107 bytes of path).
+    root = Path(tempfile.mkdtemp(prefix="gpuchk-mps-"))
     env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=str(root / "pipe"), CUDA_MPS_LOG_DIRECTORY=str(root / "log"))
     (root / "pipe").mkdir()
     (root / "log").mkdir()
@@ -343,6 +344,8 @@ def mps_daemon(run):
 
     def stop():
         subprocess.run([control], input="quit\n", env=env, text=True, timeout=30)
+        shutil.copytree(root / "log", run.out / "mps-log", dirs_exist_ok=True)
+        shutil.rmtree(root, ignore_errors=True)
 
     return {k: env[k] for k in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")}, stop
 
@@ -574,18 +577,19 @@ def main():
     run = Run(args)
     started = time.monotonic()
     steps = set(args.steps.replace(",", ""))
-    if "a" in steps:
-        step_a(run, args.chunk_mib)
-    if "b" in steps:
-        step_b(run, args.chunk_mib)
+    # What matters most runs first, should the run be cut short.
     if "c" in steps:
         step_c(run)
+    if "f" in steps:
+        step_f(run)
+    if "a" in steps:
+        step_a(run, args.chunk_mib)
     if "d" in steps:
         step_d(run, args.launches, args.repeats)
     if "e" in steps:
         step_e(run)
-    if "f" in steps:
-        step_f(run)
+    if "b" in steps:
+        step_b(run, args.chunk_mib)
     sys.exit(0 if summary(run, started) else 1)
 
 

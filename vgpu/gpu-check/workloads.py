@@ -116,9 +116,13 @@ def fill(args):
 
 def triton_busy(torch, calibrate_ms, iters):
     """A Triton kernel of fixed work over the whole card (a chain of multiply-adds per element),
-    launched through Triton's own launcher. Returns (launch, iters, ms per launch measured)."""
-    triton = need("triton")
-    import triton.language as tl
+    launched through Triton's own launcher. Returns (launch, iters, ms per launch measured), or
+    None without Triton."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
 
     @triton.jit
     def busy(x_ptr, n, BLOCK: tl.constexpr):
@@ -161,7 +165,8 @@ def spin(args):
         torch.matmul(a, b, out=out)
 
     steps = {}  # mode -> (one step, units of work per step)
-    for mode in (args.mode or args.modes).split(","):
+    requested = (args.mode or args.modes).split(",")
+    for mode in requested:
         if mode == "eager":
             steps[mode] = (matmul, 1)
         elif mode == "graph":
@@ -177,7 +182,11 @@ def spin(args):
                     matmul()
             steps[mode] = (graph.replay, 8)
         elif mode == "triton":
-            launch, iters, ms = triton_busy(torch, args.calibrate_ms, args.triton_iters)
+            found = triton_busy(torch, args.calibrate_ms, args.triton_iters)
+            if found is None:
+                emit(op="mode_skipped", mode=mode, missing="triton")
+                continue
+            launch, iters, ms = found
             steps[mode] = (launch, 1)
             emit(op="triton", iters=iters, launch_ms=ms)
         else:
@@ -186,7 +195,8 @@ def spin(args):
     emit(op="ready", pid=os.getpid())
     # `--mode` (one mode) starts at once, without a start time on stdin.
     start = time.monotonic() if args.mode else float(sys.stdin.readline())
-    for i, mode in enumerate(steps):
+    for mode in steps:
+        i = requested.index(mode)  # a skipped mode keeps its slot empty
         step, units = steps[mode]
         warm = start + (args.slot + i) * (args.warmup + args.seconds)
         measure_from, end = warm + args.warmup, warm + args.warmup + args.seconds
