@@ -154,6 +154,17 @@ def triton_busy(torch, calibrate_ms, iters):
     return launch, state["n"], ms
 
 
+def steps_until(torch, step, until):
+    """Steps until `until` (monotonic seconds), a few in flight as a training loop has; how many."""
+    done = 0
+    while time.monotonic() < until:
+        step()
+        done += 1
+        if done % 4 == 0:
+            torch.cuda.current_stream().synchronize()
+    return done
+
+
 def spin(args):
     torch = need("torch")
     n = 8192
@@ -201,22 +212,12 @@ def spin(args):
         warm = start + (args.slot + i) * (args.warmup + args.seconds)
         measure_from, end = warm + args.warmup, warm + args.warmup + args.seconds
         time.sleep(max(0.0, warm - time.monotonic()))
-        done = 0
-        while time.monotonic() < measure_from:
-            step()
-            done += 1
-            if done % 4 == 0:
-                torch.cuda.current_stream().synchronize()
+        steps_until(torch, step, measure_from)
         # Counted from an empty queue to an empty queue: the work done in the window, whatever
-        # the card's share. A few steps in flight, as a training loop has.
+        # the card's share.
         torch.cuda.synchronize()
         t0 = time.monotonic()
-        done = 0
-        while time.monotonic() < end:
-            step()
-            done += 1
-            if done % 4 == 0:
-                torch.cuda.current_stream().synchronize()
+        done = steps_until(torch, step, end)
         torch.cuda.synchronize()
         elapsed = time.monotonic() - t0
         emit(op="spin", mode=mode, pid=os.getpid(), units=done * units, seconds=elapsed,

@@ -58,14 +58,14 @@ macro_rules! for_each_entry_point {
             cuCtxCreate_v2(ctx: *mut CUcontext, flags: c_uint, device: CUdevice) => ctx_create;
             cuCtxCreate_v3(ctx: *mut CUcontext, params: *mut c_void, count: c_int, flags: c_uint, device: CUdevice) => ctx_create_v3;
             cuCtxCreate_v4(ctx: *mut CUcontext, params: *mut c_void, flags: c_uint, device: CUdevice) => ctx_create_v4;
-            cuLaunchKernel(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) => launch_kernel;
-            cuLaunchKernel_ptsz(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) => launch_kernel_ptsz;
-            cuLaunchKernelEx(config: *const CUlaunchConfigHead, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) => launch_kernel_ex;
-            cuLaunchKernelEx_ptsz(config: *const CUlaunchConfigHead, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) => launch_kernel_ex_ptsz;
-            cuLaunchCooperativeKernel(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: CUstream, params: *mut *mut c_void) => launch_cooperative;
-            cuLaunchCooperativeKernel_ptsz(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: CUstream, params: *mut *mut c_void) => launch_cooperative_ptsz;
-            cuGraphLaunch(exec: CUgraphExec, stream: CUstream) => graph_launch;
-            cuGraphLaunch_ptsz(exec: CUgraphExec, stream: CUstream) => graph_launch_ptsz;
+            cuLaunchKernel(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) => launch_kernel::<false>;
+            cuLaunchKernel_ptsz(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) => launch_kernel::<true>;
+            cuLaunchKernelEx(config: *const CUlaunchConfigHead, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) => launch_kernel_ex::<false>;
+            cuLaunchKernelEx_ptsz(config: *const CUlaunchConfigHead, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) => launch_kernel_ex::<true>;
+            cuLaunchCooperativeKernel(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: CUstream, params: *mut *mut c_void) => launch_cooperative::<false>;
+            cuLaunchCooperativeKernel_ptsz(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint, stream: CUstream, params: *mut *mut c_void) => launch_cooperative::<true>;
+            cuGraphLaunch(exec: CUgraphExec, stream: CUstream) => graph_launch::<false>;
+            cuGraphLaunch_ptsz(exec: CUgraphExec, stream: CUstream) => graph_launch::<true>;
             nvmlDeviceGetMemoryInfo(device: nvmlDevice_t, memory: *mut nvmlMemory_t) => nvml_memory_info;
             nvmlDeviceGetMemoryInfo_v2(device: nvmlDevice_t, memory: *mut nvmlMemory_v2_t) => nvml_memory_info;
         }

@@ -1,5 +1,6 @@
 //! Launches: every launch path goes through the limiter's gate (`limiter.rs`), and, once
-//! launched, leaves its mark. The `_ptsz` forms differ only in what a NULL stream means.
+//! launched, leaves its mark. The `_ptsz` forms differ only in what a NULL stream means: each
+//! handler serves both, `PER_THREAD` saying which (the two ABIs are the same).
 
 use super::*;
 use crate::limiter;
@@ -15,7 +16,7 @@ unsafe fn gated(stream: CUstream, per_thread: bool, launch: impl FnOnce() -> CUr
     rc
 }
 
-pub(super) unsafe fn launch_kernel(
+pub(super) unsafe fn launch_kernel<const PER_THREAD: bool>(
     real: pfn::cuLaunchKernel,
     f: CUfunction,
     gx: c_uint,
@@ -29,26 +30,7 @@ pub(super) unsafe fn launch_kernel(
     params: *mut *mut c_void,
     extra: *mut *mut c_void,
 ) -> CUresult {
-    gated(stream, false, || {
-        real(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra)
-    })
-}
-
-pub(super) unsafe fn launch_kernel_ptsz(
-    real: pfn::cuLaunchKernel_ptsz,
-    f: CUfunction,
-    gx: c_uint,
-    gy: c_uint,
-    gz: c_uint,
-    bx: c_uint,
-    by: c_uint,
-    bz: c_uint,
-    shared: c_uint,
-    stream: CUstream,
-    params: *mut *mut c_void,
-    extra: *mut *mut c_void,
-) -> CUresult {
-    gated(stream, true, || {
+    gated(stream, PER_THREAD, || {
         real(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra)
     })
 }
@@ -62,31 +44,19 @@ fn config_stream(config: *const CUlaunchConfigHead) -> CUstream {
     }
 }
 
-pub(super) unsafe fn launch_kernel_ex(
+pub(super) unsafe fn launch_kernel_ex<const PER_THREAD: bool>(
     real: pfn::cuLaunchKernelEx,
     config: *const CUlaunchConfigHead,
     f: CUfunction,
     params: *mut *mut c_void,
     extra: *mut *mut c_void,
 ) -> CUresult {
-    gated(config_stream(config), false, || {
+    gated(config_stream(config), PER_THREAD, || {
         real(config, f, params, extra)
     })
 }
 
-pub(super) unsafe fn launch_kernel_ex_ptsz(
-    real: pfn::cuLaunchKernelEx_ptsz,
-    config: *const CUlaunchConfigHead,
-    f: CUfunction,
-    params: *mut *mut c_void,
-    extra: *mut *mut c_void,
-) -> CUresult {
-    gated(config_stream(config), true, || {
-        real(config, f, params, extra)
-    })
-}
-
-pub(super) unsafe fn launch_cooperative(
+pub(super) unsafe fn launch_cooperative<const PER_THREAD: bool>(
     real: pfn::cuLaunchCooperativeKernel,
     f: CUfunction,
     gx: c_uint,
@@ -99,41 +69,16 @@ pub(super) unsafe fn launch_cooperative(
     stream: CUstream,
     params: *mut *mut c_void,
 ) -> CUresult {
-    gated(stream, false, || {
+    gated(stream, PER_THREAD, || {
         real(f, gx, gy, gz, bx, by, bz, shared, stream, params)
     })
 }
 
-pub(super) unsafe fn launch_cooperative_ptsz(
-    real: pfn::cuLaunchCooperativeKernel_ptsz,
-    f: CUfunction,
-    gx: c_uint,
-    gy: c_uint,
-    gz: c_uint,
-    bx: c_uint,
-    by: c_uint,
-    bz: c_uint,
-    shared: c_uint,
-    stream: CUstream,
-    params: *mut *mut c_void,
-) -> CUresult {
-    gated(stream, true, || {
-        real(f, gx, gy, gz, bx, by, bz, shared, stream, params)
-    })
-}
-
-pub(super) unsafe fn graph_launch(
+pub(super) unsafe fn graph_launch<const PER_THREAD: bool>(
     real: pfn::cuGraphLaunch,
     exec: CUgraphExec,
     stream: CUstream,
 ) -> CUresult {
-    gated(stream, false, || real(exec, stream))
+    gated(stream, PER_THREAD, || real(exec, stream))
 }
 
-pub(super) unsafe fn graph_launch_ptsz(
-    real: pfn::cuGraphLaunch_ptsz,
-    exec: CUgraphExec,
-    stream: CUstream,
-) -> CUresult {
-    gated(stream, true, || real(exec, stream))
-}
