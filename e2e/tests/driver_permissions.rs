@@ -56,6 +56,7 @@ async fn the_driver_writes_status_only_for_its_nodes_claims() {
     claim_on(&admin, "there", "node-b").await;
     let kubeconfig = cluster
         .driver_kubeconfig("node-a")
+        .await
         .unwrap_or_else(|e| panic!("{e}"));
     let driver: Api<ResourceClaim> = Api::namespaced(
         client_for_kubeconfig(&kubeconfig)

@@ -22,6 +22,51 @@ pub use gpupool_e2e::sandbox::attribute;
 
 pub const TIMEOUT: Duration = Duration::from_secs(30);
 
+/// Each named scenario on every backend, one test body: `<scenario>::emulator`,
+/// `<scenario>::control_plane` (the real control plane; skips, saying why, without its binaries)
+/// and `<scenario>::real_cluster` (ignored; `GPUPOOL_E2E_KUBECONFIG`). The file provides
+/// `async fn cluster(Backend) -> &'static TestCluster` and `mod scenarios` with an
+/// `async fn <scenario>(&TestCluster)` each.
+#[macro_export]
+macro_rules! on_every_backend {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            use gpupool_e2e::harness::{plane_or_skip, shared_runtime, Backend};
+
+            async fn run(backend: Backend) {
+                let cluster = super::cluster(backend).await;
+                let _logs = cluster.logs_on_failure();
+                super::scenarios::$name(cluster).await;
+            }
+
+            #[test]
+            fn emulator() {
+                shared_runtime().block_on(run(Backend::Emulator));
+            }
+
+            #[test]
+            fn control_plane() {
+                shared_runtime().block_on(async {
+                    let test = concat!(stringify!($name), "::control_plane");
+                    if plane_or_skip(test).await.is_some() {
+                        run(Backend::ControlPlane).await;
+                    }
+                });
+            }
+
+            #[test]
+            #[ignore = "runs against GPUPOOL_E2E_KUBECONFIG"]
+            fn real_cluster() {
+                assert!(
+                    std::env::var_os("GPUPOOL_E2E_KUBECONFIG").is_some(),
+                    "real-cluster scenarios need GPUPOOL_E2E_KUBECONFIG and GPUPOOL_E2E_NODE"
+                );
+                shared_runtime().block_on(run(Backend::from_env()));
+            }
+        }
+    )*};
+}
+
 /// Starts the cluster, or fails the test saying why it did not start.
 pub async fn start(spec: ClusterSpec) -> TestCluster {
     TestCluster::start(spec)
