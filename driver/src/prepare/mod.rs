@@ -197,6 +197,7 @@ impl ClaimPreparer {
         if let Some(message) = corrupt {
             let event = status::node_event(
                 &opts.node_name,
+                "RecoverCheckpoint",
                 "CheckpointCorrupt",
                 &message,
                 Timestamp::now(),

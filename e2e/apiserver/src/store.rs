@@ -538,6 +538,12 @@ impl Store {
         if !label_causes.is_empty() {
             return Err(ApiError::invalid(def, name, &label_causes));
         }
+        if def.group.is_empty() && def.kind == "Event" {
+            let causes = rules::validate_event(object);
+            if !causes.is_empty() {
+                return Err(ApiError::invalid(def, name, &causes));
+            }
+        }
         if def.group == "resource.k8s.io" && def.kind == "ResourceSlice" {
             let slice: k8s_openapi::api::resource::v1::ResourceSlice =
                 serde_json::from_value(object.clone()).map_err(|e| {
