@@ -831,6 +831,13 @@ impl TestCluster {
         let Some(tenant) = &self.plane else {
             return Ok(None);
         };
+        if let Some(node) = node {
+            // A token is bound to an existing Node; a hand-made one does for a node without driver.
+            tenant
+                .plane
+                .create_node(&self.client, &NodeShape::new(node))
+                .await?;
+        }
         let path = dir.join(match node {
             Some(node) => format!("kubeconfig-{account}-{node}"),
             None => format!("kubeconfig-{account}"),
