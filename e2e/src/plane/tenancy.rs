@@ -6,6 +6,7 @@
 //! namespaces); the plane's own objects and the components' RBAC stay.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
@@ -18,6 +19,9 @@ use kube::{Api, Client};
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
 use super::nodes::HAND_MADE_LABEL;
+
+/// How long a turn waits for the namespaces of earlier turns to be gone.
+const NAMESPACES_GONE_WITHIN: Duration = Duration::from_secs(60);
 
 /// Namespaces a turn keeps: the plane's own, and where the components' RBAC lives.
 const KEPT_NAMESPACES: &[&str] = &["kube-system", "kube-public", "kube-node-lease", "gpupool"];
@@ -74,16 +78,26 @@ async fn clear(admin: &Client) {
         .delete_collection(&DeleteParams::default(), &ListParams::default())
         .await;
     let namespaces: Api<Namespace> = Api::all(admin.clone());
-    for namespace in namespaces
-        .list(&ListParams::default())
-        .await
-        .map(|l| l.items)
-        .unwrap_or_default()
-    {
-        let name = namespace.metadata.name.clone().unwrap_or_default();
-        if name != "default" && !KEPT_NAMESPACES.contains(&name.as_str()) {
-            let _ = namespaces.delete(&name, &DeleteParams::default()).await;
-        }
+    let doomed = |list: Vec<Namespace>| -> Vec<String> {
+        list.into_iter()
+            .filter_map(|n| n.metadata.name)
+            .filter(|name| name != "default" && !KEPT_NAMESPACES.contains(&name.as_str()))
+            .collect()
+    };
+    let listed = || async {
+        namespaces
+            .list(&ListParams::default())
+            .await
+            .map(|l| l.items)
+            .unwrap_or_default()
+    };
+    for name in doomed(listed().await) {
+        let _ = namespaces.delete(&name, &DeleteParams::default()).await;
+    }
+    // A namespace being deleted refuses new objects: the next turn may use the same name.
+    let deadline = Instant::now() + NAMESPACES_GONE_WITHIN;
+    while !doomed(listed().await).is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let _ = Api::<Node>::all(admin.clone())
         .delete_collection(
