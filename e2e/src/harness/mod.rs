@@ -358,10 +358,11 @@ impl TestNode {
     }
 }
 
-/// A cluster's use of the shared control plane: the plane, and its turn on it.
+/// A cluster's use of the shared control plane: the plane, and its turn on it (held until the
+/// cluster is dropped).
 struct PlaneTenant {
     plane: &'static ControlPlane,
-    turn: crate::plane::tenancy::Turn,
+    _turn: crate::plane::tenancy::Turn,
 }
 
 /// The system under test; everything it started is stopped when it is dropped.
@@ -578,7 +579,7 @@ impl TestCluster {
                 let turn = plane.take_turn().await?;
                 (
                     None,
-                    Some(PlaneTenant { plane, turn }),
+                    Some(PlaneTenant { plane, _turn: turn }),
                     plane.admin_kubeconfig(),
                 )
             }
@@ -622,12 +623,8 @@ impl TestCluster {
         let real_names = real_node_names();
         for (i, node_spec) in spec.nodes.iter().enumerate() {
             let name = match &cluster.backend {
-                Backend::Emulator => node_spec.name.clone(),
-                // Unique on the plane: a node of an earlier turn may still be going.
-                Backend::ControlPlane => {
-                    let turn = cluster.plane.as_ref().map_or(0, |p| p.turn.number);
-                    format!("{}-t{turn}", node_spec.name)
-                }
+                // On the plane too: a turn starts with no node, slice or claim of an earlier one.
+                Backend::Emulator | Backend::ControlPlane => node_spec.name.clone(),
                 Backend::Real { .. } => real_names.get(i).cloned().ok_or_else(|| {
                     HarnessError::Setup(format!(
                         "this scenario needs {} node(s); {}={:?} names {}",
@@ -683,12 +680,29 @@ impl TestCluster {
         }
         let crds = parse_manifests(&String::from_utf8_lossy(&output.stdout))?;
         apply_objects(&self.client, &crds, "default").await?;
-        // On the emulator it runs as its ServiceAccount, with its Lease where the RBAC lets it.
+        let process = self.spawn_controller(None, "controller.log").await?;
+        self.controller = Some(Mutex::new(process));
+        Ok(())
+    }
+
+    /// Starts a controller replica as the harness starts the controller (named `identity` in the
+    /// Lease when given, logging to `log` in the work folder): a second one competes for the Lease.
+    pub async fn spawn_controller(
+        &self,
+        identity: Option<&str>,
+        log: &str,
+    ) -> Result<ManagedProcess, HarnessError> {
+        let program = self.programs.locate(CONTROLLER_BIN)?;
+        // On the emulator and the plane it runs as its ServiceAccount, with its Lease where the
+        // RBAC lets it.
         let mut args = vec![
             "run".to_string(),
             "--metrics-addr".into(),
             "127.0.0.1:0".into(),
         ];
+        if let Some(identity) = identity {
+            args.extend(["--identity".into(), identity.into()]);
+        }
         match self
             .component_kubeconfig(CONTROLLER_SERVICE_ACCOUNT, None)
             .await?
@@ -703,14 +717,12 @@ impl TestCluster {
             }
             None => args.extend(["--kubeconfig".into(), self.kubeconfig.display().to_string()]),
         }
-        let process = ManagedProcess::spawn(
+        Ok(ManagedProcess::spawn(
             CONTROLLER_BIN,
             &program.path,
             program.args(args),
-            self.workdir.join("controller.log"),
-        )?;
-        self.controller = Some(Mutex::new(process));
-        Ok(())
+            self.workdir.join(log),
+        )?)
     }
 
     async fn start_node(&mut self, name: String, spec: NodeSpec) -> Result<(), HarnessError> {
@@ -875,6 +887,13 @@ impl TestCluster {
             .iter()
             .find(|n| n.name == name || n.spec.name == name)
             .ok_or_else(|| HarnessError::UnknownNode(name.to_string()))
+    }
+
+    /// SIGKILL the controller the harness started (a crash: its Lease is not released).
+    pub fn kill_controller(&self) {
+        if let Some(controller) = &self.controller {
+            controller.lock().unwrap_or_else(|e| e.into_inner()).kill();
+        }
     }
 
     pub fn controller_log(&self) -> Option<String> {

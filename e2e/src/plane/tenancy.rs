@@ -3,7 +3,8 @@
 //! scheduler sees every Node, so a claim with no pinned card could land on another scenario's
 //! node, and DeviceClasses, GpuModels and the controller's Lease are cluster-wide. Each turn starts
 //! from a plane cleared of what earlier turns made (their nodes, slices, classes, claims and
-//! namespaces); the plane's own objects and the components' RBAC stay.
+//! namespaces, waiting until claims and namespaces are gone), so a turn may use the same node
+//! names as the last; the plane's own objects and the components' RBAC stay.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,8 +21,8 @@ use tokio::sync::{Mutex, OwnedMutexGuard};
 
 use super::nodes::HAND_MADE_LABEL;
 
-/// How long a turn waits for the namespaces of earlier turns to be gone.
-const NAMESPACES_GONE_WITHIN: Duration = Duration::from_secs(60);
+/// How long a turn waits for the namespaces and claims of earlier turns to be gone.
+const GONE_WITHIN: Duration = Duration::from_secs(60);
 
 /// Namespaces a turn keeps: the plane's own, and where the components' RBAC lives.
 const KEPT_NAMESPACES: &[&str] = &["kube-system", "kube-public", "kube-node-lease", "gpupool"];
@@ -71,7 +72,8 @@ async fn clear(admin: &Client) {
             .await;
     }
     // `default` cannot be deleted: its claims and templates go one by one.
-    let _ = Api::<ResourceClaim>::namespaced(admin.clone(), "default")
+    let default_claims = Api::<ResourceClaim>::namespaced(admin.clone(), "default");
+    let _ = default_claims
         .delete_collection(&DeleteParams::default(), &ListParams::default())
         .await;
     let _ = Api::<ResourceClaimTemplate>::namespaced(admin.clone(), "default")
@@ -94,9 +96,17 @@ async fn clear(admin: &Client) {
     for name in doomed(listed().await) {
         let _ = namespaces.delete(&name, &DeleteParams::default()).await;
     }
-    // A namespace being deleted refuses new objects: the next turn may use the same name.
-    let deadline = Instant::now() + NAMESPACES_GONE_WITHIN;
-    while !doomed(listed().await).is_empty() && Instant::now() < deadline {
+    // A namespace being deleted refuses new objects, and a claim on its way out still holds its
+    // devices: the next turn may use the same names, nodes and cards.
+    let deadline = Instant::now() + GONE_WITHIN;
+    loop {
+        let claims_left = default_claims
+            .list(&ListParams::default())
+            .await
+            .map_or(0, |l| l.items.len());
+        if (claims_left == 0 && doomed(listed().await).is_empty()) || Instant::now() >= deadline {
+            break;
+        }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let _ = Api::<Node>::all(admin.clone())
