@@ -88,6 +88,9 @@ async fn a_hand_made_node_with_the_drivers_slices_gets_a_claim_allocated_by_kube
         .get("half")
         .await
         .unwrap();
+    // A claim has no generation at all (its spec is immutable, status writes never bump one), so
+    // no generation can tell one allocation of a claim from another.
+    assert_eq!(claim.metadata.generation, None, "{claim:?}");
     let results = gpupool_api::claim::allocation_results(&claim);
     assert_eq!(results.len(), 1, "{claim:?}");
     assert_eq!(
