@@ -58,6 +58,13 @@ pub struct PlaneOptions {
     /// etcd without fsync. For throughput runs only: every write becomes cheaper than a real
     /// cluster's, so no figure of a write's cost may come from such a plane.
     pub etcd_unsafe_no_fsync: bool,
+    /// etcd and kube-apiserver only, as envtest starts them: for a client that allocates and
+    /// reserves claims itself (kube-controller-manager would take reservations of pods that do
+    /// not exist away, and deallocate).
+    pub apiserver_only: bool,
+    /// Record every request on ResourceClaims, ResourceSlices and Events in kube-apiserver's audit
+    /// log ([`crate::plane::ControlPlane::audit_requests`]): what a benchmark counts per client.
+    pub audit: bool,
 }
 
 impl PlaneOptions {
@@ -78,6 +85,16 @@ impl PlaneOptions {
 
     pub fn scheduler_config(mut self, yaml: &str) -> Self {
         self.scheduler_config = Some(yaml.to_string());
+        self
+    }
+
+    pub fn apiserver_only(mut self) -> Self {
+        self.apiserver_only = true;
+        self
+    }
+
+    pub fn audit(mut self) -> Self {
+        self.audit = true;
         self
     }
 }
@@ -128,6 +145,12 @@ impl PlaneFiles {
     }
     pub fn scheduler_config(&self) -> PathBuf {
         self.dir.join("kube-scheduler.yaml")
+    }
+    pub fn audit_policy(&self) -> PathBuf {
+        self.dir.join("audit-policy.yaml")
+    }
+    pub fn audit_log(&self) -> PathBuf {
+        self.dir.join("audit.log")
     }
     pub fn log(&self, component: &str) -> PathBuf {
         self.dir.join(format!("{component}.log"))
@@ -188,7 +211,7 @@ pub fn apiserver_args(files: &PlaneFiles, ports: Ports, options: &PlaneOptions) 
         .collect();
     let ca = path(&files.ca_cert());
     let sa_key = path(&files.service_account_key());
-    [
+    let mut args: Vec<String> = [
         "--etcd-servers",
         &format!("http://127.0.0.1:{}", ports.etcd_client),
         "--bind-address",
@@ -239,8 +262,40 @@ pub fn apiserver_args(files: &PlaneFiles, ports: Ports, options: &PlaneOptions) 
         &runtime_config.join(","),
     ]
     .map(String::from)
-    .to_vec()
+    .to_vec();
+    if options.audit {
+        args.extend([
+            "--audit-policy-file".into(),
+            path(&files.audit_policy()),
+            "--audit-log-path".into(),
+            path(&files.audit_log()),
+            // Each event written as its request completes (no fsync): what a count reads back
+            // is complete once the requests have answered.
+            "--audit-log-mode".into(),
+            "blocking".into(),
+            "--audit-log-maxsize".into(),
+            "0".into(),
+        ]);
+    }
+    args
 }
+
+/// The audit policy of [`PlaneOptions::audit`]: one event per request (when it completes), with
+/// no bodies, for what gpupool's driver reads and writes; nothing else.
+pub const AUDIT_POLICY: &str = "apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+- level: Metadata
+  resources:
+  - group: resource.k8s.io
+    resources: [resourceclaims, resourceclaims/status, resourceslices]
+  - group: \"\"
+    resources: [events]
+  - group: events.k8s.io
+    resources: [events]
+- level: None
+";
 
 /// Flags kube-scheduler and kube-controller-manager share: who they are, whom they ask to
 /// authenticate and authorize callers of their own endpoints, where they listen.

@@ -11,6 +11,7 @@
 //!   TokenRequest API (bound to a Node as a DaemonSet pod's token is: it names the node), and
 //!   client certificates for node identities.
 
+pub mod audit;
 pub mod binaries;
 pub mod flags;
 pub mod nodes;
@@ -116,6 +117,7 @@ pub struct ControlPlane {
     pki: pki::Pki,
     processes: Mutex<Processes>,
     turns: tenancy::Turns,
+    audit: audit::AuditLog,
     _dir_guard: Option<tempfile::TempDir>,
 }
 
@@ -192,6 +194,9 @@ impl ControlPlane {
             &files.kubeconfig(flags::SCHEDULER_USER),
         )?;
         write_private(&files.scheduler_config(), &scheduler_config)?;
+        if options.audit {
+            write_private(&files.audit_policy(), flags::AUDIT_POLICY)?;
+        }
 
         let spawn = |name: &str, program: &Path, args: Vec<String>| {
             ManagedProcess::spawn(name, program, args, files.log(name))
@@ -218,10 +223,14 @@ impl ControlPlane {
             options,
             pki,
             turns: tenancy::Turns::default(),
+            audit: audit::AuditLog::default(),
             _dir_guard: Some(guard),
         };
         let admin = plane.admin_client().await?;
         plane.wait_ready(&admin).await?;
+        if plane.options.apiserver_only {
+            return Ok(plane);
+        }
         {
             let mut processes = plane.processes();
             processes.scheduler = spawn_component(
@@ -469,6 +478,14 @@ impl ControlPlane {
         process.start()?;
         self.processes().scheduler = process;
         Ok(())
+    }
+
+    /// The requests kube-apiserver's audit log recorded so far ([`PlaneOptions::audit`]), oldest
+    /// first; read incrementally, so calling it often costs only what was added.
+    pub fn audit_requests(&self) -> Result<Vec<audit::AuditRequest>, PlaneError> {
+        self.audit
+            .read(&self.files.audit_log())
+            .map_err(io_err("reading kube-apiserver's audit log"))
     }
 
     /// Every component's log so far, by component.
