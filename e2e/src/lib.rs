@@ -5,5 +5,6 @@
 pub mod grpc;
 pub mod harness;
 pub mod kubelet;
+pub mod plane;
 pub mod roles;
 pub mod sandbox;

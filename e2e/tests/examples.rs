@@ -1,6 +1,8 @@
 //! Every example in deploy/examples/ applied to the sandbox's pool (issue 7 "Done when"), with the
 //! state each file's comments and the README promise checked as a user would: pods running on the
-//! right model, the limits in the CDI specs, `kubectl get gpumodels` and `kubectl describe`.
+//! right model, the limits in the CDI specs, `kubectl get gpumodels` and `kubectl describe`. On the
+//! emulator and on the real control plane (kube-scheduler allocates the NVLink, MIG, extended
+//! resource and prioritized-list claims; kube-controller-manager makes the template claims).
 //!
 //! One cluster and one test: the examples share the pool's cards, and the last step frees some of
 //! them to watch the prioritized-list claim choose.
@@ -14,7 +16,7 @@ use std::time::Instant;
 use common::*;
 use gpupool_api::names::{attr, capacity};
 use gpupool_e2e::harness::objects::{pod_yaml, template_pod_yaml};
-use gpupool_e2e::harness::{wait_for, TestCluster};
+use gpupool_e2e::harness::{wait_for, Backend, TestCluster};
 use gpupool_e2e::sandbox::{self, cdi_limits};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceClaimTemplate};
@@ -39,8 +41,9 @@ const COVERED: [&str; 11] = [
 
 const NS: &str = "default";
 
-#[test]
-fn every_example_reaches_the_state_its_comments_and_the_readme_promise() {
+on_both_backends!(every_example_reaches_the_state_its_comments_and_the_readme_promise);
+
+async fn every_example_reaches_the_state_its_comments_and_the_readme_promise(backend: Backend) {
     // In the order the sandbox applies them, so that the classes and templates the others name
     // exist early.
     let files = sandbox::example_files(&sandbox::examples_dir()).unwrap_or_else(|e| panic!("{e}"));
@@ -54,37 +57,36 @@ fn every_example_reaches_the_state_its_comments_and_the_readme_promise() {
         "deploy/examples/ changed: cover each new example in this test (and drop removed ones)"
     );
 
-    gpupool_e2e::harness::shared_runtime().block_on(async {
-        let started = Instant::now();
-        // The sandbox's cluster: the seeds' pool.
-        let cluster = start(sandbox::cluster_spec()).await;
-        for node in cluster.nodes() {
-            cluster
-                .wait_for_slices(&node.name, 1, TIMEOUT)
-                .await
-                .unwrap_or_else(|e| panic!("{e}"));
-        }
-        for file in &files {
-            cluster
-                .apply_file(file, None)
-                .await
-                .unwrap_or_else(|e| panic!("kubectl apply -f {}: {e}", file.display()));
-        }
+    let started = Instant::now();
+    // The sandbox's cluster: the seeds' pool.
+    let cluster = start(sandbox::cluster_spec().on(backend)).await;
+    let _logs = cluster.logs_on_failure();
+    for node in cluster.nodes() {
+        cluster
+            .wait_for_slices(&node.name, 1, TIMEOUT)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    for file in &files {
+        cluster
+            .apply_file(file, None)
+            .await
+            .unwrap_or_else(|e| panic!("kubectl apply -f {}: {e}", file.display()));
+    }
 
-        gpumodels_make_classes_weights_and_the_kubectl_table(&cluster).await;
-        compute_profile_keeps_its_template_in_team_a(&cluster).await;
-        half_a100_runs_with_1gi_and_half_the_sms(&cluster).await;
-        describe_shows_what_the_driver_applied(&cluster).await;
-        v100_70_runs_on_a_v100_with_70_percent(&cluster).await;
-        whole_gpu_claim_gets_the_whole_card_unthrottled(&cluster).await;
-        deployment_replicas_each_get_their_own_share(&cluster).await;
-        pod_by_model_lands_on_a_v100(&cluster).await;
-        mig_fraction_and_nvlink_claims_share_node_h100(&cluster).await;
-        describe_shows_the_mig_device(&cluster).await;
-        compute_profiles_fall_back_between_a_mig_device_and_a_fraction(&cluster).await;
-        prefer_a100_waits_for_a_pod_then_takes_an_a100_else_a_v100(&cluster).await;
-        eprintln!("examples scenario took {:?}", started.elapsed());
-    });
+    gpumodels_make_classes_weights_and_the_kubectl_table(&cluster).await;
+    compute_profile_keeps_its_template_in_team_a(&cluster).await;
+    half_a100_runs_with_1gi_and_half_the_sms(&cluster).await;
+    describe_shows_what_the_driver_applied(&cluster).await;
+    v100_70_runs_on_a_v100_with_70_percent(&cluster).await;
+    whole_gpu_claim_gets_the_whole_card_unthrottled(&cluster).await;
+    deployment_replicas_each_get_their_own_share(&cluster).await;
+    pod_by_model_lands_on_a_v100(&cluster).await;
+    mig_fraction_and_nvlink_claims_share_node_h100(&cluster).await;
+    describe_shows_the_mig_device(&cluster).await;
+    compute_profiles_fall_back_between_a_mig_device_and_a_fraction(&cluster).await;
+    prefer_a100_waits_for_a_pod_then_takes_an_a100_else_a_v100(&cluster).await;
+    eprintln!("examples scenario took {:?}", started.elapsed());
 }
 
 /// gpumodels.yaml: one class per model, per tier and for every card; each card's weight in its

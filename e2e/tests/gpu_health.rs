@@ -16,6 +16,13 @@ use serde_json::Value;
 
 const NODE: &str = "node-x";
 
+on_both_backends!(an_xid_taints_the_card_until_it_is_cleared);
+
+/// The node's name on the backend (unique per turn on the control plane).
+fn node_name(cluster: &TestCluster) -> String {
+    cluster.node(NODE).unwrap().name.clone()
+}
+
 /// `gpupool-driver inject-xid` as an operator runs it on the node: (succeeded, output).
 fn inject(cluster: &TestCluster, device: &str, what: &str) -> (bool, String) {
     let binary = find_binary("gpupool-driver").unwrap_or_else(|e| panic!("{e}"));
@@ -36,7 +43,10 @@ fn inject(cluster: &TestCluster, device: &str, what: &str) -> (bool, String) {
 }
 
 async fn taints_of(cluster: &TestCluster, device: &str) -> Vec<DeviceTaint> {
-    let slices = cluster.slices_of(NODE).await.unwrap_or_default();
+    let slices = cluster
+        .slices_of(&node_name(cluster))
+        .await
+        .unwrap_or_default();
     slices
         .into_iter()
         .flat_map(|s| s.spec.devices.unwrap_or_default())
@@ -108,21 +118,20 @@ async fn wait_claim_ready(
 }
 
 async fn node_event_reasons(cluster: &TestCluster) -> Vec<(String, String)> {
-    common::events_about(cluster, "default", "Node", NODE)
+    common::events_about(cluster, "default", "Node", &node_name(cluster))
         .await
         .into_iter()
         .map(|e| (e.reason.unwrap_or_default(), e.message.unwrap_or_default()))
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_xid_taints_the_card_until_it_is_cleared() {
-    let cluster = common::start_node(NodeSpec::new(NODE, "a100-40gb:2"), Backend::Emulator).await;
+async fn an_xid_taints_the_card_until_it_is_cleared(backend: Backend) {
+    let cluster = common::start_node(NodeSpec::new(NODE, "a100-40gb:2"), backend).await;
     let _logs = cluster.logs_on_failure();
     common::apply_device_class(&cluster).await;
     let ns = cluster.create_namespace("e2e-gpu-health").await.unwrap();
     let pods: Api<Pod> = Api::namespaced(cluster.client(), &ns);
-    let gpu0 = common::device_uuid(&cluster, NODE, "gpu-0", 2).await;
+    let gpu0 = common::device_uuid(&cluster, &node_name(&cluster), "gpu-0", 2).await;
 
     // A share running on gpu-0, from a template: the kubelet reports health for those.
     let share = Request::new("gpu").on(&gpu0).memory("4Gi").cores("25");
@@ -194,20 +203,10 @@ async fn an_xid_taints_the_card_until_it_is_cleared() {
     // 30Gi fits only in what gpu-0 has left: it waits while gpu-0 is tainted.
     let third = Request::new("gpu").memory("30Gi");
     common::apply_claim_and_pod(&cluster, &ns, "third", &[third]).await;
-    let refused = wait_for(
-        "the scheduler to refuse the third pod",
-        common::TIMEOUT,
-        || async {
-            let events = common::events_about(&cluster, &ns, "Pod", "third").await;
-            events
-                .into_iter()
-                .filter_map(|e| e.message)
-                .find(|m| m.contains("gpupool.dev/xid"))
-        },
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
-    assert!(refused.contains("gpu-0"), "{refused}");
+    let refused = common::wait_unschedulable(&cluster, &ns, "third", "gpupool.dev/xid").await;
+    if cluster.is_emulated() {
+        assert!(refused.contains("gpu-0"), "{refused}");
+    }
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(allocated_device(&cluster, &ns, "third").await, None);
 

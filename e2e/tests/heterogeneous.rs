@@ -1,6 +1,8 @@
 //! The heterogeneous pool end to end (issue 5 "Done when"): the real controller turns the GpuModels
 //! of deploy/examples into DeviceClasses and the half-a100 ComputeProfile into a template, the real
-//! drivers publish each card's weight, and the scheduler stand-in places claims by model.
+//! drivers publish each card's weight, and kube-scheduler (on the control plane) or the scheduler
+//! stand-in (on the emulator) places claims by model, the profile's `firstAvailable` falling back
+//! to a V100 when the A100s are full.
 //!
 //! One cluster (A100, V100 and RTX 3090 nodes, as the seeds have them) and one test whose steps run
 //! in order: each later step builds on the GpuModels of the first, and the last one changes and
@@ -17,7 +19,7 @@ use common::*;
 use gpupool_api::names::{attr, capacity};
 use gpupool_api::quantity;
 use gpupool_e2e::harness::objects::{pod_yaml, template_pod_yaml};
-use gpupool_e2e::harness::{wait_for, ClusterSpec, NodeSpec, TestCluster};
+use gpupool_e2e::harness::{wait_for, Backend, ClusterSpec, NodeSpec, TestCluster};
 use gpupool_e2e::sandbox::{cdi_limits, examples_dir};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{
@@ -80,24 +82,29 @@ fn class_claim_yaml(name: &str, class: &str) -> String {
     )
 }
 
-#[test]
-fn gpu_models_classes_profiles_and_weights_over_the_real_controller() {
-    gpupool_e2e::harness::shared_runtime().block_on(async {
-        let started = Instant::now();
-        let mut spec = ClusterSpec::new().with_controller();
-        spec.nodes = MODELS
-            .iter()
-            .map(|m| NodeSpec::new(m.node, m.fake_gpus))
-            .collect();
-        // Fake cards of three models on three nodes: only the emulator can give us that.
-        let cluster = start(spec.emulated()).await;
+on_both_backends!(gpu_models_classes_profiles_and_weights_over_the_real_controller);
 
-        gpu_models_become_classes_and_kubectl_counts_the_pool(&cluster).await;
-        claims_through_a_model_class_land_only_on_that_model(&cluster).await;
-        half_a100_falls_back_to_a_v100_with_61_percent(&cluster).await;
-        weight_changes_reach_the_slices_and_deleting_a_model_removes_its_class(&cluster).await;
-        eprintln!("heterogeneous pool scenario took {:?}", started.elapsed());
-    });
+async fn gpu_models_classes_profiles_and_weights_over_the_real_controller(backend: Backend) {
+    let started = Instant::now();
+    let mut spec = ClusterSpec::new().with_controller();
+    spec.nodes = MODELS
+        .iter()
+        .map(|m| NodeSpec::new(m.node, m.fake_gpus))
+        .collect();
+    // Fake cards of three models on three nodes: the emulator or hand-made nodes.
+    let cluster = start(spec.on(backend)).await;
+    let _logs = cluster.logs_on_failure();
+
+    gpu_models_become_classes_and_kubectl_counts_the_pool(&cluster).await;
+    claims_through_a_model_class_land_only_on_that_model(&cluster).await;
+    half_a100_falls_back_to_a_v100_with_61_percent(&cluster).await;
+    weight_changes_reach_the_slices_and_deleting_a_model_removes_its_class(&cluster).await;
+    eprintln!("heterogeneous pool scenario took {:?}", started.elapsed());
+}
+
+/// The name a model's node has on the backend (unique per turn on the control plane).
+fn node_name(cluster: &TestCluster, node: &str) -> String {
+    cluster.node(node).unwrap().name.clone()
 }
 
 /// Step 1: gpumodels.yaml -> three DeviceClasses; `kubectl get gpumodels` counts the fake pool.
@@ -105,7 +112,8 @@ async fn gpu_models_become_classes_and_kubectl_counts_the_pool(cluster: &TestClu
     // What the drivers published, per model: cards, nodes, memory.
     let mut published: BTreeMap<String, (usize, BTreeSet<String>, u64)> = BTreeMap::new();
     for m in &MODELS {
-        for device in devices_of(cluster, m.node, m.cards).await.values() {
+        let node = node_name(cluster, m.node);
+        for device in devices_of(cluster, &node, m.cards).await.values() {
             let model = attribute(device, attr::MODEL)
                 .and_then(|a| a.string.clone())
                 .unwrap_or_else(|| panic!("{}/{} has no model attribute", m.node, device.name));
@@ -121,7 +129,7 @@ async fn gpu_models_become_classes_and_kubectl_counts_the_pool(cluster: &TestClu
                 .unwrap_or_else(|| panic!("{}/{} has no memory capacity", m.node, device.name));
             let entry = published.entry(model).or_default();
             entry.0 += 1;
-            entry.1.insert(m.node.to_string());
+            entry.1.insert(node.clone());
             entry.2 += memory;
         }
     }
@@ -261,7 +269,12 @@ async fn claims_through_a_model_class_land_only_on_that_model(cluster: &TestClus
             m.model
         );
         for (pool, device) in &placed {
-            assert_eq!(pool, m.node, "a claim through {} left its model", m.class);
+            assert_eq!(
+                *pool,
+                node_name(cluster, m.node),
+                "a claim through {} left its model",
+                m.class
+            );
             assert_eq!(
                 model_of(cluster, pool, device).await,
                 m.model,
@@ -379,7 +392,11 @@ async fn half_a100_falls_back_to_a_v100_with_61_percent(cluster: &TestCluster) {
     let results = results(&generated);
     assert_eq!(results.len(), 1, "{results:?}");
     let (request, pool, device, _) = &results[0];
-    assert_eq!(pool, "node-v100", "the A100s are full: {results:?}");
+    assert_eq!(
+        *pool,
+        node_name(cluster, "node-v100"),
+        "the A100s are full: {results:?}"
+    );
     assert!(
         request.starts_with("gpu/v100"),
         "the V100 subrequest was chosen: {request}"
@@ -417,10 +434,11 @@ async fn weights_on(cluster: &TestCluster, node: &str) -> Vec<Option<i64>> {
 async fn weight_changes_reach_the_slices_and_deleting_a_model_removes_its_class(
     cluster: &TestCluster,
 ) {
-    assert_eq!(
-        weights_on(cluster, "node-v100").await,
-        [Some(256), Some(256)]
+    let (v100, a100) = (
+        node_name(cluster, "node-v100"),
+        node_name(cluster, "node-a100"),
     );
+    assert_eq!(weights_on(cluster, &v100).await, [Some(256), Some(256)]);
     let changed = Instant::now();
     cluster
         .kubectl(&[
@@ -435,21 +453,18 @@ async fn weight_changes_reach_the_slices_and_deleting_a_model_removes_its_class(
         .unwrap_or_else(|e| panic!("{e}"));
     let within = Duration::from_secs(10);
     let published = wait_for("node-v100's slices to carry weight 300", within, || async {
-        (weights_on(cluster, "node-v100").await == [Some(300), Some(300)]).then_some(())
+        (weights_on(cluster, &v100).await == [Some(300), Some(300)]).then_some(())
     })
     .await;
     if let Err(e) = published {
         panic!(
             "{e}; now {:?}\n--- driver log ---\n{}",
-            weights_on(cluster, "node-v100").await,
+            weights_on(cluster, &v100).await,
             cluster.node("node-v100").unwrap().driver_log()
         );
     }
     eprintln!("weight change published after {:?}", changed.elapsed());
-    assert_eq!(
-        weights_on(cluster, "node-a100").await,
-        [Some(312), Some(312)]
-    );
+    assert_eq!(weights_on(cluster, &a100).await, [Some(312), Some(312)]);
     // ceil(156 * 100 / 300) = 52
     wait_for("the template's V100 subrequest at 52", TIMEOUT, || async {
         let summary = template_summary(cluster).await?;

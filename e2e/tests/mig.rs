@@ -1,6 +1,7 @@
 //! MIG and fractions on one node (issue 23), over the real driver binary:
-//! - through the scheduler stand-in on the driver's own slices: a fraction of a card blocks every
-//!   MIG device of that card and none of the other card's, and a MIG device blocks its card;
+//! - through kube-scheduler (the control plane) and the scheduler stand-in on the driver's own
+//!   slices: a fraction of a card blocks every MIG device of that card and none of the other
+//!   card's, and a MIG device blocks its card;
 //! - a scheduler that double-books (kube-scheduler before 1.36.2, Volcano, KAI before v0.17.1):
 //!   the node guard refuses the second claim with a clear error;
 //! - kill -9 between GPU-instance and compute-instance creation (and at every other MIG step)
@@ -18,7 +19,7 @@ use crash_support::{
     cdi_ids, exclusive_result, killed, list_dir, mig_instances, result, CrashNode, Started,
 };
 use gpupool_e2e::harness::objects::pod_yaml;
-use gpupool_e2e::harness::{wait_for, ClusterSpec, NodeSpec, TestCluster};
+use gpupool_e2e::harness::{wait_for, Backend, ClusterSpec, NodeSpec, TestCluster};
 
 const NS: &str = "default";
 
@@ -69,85 +70,68 @@ async fn device_of_running(cluster: &TestCluster, name: &str) -> String {
     results[0].2.clone()
 }
 
-/// Waits for the scheduler's FailedScheduling on the pod to say `why`; the claim stays unallocated.
+/// Waits for the scheduler to refuse the pod (on the emulator saying `why`); the claim stays
+/// unallocated.
 async fn refused(cluster: &TestCluster, name: &str, why: &str) {
-    let last = std::sync::Mutex::new(String::new());
-    wait_for(
-        &format!("pod {name}: FailedScheduling saying {why:?}"),
-        TIMEOUT,
-        || {
-            let last = &last;
-            async move {
-                let events = events_about(cluster, NS, "Pod", name).await;
-                let text: Vec<String> = events
-                    .iter()
-                    .filter(|e| e.reason.as_deref() == Some("FailedScheduling"))
-                    .filter_map(|e| e.message.clone())
-                    .collect();
-                *last.lock().unwrap() = text.join("\n");
-                text.iter().any(|m| m.contains(why)).then_some(())
-            }
-        },
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}; events: {}", last.lock().unwrap()));
+    wait_unschedulable(cluster, NS, name, why).await;
     assert!(
         results(&claim(cluster, NS, name).await).is_empty(),
         "{name} is not allocated"
     );
 }
 
-#[test]
-fn a_fraction_blocks_every_mig_device_of_its_card_and_a_mig_device_blocks_its_card() {
-    gpupool_e2e::harness::shared_runtime().block_on(async {
-        let cluster = start(
-            ClusterSpec::new()
-                .with_node(NodeSpec::new("node-mig", "h100-80gb:2"))
-                .emulated(),
-        )
-        .await;
-        let _logs = cluster.logs_on_failure();
-        devices_of(&cluster, "node-mig", 2 * 26).await;
-        apply(&cluster, NS, CLASSES).await;
+on_both_backends!(a_fraction_blocks_every_mig_device_of_its_card_and_a_mig_device_blocks_its_card);
 
-        let cards = "cards.e2e.gpupool.dev";
-        let small = "mig-1g.e2e.gpupool.dev";
-        claim_and_pod(
-            &cluster,
-            "half",
-            claim_on("half", cards, 0, &[("memory", "8Gi"), ("cores", "50")]),
-        )
-        .await;
-        assert_eq!(device_of_running(&cluster, "half").await, "gpu-0");
+async fn a_fraction_blocks_every_mig_device_of_its_card_and_a_mig_device_blocks_its_card(
+    backend: Backend,
+) {
+    let cluster = start(
+        ClusterSpec::new()
+            .with_node(NodeSpec::new("node-mig", "h100-80gb:2"))
+            .on(backend),
+    )
+    .await;
+    let _logs = cluster.logs_on_failure();
+    let node = cluster.node("node-mig").unwrap();
+    devices_of(&cluster, &node.name, 2 * 26).await;
+    apply(&cluster, NS, CLASSES).await;
 
-        // Every 1g placement of gpu-0 is refused for its counters; those of gpu-1 are free.
-        claim_and_pod(&cluster, "small-0", claim_on("small-0", small, 0, &[])).await;
-        refused(
-            &cluster,
-            "small-0",
-            "insufficient counters for gpu-0-mig-1g-10gb-6",
-        )
-        .await;
-        claim_and_pod(&cluster, "small-1", claim_on("small-1", small, 1, &[])).await;
-        assert_eq!(
-            device_of_running(&cluster, "small-1").await,
-            "gpu-1-mig-1g-10gb-0"
-        );
-        let node = cluster.node("node-mig").unwrap();
-        let instances = mig_instances(&node.dirs.run);
-        assert_eq!(instances.len(), 1, "{instances:?}");
+    let cards = "cards.e2e.gpupool.dev";
+    let small = "mig-1g.e2e.gpupool.dev";
+    claim_and_pod(
+        &cluster,
+        "half",
+        claim_on("half", cards, 0, &[("memory", "8Gi"), ("cores", "50")]),
+    )
+    .await;
+    assert_eq!(device_of_running(&cluster, "half").await, "gpu-0");
 
-        // A MIG device blocks its card, whole or in fractions.
-        claim_and_pod(&cluster, "whole-1", claim_on("whole-1", cards, 1, &[])).await;
-        refused(&cluster, "whole-1", "insufficient counters for gpu-1:").await;
+    // Every 1g placement of gpu-0 is refused for its counters; those of gpu-1 are free.
+    claim_and_pod(&cluster, "small-0", claim_on("small-0", small, 0, &[])).await;
+    refused(
+        &cluster,
+        "small-0",
+        "insufficient counters for gpu-0-mig-1g-10gb-6",
+    )
+    .await;
+    claim_and_pod(&cluster, "small-1", claim_on("small-1", small, 1, &[])).await;
+    assert_eq!(
+        device_of_running(&cluster, "small-1").await,
+        "gpu-1-mig-1g-10gb-0"
+    );
+    let instances = mig_instances(&node.dirs.run);
+    assert_eq!(instances.len(), 1, "{instances:?}");
 
-        // The fraction goes: gpu-0's counters come back with its last share.
-        delete_pod(&cluster, NS, "half").await;
-        assert_eq!(
-            device_of_running(&cluster, "small-0").await,
-            "gpu-0-mig-1g-10gb-0"
-        );
-    });
+    // A MIG device blocks its card, whole or in fractions.
+    claim_and_pod(&cluster, "whole-1", claim_on("whole-1", cards, 1, &[])).await;
+    refused(&cluster, "whole-1", "insufficient counters for gpu-1:").await;
+
+    // The fraction goes: gpu-0's counters come back with its last share.
+    delete_pod(&cluster, NS, "half").await;
+    assert_eq!(
+        device_of_running(&cluster, "small-0").await,
+        "gpu-0-mig-1g-10gb-0"
+    );
 }
 
 #[test]

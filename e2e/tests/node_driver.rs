@@ -2,9 +2,11 @@
 //! emulator, publishes slices the real kubectl shows, and prepares claims the scheduler allocated, with
 //! CDI specs carrying each claim's limits.
 //!
-//! One cluster serves every scenario of this file; each scenario works in its own namespace and pins its
-//! claims to its own cards, so they run side by side. The `*_real_cluster` twins run the same scenario
-//! against `GPUPOOL_E2E_KUBECONFIG` (`cargo test -p gpupool-e2e -- --ignored`).
+//! One cluster per backend serves every scenario of this file; each scenario works in its own
+//! namespace and pins its claims to its own cards, so they run side by side. Each runs on the
+//! emulator, on the real control plane (`<scenario>::control_plane`: kube-apiserver, kube-scheduler
+//! and kube-controller-manager) and, ignored, against `GPUPOOL_E2E_KUBECONFIG`
+//! (`<scenario>::real_cluster`; `cargo test -p gpupool-e2e -- --ignored`).
 
 mod common;
 
@@ -13,9 +15,7 @@ use std::collections::BTreeSet;
 use common::*;
 use gpupool_api::claim::ClaimRef;
 use gpupool_e2e::harness::objects::{claim_yaml, pod_yaml, Request};
-use gpupool_e2e::harness::{
-    real_node_names, shared_runtime, Backend, ClusterSpec, NodeSpec, TestCluster,
-};
+use gpupool_e2e::harness::{real_node_names, Backend, ClusterSpec, NodeSpec, TestCluster};
 use gpupool_e2e::kubelet::DraVersion;
 use tokio::sync::OnceCell;
 
@@ -29,7 +29,7 @@ fn spec(backend: Backend) -> ClusterSpec {
         NodeSpec::new("node-b", "v100-32gb:2"),
         NodeSpec::new("node-old", "rtx3090:1").kubelet_versions(&["v1beta1.DRAPlugin"]),
     ];
-    if backend != Backend::Emulator {
+    if matches!(backend, Backend::Real { .. }) {
         nodes.truncate(real_node_names().len());
     }
     ClusterSpec {
@@ -40,17 +40,15 @@ fn spec(backend: Backend) -> ClusterSpec {
 }
 
 static EMULATED: OnceCell<TestCluster> = OnceCell::const_new();
+static PLANE: OnceCell<TestCluster> = OnceCell::const_new();
 static REAL: OnceCell<TestCluster> = OnceCell::const_new();
 
-async fn cluster(real: bool) -> &'static TestCluster {
-    let (cell, backend) = if real {
-        assert!(
-            std::env::var_os("GPUPOOL_E2E_KUBECONFIG").is_some(),
-            "real-cluster scenarios need GPUPOOL_E2E_KUBECONFIG and GPUPOOL_E2E_NODE"
-        );
-        (&REAL, Backend::from_env())
-    } else {
-        (&EMULATED, Backend::Emulator)
+/// The file's one cluster on `backend`, started by the first scenario that asks.
+async fn cluster(backend: Backend) -> &'static TestCluster {
+    let cell = match backend {
+        Backend::Emulator => &EMULATED,
+        Backend::ControlPlane => &PLANE,
+        Backend::Real { .. } => &REAL,
     };
     cell.get_or_init(|| async move {
         let cluster = TestCluster::start_shared(spec(backend))
@@ -62,65 +60,17 @@ async fn cluster(real: bool) -> &'static TestCluster {
     .await
 }
 
-macro_rules! scenario {
-    ($name:ident, $real:ident) => {
-        #[test]
-        fn $name() {
-            shared_runtime().block_on(async {
-                let cluster = cluster(false).await;
-                let _logs = cluster.logs_on_failure();
-                scenarios::$name(cluster).await;
-            });
-        }
-
-        #[test]
-        #[ignore = "runs against GPUPOOL_E2E_KUBECONFIG"]
-        fn $real() {
-            shared_runtime().block_on(async {
-                let cluster = cluster(true).await;
-                let _logs = cluster.logs_on_failure();
-                scenarios::$name(cluster).await;
-            });
-        }
-    };
-}
-
-scenario!(
+on_every_backend!(
     driver_registers_v1_and_kubectl_shows_every_attribute,
-    registers_real_cluster
-);
-scenario!(
     an_old_kubelet_gets_v1beta1_and_prepares_without_share_ids,
-    v1beta1_real_cluster
-);
-scenario!(
     whole_a100_and_a_fraction_are_prepared_then_unprepared,
-    whole_and_fraction_real_cluster
-);
-scenario!(
     describe_shows_the_share_and_a_second_prepare_returns_the_same_ids,
-    describe_real_cluster
-);
-scenario!(bad_claims_fail_alone_in_a_request, bad_claims_real_cluster);
-scenario!(
+    bad_claims_fail_alone_in_a_request,
     three_pods_share_one_a100_each_with_its_own_limits,
-    three_pods_real_cluster
-);
-scenario!(
     two_shares_of_different_cards_get_ordinals_in_cdi_id_order,
-    two_shares_real_cluster
-);
-scenario!(
     a_claim_that_cannot_fit_gets_an_event_and_stays_pending,
-    cannot_fit_real_cluster
-);
-scenario!(
     bad_gpu_configs_fail_naming_the_field_and_good_ones_apply,
-    gpu_config_real_cluster
-);
-scenario!(
     a_claim_shared_by_two_pods_is_unprepared_after_the_last_one,
-    shared_claim_real_cluster
 );
 
 mod scenarios {

@@ -46,11 +46,12 @@ struct NewPod {
 }
 
 impl NewPod {
-    fn start(cluster: &TestCluster, pod_uid: &str, healthz_port: u16) -> NewPod {
+    async fn start(cluster: &TestCluster, pod_uid: &str, healthz_port: u16) -> NewPod {
         let node = cluster.node_at(0);
         let libs = cluster.workdir().join(&node.spec.name).join("libs");
         let kubeconfig = cluster
             .driver_kubeconfig(&node.name)
+            .await
             .unwrap_or_else(|e| panic!("{e}"));
         let log = cluster.workdir().join("driver-new-pod.log");
         let out = std::fs::File::create(&log).expect("creating the new pod's log");
@@ -458,7 +459,7 @@ async fn a_rolling_update_hands_every_claim_over_without_a_gap() {
     // The new pod starts beside the old one; once ready (the DaemonSet's readiness probe) it is
     // the driver the kubelet calls.
     let healthz_port = free_port();
-    let mut new_pod = NewPod::start(&cluster, &uid_b, healthz_port);
+    let mut new_pod = NewPod::start(&cluster, &uid_b, healthz_port).await;
     wait_for("the new pod to be ready (/readyz 200)", TIMEOUT, || async {
         (probe(healthz_port, "/readyz").await == Some(200)).then_some(())
     })
@@ -745,7 +746,7 @@ async fn the_old_pod_goes_when_the_new_one_is_ready_and_the_kubelet_always_has_a
     let reg_b = registration_socket(&node.dirs.registry, &uid_b);
 
     let port = free_port();
-    let mut new_pod = NewPod::start(&cluster, &uid_b, port);
+    let mut new_pod = NewPod::start(&cluster, &uid_b, port).await;
     // The DaemonSet controller: probe the new pod's readiness, remove the old pod once it passes.
     wait_for("the new pod to be ready (/readyz 200)", TIMEOUT, || async {
         (probe(port, "/readyz").await == Some(200)).then_some(())

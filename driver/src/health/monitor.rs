@@ -124,6 +124,7 @@ impl Monitor {
         if let (Some(text), Some(api)) = (transition.node_event(), &self.events) {
             let mut event = crate::prepare::status::node_event(
                 &self.node,
+                "CheckHealth",
                 text.reason,
                 &text.message,
                 Timestamp::now(),

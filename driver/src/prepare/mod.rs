@@ -6,9 +6,11 @@
 //! `kubectl describe resourceclaim` shows). This module orchestrates; failures are typed
 //! ([`PrepareError`]) until the gRPC adapter turns them into text.
 
+mod answer;
 mod api;
 pub(crate) mod cdi;
 pub mod claim;
+mod device_health;
 mod error;
 mod guard;
 pub(crate) mod limits;
@@ -16,30 +18,35 @@ mod mig_status;
 mod mps;
 mod nvidia_cdi;
 pub mod offline;
+mod reads;
+mod reservations;
+mod seen;
 pub(crate) mod status;
 mod status_writes;
+mod tombstones;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use gpupool_api::claim::{ClaimRef, PreparedDevice};
-use gpupool_api::config::{effective_config, EffectiveConfig};
+use gpupool_api::config::effective_config;
 use gpupool_api::inventory::Inventory;
 use k8s_openapi::jiff::Timestamp;
 use tokio::sync::watch;
 
-use self::api::{ApiError, ClaimApi, ClaimRead, KubeClaimApi};
-use self::cdi::SpecDevice;
-use self::claim::{AllocatedDevice, AllocationId, Tombstone};
+use self::api::{ClaimApi, KubeClaimApi};
+use self::claim::AllocationId;
 pub use self::error::{PrepareError, PrepareErrorKind};
-use self::guard::{Held, Use};
 pub use self::limits::DefaultEnforcement;
 pub use self::mps::MPS_CHECK_INTERVAL;
 pub use self::nvidia_cdi::DriverLibraries;
-use self::status_writes::{write_device_health, StatusQueue, StatusWrite};
+use self::reads::CLAIM_READS_IN_FLIGHT;
+use self::reservations::InFlight;
+use self::seen::SeenClaims;
+use self::status_writes::{StatusQueue, StatusWrite};
+use self::tombstones::UnpreparedAllocations;
 use crate::devices::{self, DeviceKind, NodeDevice};
 use crate::node_state::checkpoint::{CheckpointData, ClaimEntry, ClaimState, MigRecord, MpsHold};
 use crate::node_state::{current_boot_id, MigCards, NodeLayout, NodeState, NodeStateError};
@@ -68,8 +75,6 @@ pub struct PrepareOptions {
 /// prepare, which is about when the pod's containers start.
 pub const STATUS_WRITE_DELAY: Duration = Duration::from_millis(500);
 
-/// The kubelet gives a whole NodePrepareResources call 45 s; leave room for the rest.
-const API_READ_TIMEOUT: Duration = Duration::from_secs(15);
 const API_WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Prepares and unprepares claims for the kubelet. Send + Sync; share it in an `Arc`.
@@ -89,87 +94,8 @@ pub struct ClaimPreparer {
     warned_missing_lib: AtomicBool,
     /// Claims between their node-guard check and their checkpoint entry (see `reserve`).
     in_flight: InFlight,
-    /// Claim reads in flight at once, see [`CLAIM_READS_IN_FLIGHT`].
+    /// Claim reads in flight at once, see [`reads::CLAIM_READS_IN_FLIGHT`].
     claim_reads: tokio::sync::Semaphore,
-}
-
-/// kube's client speaks HTTP/1.1: each request in flight holds a connection of its own, and the
-/// pool keeps it afterwards (its write buffer and dispatch channel, ~18 KiB here). Sixteen
-/// concurrent prepares held twenty connections in a heap profile (with the status writes',
-/// `status_writes::STATUS_WRITES_IN_FLIGHT`); a read waits about a millisecond for a slot instead.
-const CLAIM_READS_IN_FLIGHT: usize = 4;
-
-/// The allocations unprepared since start, newest last, so that a watch-cache copy still showing
-/// one of them is recognised as stale (see [`claim::cached_copy_problem`]). Bounded: a claim is
-/// re-allocated within seconds of its unprepare, if ever, and the cache is behind by far less.
-#[derive(Default)]
-struct UnpreparedAllocations(Mutex<std::collections::VecDeque<(String, Tombstone)>>);
-
-const UNPREPARED_KEPT: usize = 1024;
-
-impl UnpreparedAllocations {
-    fn record(&self, uid: &str, tombstone: Tombstone) {
-        let mut list = self.0.lock().expect("never poisoned");
-        if list.len() == UNPREPARED_KEPT {
-            list.pop_front();
-        }
-        list.push_back((uid.to_string(), tombstone));
-    }
-
-    /// The claim's tombstones, oldest first.
-    fn of(&self, uid: &str) -> Vec<Tombstone> {
-        let list = self.0.lock().expect("never poisoned");
-        list.iter()
-            .filter(|(u, _)| u == uid)
-            .map(|(_, t)| t.clone())
-            .collect()
-    }
-}
-
-/// What the driver saw of each prepared claim: the consumers of the copy it prepared from, and
-/// the newest resourceVersion it read or wrote. An unprepare turns it into the claim's
-/// [`Tombstone`].
-#[derive(Default)]
-pub(crate) struct SeenClaims(Mutex<HashMap<String, SeenClaim>>);
-
-#[derive(Default)]
-struct SeenClaim {
-    consumers: BTreeSet<String>,
-    version: Option<String>,
-}
-
-impl SeenClaims {
-    fn prepared_from(&self, uid: &str, copy: &k8s_openapi::api::resource::v1::ResourceClaim) {
-        self.0.lock().expect("never poisoned").insert(
-            uid.to_string(),
-            SeenClaim {
-                consumers: claim::consumers(copy),
-                version: copy.metadata.resource_version.clone(),
-            },
-        );
-    }
-
-    /// A status write answered with `version`.
-    pub(crate) fn wrote(&self, uid: &str, version: String) {
-        if let Some(seen) = self.0.lock().expect("never poisoned").get_mut(uid) {
-            seen.version = Some(version);
-        }
-    }
-
-    /// The claim's tombstone, once its `allocation` is unprepared.
-    fn bury(&self, uid: &str, allocation: AllocationId) -> Tombstone {
-        let seen = self
-            .0
-            .lock()
-            .expect("never poisoned")
-            .remove(uid)
-            .unwrap_or_default();
-        Tombstone {
-            allocation,
-            consumers: seen.consumers,
-            seen_version: seen.version,
-        }
-    }
 }
 
 impl ClaimPreparer {
@@ -200,6 +126,7 @@ impl ClaimPreparer {
         if let Some(message) = corrupt {
             let event = status::node_event(
                 &opts.node_name,
+                "RecoverCheckpoint",
                 "CheckpointCorrupt",
                 &message,
                 Timestamp::now(),
@@ -571,179 +498,6 @@ impl ClaimPreparer {
         Ok(devices)
     }
 
-    /// The claim's CDI spec and the kubelet's answer, once its MIG instances exist (`mig`).
-    fn answer(
-        &self,
-        claim: &ClaimRef,
-        per_device: &[(AllocatedDevice, NodeDevice<'_>, EffectiveConfig)],
-        device_limits: &[limits::DeviceLimits],
-        mig: &[MigRecord],
-    ) -> Result<(cdi::Rendered, Vec<PreparedDevice>), PrepareErrorKind> {
-        let layout = self.state.layout();
-        let spec_devices: Vec<SpecDevice> = per_device
-            .iter()
-            .zip(device_limits)
-            .map(|((allocated, device, _), limits)| SpecDevice {
-                allocated,
-                gpu: device.gpu,
-                limits,
-                mig: match device.kind {
-                    DeviceKind::Mig { profile, .. } => mig
-                        .iter()
-                        .find(|r| r.device == allocated.device)
-                        .map(|r| cdi::MigSpec {
-                            profile: &profile.name,
-                            uuid: r.uuid.as_deref().unwrap_or_default(),
-                            device_nodes: &r.device_nodes,
-                        }),
-                    DeviceKind::Card => None,
-                },
-            })
-            .collect();
-        let rendered = cdi::render(&claim.uid, &spec_devices, layout, &|p: &Path| p.exists())?;
-        if let Some(warning) = &rendered.warning {
-            if !self.warned_missing_lib.swap(true, Ordering::Relaxed) {
-                tracing::warn!("{warning}");
-            }
-        }
-
-        let mut devices = Vec::with_capacity(per_device.len());
-        for ((d, device, _), id) in per_device.iter().zip(&rendered.cdi_ids) {
-            let mut cdi_device_ids = vec![id.clone()];
-            if let (false, DriverLibraries::NvidiaCdi { spec_dirs }) =
-                (layout.fake_gpus, &self.opts.driver_libraries)
-            {
-                // A MIG device's driver libraries are its card's.
-                let gpu = device.gpu;
-                let nvidia = nvidia_cdi::find_device_id(spec_dirs, &gpu.uuid, gpu.index).map_err(
-                    |source| PrepareErrorKind::NvidiaCdi {
-                        device: d.device.clone(),
-                        source,
-                    },
-                )?;
-                cdi_device_ids.push(nvidia);
-            }
-            devices.push(PreparedDevice {
-                request_names: vec![d.request.clone()],
-                pool_name: d.pool.clone(),
-                device_name: d.device.clone(),
-                cdi_device_ids,
-                share_id: d.share_id.clone(),
-            });
-        }
-        Ok((rendered, devices))
-    }
-
-    /// The node guard: the claim's devices against every other claim's prepared or being
-    /// prepared; on success the claim's devices count as held until the reservation is dropped.
-    fn reserve(
-        &self,
-        claim: &ClaimRef,
-        per_device: &[(AllocatedDevice, NodeDevice<'_>, EffectiveConfig)],
-    ) -> Result<Reservation<'_>, PrepareErrorKind> {
-        let wanted: Vec<(String, Use)> = per_device
-            .iter()
-            .map(|(_, device, config)| {
-                let mps = config.config.compute == Some(gpupool_api::config::Compute::Mps);
-                (device.name.clone(), use_of(device, mps))
-            })
-            .collect();
-        let mut in_flight = self.in_flight.lock().expect("never poisoned");
-        let mut held: Vec<Held> = self.state.read(|data| {
-            data.claims
-                .iter()
-                .filter(|(uid, _)| **uid != claim.uid)
-                .flat_map(|(_, entry)| {
-                    let name = format!("{}/{}", entry.namespace, entry.name);
-                    entry
-                        .devices
-                        .iter()
-                        .map(|d| d.device_name.clone())
-                        .chain(entry.mig.iter().map(|r| r.device.clone()))
-                        .filter_map(|device| {
-                            let found = devices::find(&self.inventory, &device)?;
-                            let mps = entry.mps.iter().any(|h| h.device == device);
-                            Some(Held {
-                                claim: name.clone(),
-                                what: use_of(&found, mps),
-                                device,
-                            })
-                        })
-                        .collect::<Vec<_>>()
-                })
-                .collect()
-        });
-        for (uid, (name, devices)) in in_flight.iter() {
-            if *uid != claim.uid {
-                held.extend(devices.iter().map(|(device, what)| Held {
-                    claim: name.clone(),
-                    device: device.clone(),
-                    what: what.clone(),
-                }));
-            }
-        }
-        let name = format!("{}/{}", claim.namespace, claim.name);
-        guard::check(&name, &wanted, &held).map_err(|e| PrepareErrorKind::Conflict(Box::new(e)))?;
-        in_flight.insert(claim.uid.clone(), (name, wanted));
-        Ok(Reservation {
-            in_flight: &self.in_flight,
-            uid: claim.uid.clone(),
-        })
-    }
-
-    /// The claim as the API server has it: from its watch cache when that copy can only be the
-    /// allocation the kubelet saw (see [`claim::cached_copy_problem`]), else with a quorum read.
-    /// A claim unprepared before is read from the cache "not older than" what the driver last saw
-    /// of it.
-    async fn read_claim(
-        &self,
-        claim: &ClaimRef,
-    ) -> Result<k8s_openapi::api::resource::v1::ResourceClaim, PrepareError> {
-        let pool = self.opts.node_name.as_str();
-        let tombstones = self.unprepared.of(&claim.uid);
-        let read = match tombstones.last().and_then(|t| t.seen_version.clone()) {
-            Some(version) => ClaimRead::NotOlderThan(version),
-            None => ClaimRead::Cached,
-        };
-        match self.get_claim(claim, read).await {
-            Ok(copy) => {
-                let problem = claim::cached_copy_problem(claim, &copy, pool, &tombstones);
-                match problem {
-                    None => return Ok(copy),
-                    Some(why) => {
-                        tracing::debug!(claim = %claim, why, "cached copy not usable; reading with quorum")
-                    }
-                }
-            }
-            // The cache may not have seen the claim's creation yet.
-            Err(ApiError::NotFound) => {
-                tracing::debug!(claim = %claim, "not in the watch cache; reading with quorum")
-            }
-            // An API server that cannot answer from its cache cannot answer a quorum read either:
-            // asking again would only double the kubelet's wait.
-            Err(e) => return Err(read_failure(claim, e)),
-        }
-        self.get_claim(claim, ClaimRead::Quorum)
-            .await
-            .map_err(|e| read_failure(claim, e))
-    }
-
-    async fn get_claim(
-        &self,
-        claim: &ClaimRef,
-        read: ClaimRead,
-    ) -> Result<k8s_openapi::api::resource::v1::ResourceClaim, ApiError> {
-        let read = async {
-            let _slot = self.claim_reads.acquire().await;
-            self.api
-                .get_claim(&claim.namespace, &claim.name, read)
-                .await
-        };
-        tokio::time::timeout(API_READ_TIMEOUT, read)
-            .await
-            .unwrap_or(Err(ApiError::TimedOut))
-    }
-
     async fn unprepare_claim(&self, claim: &ClaimRef) -> Result<(), PrepareError> {
         self.one_at_a_time(claim, self.unprepare_locked(claim))
             .await
@@ -780,95 +534,9 @@ impl ClaimPreparer {
         Ok(())
     }
 
-    /// Tells the claims prepared on each device of `unhealthy` (device -> what is wrong) through
-    /// the Ready condition of their `status.devices` entries, and the claims on devices that left
-    /// it that they recovered. Only claims on devices whose health changed since the last call are
-    /// written: one quorum read and one write each, off the kubelet's path.
-    pub fn report_device_health(&self, unhealthy: BTreeMap<String, String>) {
-        let previous = std::mem::replace(
-            &mut *self.unhealthy.lock().expect("never poisoned"),
-            unhealthy.clone(),
-        );
-        let changed: std::collections::BTreeSet<&String> = previous
-            .keys()
-            .chain(unhealthy.keys())
-            .filter(|d| previous.get(*d) != unhealthy.get(*d))
-            .collect();
-        if changed.is_empty() {
-            return;
-        }
-        let claims: Vec<ClaimRef> = self.state.read(|data| {
-            data.claims
-                .iter()
-                .filter(|(_, e)| e.state == ClaimState::PrepareCompleted)
-                .filter(|(_, e)| e.devices.iter().any(|d| changed.contains(&d.device_name)))
-                .map(|(uid, e)| ClaimRef {
-                    namespace: e.namespace.clone(),
-                    name: e.name.clone(),
-                    uid: uid.clone(),
-                })
-                .collect()
-        });
-        let unhealthy = Arc::new(unhealthy);
-        for claim in claims {
-            let (api, pool, unhealthy) = (
-                self.api.clone(),
-                self.opts.node_name.clone(),
-                unhealthy.clone(),
-            );
-            let uid = claim.uid.clone();
-            self.status_writes.push(&uid, async move {
-                let name = claim.to_string();
-                let work = write_device_health(api.as_ref(), &pool, &claim, &unhealthy);
-                match tokio::time::timeout(API_WRITE_TIMEOUT, work).await {
-                    Ok(Ok(())) | Ok(Err(ApiError::NotFound)) => {}
-                    Ok(Err(e)) => {
-                        tracing::warn!(claim = %name, error = %e, "could not write the device health into the claim's status")
-                    }
-                    Err(_) => {
-                        tracing::warn!(claim = %name, "writing the device health into the claim's status timed out")
-                    }
-                }
-            });
-        }
-    }
-
     /// Reads the checkpoint as this instance holds it (metrics, computed at scrape time).
     pub fn read_checkpoint<R>(&self, f: impl FnOnce(&CheckpointData) -> R) -> R {
         self.state.read(f)
-    }
-}
-
-/// Devices of claims being prepared now, by claim UID: the claim's name and what it takes.
-type InFlight = Mutex<BTreeMap<String, (String, Vec<(String, Use)>)>>;
-
-/// A claim's devices held in [`InFlight`] until dropped.
-struct Reservation<'a> {
-    in_flight: &'a InFlight,
-    uid: String,
-}
-
-impl Drop for Reservation<'_> {
-    fn drop(&mut self) {
-        self.in_flight
-            .lock()
-            .expect("never poisoned")
-            .remove(&self.uid);
-    }
-}
-
-/// What a device takes of its card, for the node guard; `mps`: a share through the card's MPS
-/// daemon.
-fn use_of(device: &NodeDevice<'_>, mps: bool) -> Use {
-    match device.memory_slices() {
-        Some(slices) => Use::Mig {
-            gpu: device.gpu.index,
-            slices,
-        },
-        None => Use::Card {
-            gpu: device.gpu.index,
-            mps,
-        },
     }
 }
 
@@ -919,15 +587,6 @@ async fn run_blocking<T: Send + 'static>(
             PrepareErrorKind::Internal(e.to_string()),
         )),
     }
-}
-
-/// What the kubelet is told when the claim could not be read.
-fn read_failure(claim: &ClaimRef, error: ApiError) -> PrepareError {
-    let kind = match error {
-        ApiError::NotFound => PrepareErrorKind::NotFound,
-        e => PrepareErrorKind::Read(e),
-    };
-    PrepareError::new(claim, kind)
 }
 
 #[cfg(test)]

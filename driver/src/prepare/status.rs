@@ -233,8 +233,9 @@ pub fn prepare_failed_event(claim: &ClaimRef, node: &str, message: &str, now: Ti
     event
 }
 
-/// A Warning Event on the Node (a corrupt checkpoint was moved aside).
-pub fn node_event(node: &str, reason: &str, message: &str, now: Timestamp) -> Event {
+/// A Warning Event on the Node (a corrupt checkpoint was moved aside, a GPU fault), about what the
+/// driver did (`action`: the API server refuses an Event with an `eventTime` and no action).
+pub fn node_event(node: &str, action: &str, reason: &str, message: &str, now: Timestamp) -> Event {
     let involved = ObjectReference {
         api_version: Some("v1".into()),
         kind: Some("Node".into()),
@@ -242,7 +243,9 @@ pub fn node_event(node: &str, reason: &str, message: &str, now: Timestamp) -> Ev
         // The Node's uid is not known here; name and kind identify it.
         ..Default::default()
     };
-    warning_event(involved, "default", node, reason, message, node, now)
+    let mut event = warning_event(involved, "default", node, reason, message, node, now);
+    event.action = Some(action.into());
+    event
 }
 
 /// A Warning Event from this node's driver about `involved`, named after `name` in `namespace`.

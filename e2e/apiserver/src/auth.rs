@@ -497,12 +497,26 @@ pub fn claim_status_causes(
         }
         verbs.push(format!("arbitrary-node:{verb}"));
         if !verbs.iter().any(|v| check(v, "driver", &driver)) {
+            // The authorizer's own refusal of the last verb tried ends the message, as upstream's.
+            let last = verbs.last().expect("arbitrary-node is always tried");
+            let refusal = forbidden(
+                user,
+                &Attributes::Resource {
+                    verb: last,
+                    group: "resource.k8s.io",
+                    resource: "resourceclaims",
+                    subresource: Some("driver"),
+                    namespace,
+                    name: Some(&driver),
+                },
+            );
             causes.push((
                 "status.devices".into(),
                 format!(
                     "Forbidden: changing status.devices requires resource=\"resourceclaims/driver\", \
-                     verb=\"[{}]\" permission: resourceclaims.resource.k8s.io {driver:?} is forbidden",
-                    verbs.join(" ")
+                     verb=\"[{}]\" permission: {}",
+                    verbs.join(" "),
+                    refusal.message
                 ),
             ));
         }

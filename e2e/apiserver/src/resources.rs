@@ -218,6 +218,28 @@ const BUILTINS: &[(&str, &[Builtin])] = &[
     ),
 ];
 
+/// Whether the real server keeps `metadata.generation` for objects of `def` (set to 1 on create,
+/// bumped when the spec changes): the built-in kinds whose strategy tracks it (observed on
+/// kube-apiserver 1.36 for the kinds gpupool meets) and every custom resource. A ResourceClaim,
+/// a Node or a ConfigMap, among others, has no generation at all.
+pub fn tracks_generation(def: &ResourceDef) -> bool {
+    let builtin = BUILTINS.iter().any(|(group, resources)| {
+        *group == def.group && resources.iter().any(|r| r.0 == def.plural)
+    });
+    !builtin
+        || matches!(
+            (def.group.as_str(), def.kind.as_str()),
+            ("", "Pod")
+                | ("resource.k8s.io", "DeviceClass" | "ResourceSlice")
+                | ("apps", "Deployment" | "DaemonSet")
+                | (
+                    "admissionregistration.k8s.io",
+                    "ValidatingAdmissionPolicy" | "ValidatingAdmissionPolicyBinding"
+                )
+                | ("apiextensions.k8s.io", "CustomResourceDefinition")
+        )
+}
+
 pub fn builtin_resources() -> Vec<ResourceDef> {
     BUILTINS
         .iter()

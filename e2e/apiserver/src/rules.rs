@@ -200,6 +200,81 @@ pub fn drop_deallocated_status_devices(old: &Value, new: &mut Value) {
     }
 }
 
+/// Upstream's limits on a new-style Event's fields (pkg/apis/core/validation/events.go).
+const EVENT_FIELD_LIMIT: usize = 128;
+const EVENT_NOTE_LIMIT: usize = 1024;
+
+/// What the real server requires of every core/v1 Event on create (its "legacy" validation, which
+/// events.k8s.io/v1 Events pass as well). An Event with `eventTime` (new style: kube-rs's recorder,
+/// gpupool's own events) must name its reporting controller (a qualified name) and instance, an
+/// action and a reason, each at most 128 characters, with a message of at most 1024; its
+/// namespace is its object's, or `default` or `kube-system` for a cluster-scoped object. An old
+/// style Event only needs the namespaces to agree (`default` allowed for cluster-scoped objects).
+pub fn validate_event(event: &Value) -> Causes {
+    let text = |pointer: &str| {
+        event
+            .pointer(pointer)
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+    };
+    let namespace = text("/metadata/namespace");
+    let involved_namespace = text("/involvedObject/namespace");
+    let mut causes = Causes::new();
+    let mismatch = (
+        "involvedObject.namespace".to_string(),
+        format!("Invalid value: {involved_namespace:?}: does not match event.namespace"),
+    );
+    if event.get("eventTime").is_none_or(Value::is_null) {
+        let agrees = if involved_namespace.is_empty() {
+            namespace.is_empty() || namespace == "default"
+        } else {
+            namespace == involved_namespace
+        };
+        if !agrees {
+            causes.push(mismatch);
+        }
+        return causes;
+    }
+    if involved_namespace.is_empty() && !matches!(namespace, "default" | "kube-system") {
+        causes.push(mismatch);
+    }
+    let mut required = |field: &str, limit: usize| {
+        let value = text(&format!("/{field}"));
+        if value.is_empty() {
+            causes.push((field.to_string(), "Required value".to_string()));
+        } else if value.chars().count() > limit {
+            causes.push((
+                field.to_string(),
+                format!("Invalid value: \"\": can have at most {limit} characters"),
+            ));
+        }
+    };
+    required("reportingComponent", usize::MAX);
+    required("reportingInstance", EVENT_FIELD_LIMIT);
+    required("action", EVENT_FIELD_LIMIT);
+    required("reason", EVENT_FIELD_LIMIT);
+    let controller = text("/reportingComponent");
+    let (prefix, name) = match controller.rsplit_once('/') {
+        Some((prefix, name)) => (Some(prefix), name),
+        None => (None, controller),
+    };
+    if !controller.is_empty()
+        && (prefix.is_some_and(|p| !is_dns_subdomain(p)) || !is_label_name(name))
+    {
+        causes.push((
+            "reportingComponent".into(),
+            format!("Invalid value: {controller:?}: must be a qualified name"),
+        ));
+    }
+    if text("/message").chars().count() > EVENT_NOTE_LIMIT {
+        causes.push((
+            "message".into(),
+            format!("Invalid value: \"\": can have at most {EVENT_NOTE_LIMIT} characters"),
+        ));
+    }
+    causes
+}
+
 /// What a ResourceClaim's status may hold, given the status before the write (None on create).
 pub fn validate_claim_status(old: Option<&Value>, new: &Value) -> Causes {
     let mut causes = Vec::new();
@@ -324,6 +399,32 @@ pub fn validate_claim_status(old: Option<&Value>, new: &Value) -> Causes {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_new_style_event_needs_an_action_and_its_reporter() {
+        let event = serde_json::json!({
+            "metadata": {"name": "node-a.1", "namespace": "default"},
+            "involvedObject": {"kind": "Node", "name": "node-a"},
+            "eventTime": "2026-12-04T00:00:00.000000Z", "reason": "GpuXidError",
+            "reportingComponent": "gpupool.dev/gpupool-driver", "reportingInstance": "node-a",
+            "message": "gpu-0: XID 79"});
+        let causes = validate_event(&event);
+        assert_eq!(
+            causes,
+            [("action".to_string(), "Required value".to_string())]
+        );
+        let mut complete = event.clone();
+        complete["action"] = "CheckHealth".into();
+        assert_eq!(validate_event(&complete), Causes::new());
+        // Old-style events (no eventTime) need none of it, only agreeing namespaces.
+        let mut old = event.clone();
+        old.as_object_mut().unwrap().remove("eventTime");
+        assert_eq!(validate_event(&old), Causes::new());
+        old["metadata"]["namespace"] = "gpupool".into();
+        assert_eq!(validate_event(&old)[0].0, "involvedObject.namespace");
+        complete["metadata"]["namespace"] = "gpupool".into();
+        assert_eq!(validate_event(&complete)[0].0, "involvedObject.namespace");
+    }
     use super::*;
     use serde_json::json;
 

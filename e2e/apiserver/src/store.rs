@@ -538,6 +538,12 @@ impl Store {
         if !label_causes.is_empty() {
             return Err(ApiError::invalid(def, name, &label_causes));
         }
+        if def.group.is_empty() && def.kind == "Event" {
+            let causes = rules::validate_event(object);
+            if !causes.is_empty() {
+                return Err(ApiError::invalid(def, name, &causes));
+            }
+        }
         if def.group == "resource.k8s.io" && def.kind == "ResourceSlice" {
             let slice: k8s_openapi::api::resource::v1::ResourceSlice =
                 serde_json::from_value(object.clone()).map_err(|e| {
@@ -659,7 +665,11 @@ impl Store {
                 "creationTimestamp".into(),
                 json!(clock::format_rfc3339(clock::unix_now())),
             );
-            meta.insert("generation".into(), json!(1));
+            if crate::resources::tracks_generation(def) {
+                meta.insert("generation".into(), json!(1));
+            } else {
+                meta.remove("generation");
+            }
             meta.remove("deletionTimestamp");
             meta.remove("deletionGracePeriodSeconds");
             meta.remove("resourceVersion");
@@ -786,7 +796,10 @@ impl Store {
                 *meta = old_meta;
             }
         }
-        if spec_part(&updated) != spec_part(&existing) && subresource.is_none() {
+        if spec_part(&updated) != spec_part(&existing)
+            && subresource.is_none()
+            && crate::resources::tracks_generation(def)
+        {
             let generation = existing
                 .pointer("/metadata/generation")
                 .and_then(Value::as_i64)
@@ -1162,7 +1175,8 @@ mod tests {
     fn create_sets_server_fields_and_rejects_duplicates() {
         let mut store = Store::new();
         let obj = create_cm(&mut store, "a");
-        assert_eq!(obj["metadata"]["generation"], 1);
+        // As on kube-apiserver: a ConfigMap (like a ResourceClaim or a Node) has no generation.
+        assert_eq!(obj["metadata"]["generation"], Value::Null);
         assert!(obj["metadata"]["uid"].as_str().unwrap().len() == 36);
         assert_eq!(
             obj["metadata"]["resourceVersion"],
@@ -1186,7 +1200,6 @@ mod tests {
             keys,
             [
                 "creationTimestamp",
-                "generation",
                 "name",
                 "namespace",
                 "resourceVersion",
@@ -1230,9 +1243,26 @@ mod tests {
         let mut changed = obj.clone();
         changed["data"]["a"] = json!("2");
         let updated = update(&mut store, &def, "a", changed.clone(), None).unwrap();
-        assert_eq!(updated.object["metadata"]["generation"], 2);
+        assert_eq!(updated.object["metadata"]["generation"], Value::Null);
         let err = update(&mut store, &def, "a", changed, None).unwrap_err();
         assert_eq!((err.code, err.reason), (409, "Conflict"));
+
+        // A kind that keeps a generation: a DeviceClass's spec change bumps it, labels do not.
+        let def = store
+            .find("resource.k8s.io", "v1", "deviceclasses")
+            .unwrap();
+        let class = create(
+            &mut store,
+            &def,
+            json!({"metadata": {"name": "a"}, "spec": {"selectors": []}}),
+        )
+        .unwrap()
+        .object;
+        assert_eq!(class["metadata"]["generation"], 1);
+        let mut changed = class.clone();
+        changed["spec"]["selectors"] = json!([{"cel": {"expression": "true"}}]);
+        let updated = update(&mut store, &def, "a", changed, None).unwrap();
+        assert_eq!(updated.object["metadata"]["generation"], 2);
         let mut relabelled = updated.object.clone();
         relabelled["metadata"]["labels"] = json!({"x": "y"});
         let out = update(&mut store, &def, "a", relabelled, None).unwrap();
@@ -1265,7 +1295,7 @@ mod tests {
         );
         let out = update(&mut store, &def, "c", with_status, Some("status")).unwrap();
         assert_eq!(out.object["status"]["reservedFor"][0]["name"], "p");
-        assert_eq!(out.object["metadata"]["generation"], 1);
+        assert_eq!(out.object["metadata"]["generation"], Value::Null);
     }
 
     #[test]

@@ -153,7 +153,9 @@ async fn device_status_needs_the_driver_subresource_on_the_claims_node() {
         refused.message.ends_with(
             "status.devices: Forbidden: changing status.devices requires \
              resource=\"resourceclaims/driver\", verb=\"[associated-node:patch arbitrary-node:patch]\" \
-             permission: resourceclaims.resource.k8s.io \"gpupool.dev\" is forbidden"
+             permission: resourceclaims.resource.k8s.io \"gpupool.dev\" is forbidden: User \
+             \"system:serviceaccount:gpupool:driver\" cannot arbitrary-node:patch resource \
+             \"resourceclaims/driver\" in API group \"resource.k8s.io\" in the namespace \"default\""
         ),
         "{}",
         refused.message

@@ -2,9 +2,12 @@
 //!
 //! Emulated (default): the API server emulator and the scheduler stand-in in process, one kubelet
 //! emulator per node, the real `gpupool-driver` per node (fake GPUs, its own folders) and optionally
-//! the real `gpupool-controller`. With `GPUPOOL_E2E_KUBECONFIG` set: that cluster instead (its
-//! kube-scheduler allocates; nodes from `GPUPOOL_E2E_NODE`); the kubelet emulator still drives the
-//! driver unless `GPUPOOL_E2E_REAL_KUBELET=1`.
+//! the real `gpupool-controller`. On the control plane ([`Backend::ControlPlane`]): the real
+//! kube-apiserver, kube-scheduler and kube-controller-manager the harness starts once per test
+//! binary ([`crate::plane`]), hand-made Nodes, the same kubelet emulator (as the node's identity)
+//! and the same binaries on their ServiceAccount tokens. With `GPUPOOL_E2E_KUBECONFIG` set: that
+//! cluster instead (its kube-scheduler allocates; nodes from `GPUPOOL_E2E_NODE`); the kubelet
+//! emulator still drives the driver unless `GPUPOOL_E2E_REAL_KUBELET=1`.
 
 pub mod apply;
 pub mod cleanup;
@@ -26,6 +29,7 @@ use kube::{Api, Client, Config};
 use serde_json::Value;
 
 use crate::kubelet::{Kubelet, KubeletConfig, KubeletError, Registration};
+use crate::plane::{ControlPlane, NodeShape, PlaneError};
 pub use apply::{apply_objects, parse_manifests, ApplyError};
 pub use process::{find_binary, print_log_tail, ManagedProcess, ProcessError, Program, Programs};
 
@@ -82,6 +86,8 @@ pub enum HarnessError {
     UnknownNode(String),
     #[error("{0}")]
     Setup(String),
+    #[error(transparent)]
+    Plane(#[from] PlaneError),
 }
 
 fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> HarnessError {
@@ -163,6 +169,18 @@ impl ClusterSpec {
         self
     }
 
+    /// On the real control plane this test binary shares ([`crate::plane::ControlPlane::shared`]).
+    pub fn on_control_plane(mut self) -> Self {
+        self.backend = Some(Backend::ControlPlane);
+        self
+    }
+
+    /// On `backend`.
+    pub fn on(mut self, backend: Backend) -> Self {
+        self.backend = Some(backend);
+        self
+    }
+
     /// On an emulator that drops counter sets and consumptions, as a cluster without
     /// partitionable devices does.
     pub fn without_partitionable_devices(mut self) -> Self {
@@ -174,7 +192,11 @@ impl ClusterSpec {
 /// Where the cluster comes from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Backend {
+    /// The API server emulator and the scheduler stand-in, in process.
     Emulator,
+    /// The real kube-apiserver, kube-scheduler and kube-controller-manager, started by the harness.
+    ControlPlane,
+    /// The cluster `GPUPOOL_E2E_KUBECONFIG` names.
     Real { real_kubelet: bool },
 }
 
@@ -336,6 +358,13 @@ impl TestNode {
     }
 }
 
+/// A cluster's use of the shared control plane: the plane, and its turn on it (held until the
+/// cluster is dropped).
+struct PlaneTenant {
+    plane: &'static ControlPlane,
+    _turn: crate::plane::tenancy::Turn,
+}
+
 /// The system under test; everything it started is stopped when it is dropped.
 pub struct TestCluster {
     backend: Backend,
@@ -346,6 +375,7 @@ pub struct TestCluster {
     controller: Option<Mutex<ManagedProcess>>,
     scheduler: Option<tokio::task::JoinHandle<()>>,
     apiserver: Option<upstream::ApiServer>,
+    plane: Option<PlaneTenant>,
     programs: Programs,
     _workdir_guard: Option<tempfile::TempDir>,
 }
@@ -365,6 +395,20 @@ impl Drop for TestCluster {
         if let Some(task) = &self.scheduler {
             task.abort();
         }
+    }
+}
+
+/// The control plane every scenario of this test binary shares, or `None` after printing the one
+/// line that says why `test` skips (no binaries). Where `GPUPOOL_KUBE_REQUIRED=1` (CI) a missing
+/// binary fails the test instead, and a plane that does not start always does.
+pub async fn plane_or_skip(test: &str) -> Option<&'static ControlPlane> {
+    match ControlPlane::shared().await {
+        Ok(plane) => Some(plane),
+        Err(PlaneError::Unavailable(why)) if !crate::plane::binaries::required() => {
+            println!("skipping {test}: {why}");
+            None
+        }
+        Err(err) => panic!("{test}: {err}"),
     }
 }
 
@@ -517,16 +561,30 @@ impl TestCluster {
             .map_err(io_err("creating the work folder"))?;
         let workdir = guard.path().to_path_buf();
 
-        let (apiserver, kubeconfig) = match &backend {
+        let (apiserver, plane, kubeconfig) = match &backend {
             Backend::Emulator => {
                 let path = workdir.join("kubeconfig");
                 let options = upstream::ApiServerOptions {
                     without_partitionable_devices: spec.without_partitionable_devices,
                     ..Default::default()
                 };
-                (Some(start_api_emulator_with(&path, options).await?), path)
+                (
+                    Some(start_api_emulator_with(&path, options).await?),
+                    None,
+                    path,
+                )
+            }
+            Backend::ControlPlane => {
+                let plane = ControlPlane::shared().await?;
+                let turn = plane.take_turn().await?;
+                (
+                    None,
+                    Some(PlaneTenant { plane, _turn: turn }),
+                    plane.admin_kubeconfig(),
+                )
             }
             Backend::Real { .. } => (
+                None,
                 None,
                 PathBuf::from(
                     std::env::var_os(env::KUBECONFIG).expect("checked by Backend::from_env"),
@@ -534,10 +592,16 @@ impl TestCluster {
             ),
         };
         let client = client_for_kubeconfig(&kubeconfig).await?;
+        if plane.is_some() {
+            // As an operator installs gpupool: the components' identities and RBAC, and the
+            // policy that holds each driver to its node's slices.
+            install_component_rbac(&client).await?;
+            install_manifests(&client, &[RESOURCESLICE_POLICY]).await?;
+        }
 
         let scheduler = match backend {
             Backend::Emulator => Some(start_scheduler(client.clone())),
-            Backend::Real { .. } => None,
+            Backend::ControlPlane | Backend::Real { .. } => None,
         };
 
         let mut cluster = TestCluster {
@@ -549,6 +613,7 @@ impl TestCluster {
             controller: None,
             scheduler,
             apiserver,
+            plane,
             programs: spec.programs,
             _workdir_guard: Some(guard),
         };
@@ -558,7 +623,8 @@ impl TestCluster {
         let real_names = real_node_names();
         for (i, node_spec) in spec.nodes.iter().enumerate() {
             let name = match &cluster.backend {
-                Backend::Emulator => node_spec.name.clone(),
+                // On the plane too: a turn starts with no node, slice or claim of an earlier one.
+                Backend::Emulator | Backend::ControlPlane => node_spec.name.clone(),
                 Backend::Real { .. } => real_names.get(i).cloned().ok_or_else(|| {
                     HarnessError::Setup(format!(
                         "this scenario needs {} node(s); {}={:?} names {}",
@@ -614,20 +680,34 @@ impl TestCluster {
         }
         let crds = parse_manifests(&String::from_utf8_lossy(&output.stdout))?;
         apply_objects(&self.client, &crds, "default").await?;
-        // On the emulator it runs as its ServiceAccount, with its Lease where the RBAC lets it.
+        let process = self.spawn_controller(None, "controller.log").await?;
+        self.controller = Some(Mutex::new(process));
+        Ok(())
+    }
+
+    /// Starts a controller replica as the harness starts the controller (named `identity` in the
+    /// Lease when given, logging to `log` in the work folder): a second one competes for the Lease.
+    pub async fn spawn_controller(
+        &self,
+        identity: Option<&str>,
+        log: &str,
+    ) -> Result<ManagedProcess, HarnessError> {
+        let program = self.programs.locate(CONTROLLER_BIN)?;
+        // On the emulator and the plane it runs as its ServiceAccount, with its Lease where the
+        // RBAC lets it.
         let mut args = vec![
             "run".to_string(),
             "--metrics-addr".into(),
             "127.0.0.1:0".into(),
         ];
-        match &self.apiserver {
-            Some(server) => {
-                let kubeconfig = service_account_kubeconfig(
-                    server,
-                    &self.workdir,
-                    CONTROLLER_SERVICE_ACCOUNT,
-                    None,
-                )?;
+        if let Some(identity) = identity {
+            args.extend(["--identity".into(), identity.into()]);
+        }
+        match self
+            .component_kubeconfig(CONTROLLER_SERVICE_ACCOUNT, None)
+            .await?
+        {
+            Some(kubeconfig) => {
                 args.extend([
                     "--kubeconfig".into(),
                     kubeconfig.display().to_string(),
@@ -637,14 +717,12 @@ impl TestCluster {
             }
             None => args.extend(["--kubeconfig".into(), self.kubeconfig.display().to_string()]),
         }
-        let process = ManagedProcess::spawn(
+        Ok(ManagedProcess::spawn(
             CONTROLLER_BIN,
             &program.path,
             program.args(args),
-            self.workdir.join("controller.log"),
-        )?;
-        self.controller = Some(Mutex::new(process));
-        Ok(())
+            self.workdir.join(log),
+        )?)
     }
 
     async fn start_node(&mut self, name: String, spec: NodeSpec) -> Result<(), HarnessError> {
@@ -673,6 +751,18 @@ impl TestCluster {
         ] {
             mkdir(dir)?;
         }
+        // On the plane the Node is made by hand, and the kubelet emulator acts as the node
+        // (`system:node:<name>`), held to it by the Node authorizer and NodeRestriction.
+        let mut kubelet_client = self.client.clone();
+        if let Some(tenant) = &self.plane {
+            tenant
+                .plane
+                .create_node(&self.client, &NodeShape::new(&name))
+                .await?;
+            let path = base.join("kubeconfig-kubelet");
+            tenant.plane.node_kubeconfig(&name, &path)?;
+            kubelet_client = client_for_kubeconfig(&path).await?;
+        }
         let kubelet = if real_kubelet {
             None
         } else {
@@ -684,10 +774,11 @@ impl TestCluster {
                 config.poll_interval = interval;
             }
             // On a real cluster the node exists already; creating it again is harmless (409).
-            Some(Kubelet::start(self.client.clone(), config).await?)
+            config.register_node = self.plane.is_none();
+            Some(Kubelet::start(kubelet_client, config).await?)
         };
         let program = self.programs.locate(DRIVER_BIN)?;
-        let kubeconfig = self.driver_kubeconfig(&name)?;
+        let kubeconfig = self.driver_kubeconfig(&name).await?;
         let mut args =
             dirs.driver_run_args(&name, &kubeconfig, &spec.fake_gpus, &base.join("libs"));
         args.extend(spec.extra_driver_args.iter().cloned());
@@ -715,21 +806,59 @@ impl TestCluster {
         self.backend == Backend::Emulator
     }
 
+    /// The control plane this cluster runs on, on [`Backend::ControlPlane`].
+    pub fn plane(&self) -> Option<&'static ControlPlane> {
+        self.plane.as_ref().map(|p| p.plane)
+    }
+
     pub fn client(&self) -> Client {
         self.client.clone()
     }
 
-    /// The kubeconfig a driver on `node` runs with: on the emulator its ServiceAccount's, bound to
-    /// the node (written under the node's folder), else the cluster's.
-    pub fn driver_kubeconfig(&self, node: &str) -> Result<PathBuf, HarnessError> {
-        match &self.apiserver {
-            Some(server) => {
-                let dir = self.workdir.join(node);
-                mkdir(&dir)?;
-                service_account_kubeconfig(server, &dir, DRIVER_SERVICE_ACCOUNT, Some(node))
-            }
-            None => Ok(self.kubeconfig.clone()),
+    /// The kubeconfig a driver on `node` runs with: on the emulator and the control plane its
+    /// ServiceAccount's, bound to the node (written under the node's folder; on the plane the
+    /// Node must exist), else the cluster's.
+    pub async fn driver_kubeconfig(&self, node: &str) -> Result<PathBuf, HarnessError> {
+        Ok(self
+            .component_kubeconfig(DRIVER_SERVICE_ACCOUNT, Some(node))
+            .await?
+            .unwrap_or_else(|| self.kubeconfig.clone()))
+    }
+
+    /// A kubeconfig for the component's ServiceAccount (bound to `node` when given) on the
+    /// emulator and the plane; `None` on a real cluster, where the harness has only its own.
+    async fn component_kubeconfig(
+        &self,
+        account: &str,
+        node: Option<&str>,
+    ) -> Result<Option<PathBuf>, HarnessError> {
+        let dir = match node {
+            Some(node) => self.workdir.join(node),
+            None => self.workdir.clone(),
+        };
+        mkdir(&dir)?;
+        if let Some(server) = &self.apiserver {
+            return service_account_kubeconfig(server, &dir, account, node).map(Some);
         }
+        let Some(tenant) = &self.plane else {
+            return Ok(None);
+        };
+        if let Some(node) = node {
+            // A token is bound to an existing Node; a hand-made one does for a node without driver.
+            tenant
+                .plane
+                .create_node(&self.client, &NodeShape::new(node))
+                .await?;
+        }
+        let path = dir.join(match node {
+            Some(node) => format!("kubeconfig-{account}-{node}"),
+            None => format!("kubeconfig-{account}"),
+        });
+        tenant
+            .plane
+            .service_account_kubeconfig(&self.client, COMPONENT_NAMESPACE, account, node, &path)
+            .await?;
+        Ok(Some(path))
     }
 
     pub fn kubeconfig_path(&self) -> &Path {
@@ -758,6 +887,13 @@ impl TestCluster {
             .iter()
             .find(|n| n.name == name || n.spec.name == name)
             .ok_or_else(|| HarnessError::UnknownNode(name.to_string()))
+    }
+
+    /// SIGKILL the controller the harness started (a crash: its Lease is not released).
+    pub fn kill_controller(&self) {
+        if let Some(controller) = &self.controller {
+            controller.lock().unwrap_or_else(|e| e.into_inner()).kill();
+        }
     }
 
     pub fn controller_log(&self) -> Option<String> {
@@ -1051,6 +1187,9 @@ const COMPONENT_RBAC: &[&str] = &[
     "deploy/base/driver-rbac.yaml",
     "deploy/base/controller-rbac.yaml",
 ];
+/// The ValidatingAdmissionPolicy that holds each driver to its own node's slices (enforced by a
+/// real API server; the emulator stores policies without enforcing them).
+pub const RESOURCESLICE_POLICY: &str = "deploy/base/resourceslice-policy.yaml";
 /// Where [`COMPONENT_RBAC`] puts the ServiceAccounts.
 pub const COMPONENT_NAMESPACE: &str = "gpupool";
 pub const DRIVER_SERVICE_ACCOUNT: &str = "gpupool-driver";
@@ -1060,7 +1199,13 @@ pub const CONTROLLER_SERVICE_ACCOUNT: &str = "gpupool-controller";
 /// started with [`service_account_kubeconfig`] has exactly the permissions an installed one has
 /// (a permission missing there fails the tests as it would fail a cluster).
 pub async fn install_component_rbac(client: &Client) -> Result<(), HarnessError> {
-    for file in COMPONENT_RBAC {
+    install_manifests(client, COMPONENT_RBAC).await
+}
+
+/// Applies the workspace's manifest `files`, namespaced objects without a namespace into
+/// [`COMPONENT_NAMESPACE`].
+pub async fn install_manifests(client: &Client, files: &[&str]) -> Result<(), HarnessError> {
+    for file in files {
         let path = workspace_root().join(file);
         let yaml = std::fs::read_to_string(&path).map_err(io_err(format!("reading {file}")))?;
         apply_objects(client, &parse_manifests(&yaml)?, COMPONENT_NAMESPACE).await?;

@@ -22,6 +22,123 @@ pub use gpupool_e2e::sandbox::attribute;
 
 pub const TIMEOUT: Duration = Duration::from_secs(30);
 
+/// Each named scenario on every backend, one test body: `<scenario>::emulator`,
+/// `<scenario>::control_plane` (the real control plane; skips, saying why, without its binaries)
+/// and `<scenario>::real_cluster` (ignored; `GPUPOOL_E2E_KUBECONFIG`). The file provides
+/// `async fn cluster(Backend) -> &'static TestCluster` and `mod scenarios` with an
+/// `async fn <scenario>(&TestCluster)` each.
+#[macro_export]
+macro_rules! on_every_backend {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            use gpupool_e2e::harness::{plane_or_skip, shared_runtime, Backend};
+
+            async fn run(backend: Backend) {
+                let cluster = super::cluster(backend).await;
+                let _logs = cluster.logs_on_failure();
+                super::scenarios::$name(cluster).await;
+            }
+
+            #[test]
+            fn emulator() {
+                shared_runtime().block_on(run(Backend::Emulator));
+            }
+
+            #[test]
+            fn control_plane() {
+                shared_runtime().block_on(async {
+                    let test = concat!(stringify!($name), "::control_plane");
+                    if plane_or_skip(test).await.is_some() {
+                        run(Backend::ControlPlane).await;
+                    }
+                });
+            }
+
+            #[test]
+            #[ignore = "runs against GPUPOOL_E2E_KUBECONFIG"]
+            fn real_cluster() {
+                assert!(
+                    std::env::var_os("GPUPOOL_E2E_KUBECONFIG").is_some(),
+                    "real-cluster scenarios need GPUPOOL_E2E_KUBECONFIG and GPUPOOL_E2E_NODE"
+                );
+                shared_runtime().block_on(run(Backend::from_env()));
+            }
+        }
+    )*};
+}
+
+/// Each named scenario on both backends, one body `async fn <scenario>(Backend)` that starts a
+/// cluster of its own: `<scenario>::emulator` and `<scenario>::control_plane` (skips, saying why,
+/// without the control plane's binaries). Each runs on a runtime of its own, as `#[tokio::test]`.
+#[macro_export]
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            use gpupool_e2e::harness::{plane_or_skip, two_worker_runtime, Backend};
+
+            #[test]
+            fn emulator() {
+                two_worker_runtime()
+                    .expect("a runtime")
+                    .block_on(super::$name(Backend::Emulator));
+            }
+
+            #[test]
+            fn control_plane() {
+                two_worker_runtime().expect("a runtime").block_on(async {
+                    let test = concat!(stringify!($name), "::control_plane");
+                    if plane_or_skip(test).await.is_some() {
+                        super::$name(Backend::ControlPlane).await;
+                    }
+                });
+            }
+        }
+    )*};
+}
+
+/// The scheduler's word that the pod cannot be placed (a Warning `FailedScheduling` on the pod),
+/// once it says it, and the pod's claims are unallocated. kube-scheduler says how many nodes could
+/// not take the claims; the emulator's stand-in also says which device refused and why, and on
+/// the emulator that message must contain `stand_in_detail`.
+pub async fn wait_unschedulable(
+    cluster: &TestCluster,
+    namespace: &str,
+    pod: &str,
+    stand_in_detail: &str,
+) -> String {
+    let expected = if cluster.is_emulated() {
+        stand_in_detail
+    } else {
+        "cannot allocate all claims"
+    };
+    let last = Mutex::new(Vec::new());
+    let message = wait_for(
+        &format!("FailedScheduling on pod {namespace}/{pod} saying {expected:?}"),
+        TIMEOUT,
+        || async {
+            let messages: Vec<String> = events_about(cluster, namespace, "Pod", pod)
+                .await
+                .into_iter()
+                .filter(|e| e.reason.as_deref() == Some("FailedScheduling"))
+                .filter_map(|e| e.message)
+                .collect();
+            let found = messages.iter().find(|m| m.contains(expected)).cloned();
+            *last.lock().unwrap() = messages;
+            found
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}; events: {:?}", last.lock().unwrap()));
+    let pods: Api<Pod> = Api::namespaced(cluster.client(), namespace);
+    let pod_object = pods.get(pod).await.unwrap();
+    assert_eq!(
+        pod_object.spec.as_ref().and_then(|s| s.node_name.clone()),
+        None,
+        "pod {pod} is not bound"
+    );
+    message
+}
+
 /// Starts the cluster, or fails the test saying why it did not start.
 pub async fn start(spec: ClusterSpec) -> TestCluster {
     TestCluster::start(spec)

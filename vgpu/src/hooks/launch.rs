@@ -81,4 +81,3 @@ pub(super) unsafe fn graph_launch<const PER_THREAD: bool>(
 ) -> CUresult {
     gated(stream, PER_THREAD, || real(exec, stream))
 }
-

@@ -1,5 +1,6 @@
-//! The bench's cluster: the API server emulator in process, the real driver binary per node, and a
-//! kubelet emulator that only calls what the bench tells it (no pod logic).
+//! The bench's cluster: the API server emulator in process or the real kube-apiserver (with etcd,
+//! from the control plane binaries), the real driver binary per node, and a kubelet emulator that
+//! only calls what the bench tells it (no pod logic).
 //!
 //! Not `harness::TestCluster`: that one also runs the scheduler stand-in and polls registration every
 //! 50 ms; the bench needs millisecond start-up timing and a client whose requests it can tell apart
@@ -11,12 +12,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context};
 use gpupool_api::claim::ClaimRef;
-use gpupool_apiserver::{ApiServer, ApiServerOptions};
+use gpupool_apiserver::{ApiServer, ApiServerOptions, RequestRecord};
 use gpupool_e2e::harness::{
     install_component_rbac, service_account_kubeconfig, ManagedProcess, NodeDirs,
-    DRIVER_SERVICE_ACCOUNT,
+    COMPONENT_NAMESPACE, DRIVER_SERVICE_ACCOUNT,
 };
 use gpupool_e2e::kubelet::{Kubelet, KubeletConfig, KubeletError};
+use gpupool_e2e::plane::{ControlPlane, NodeShape, PlaneOptions};
 use k8s_openapi::api::core::v1::{Namespace, Node};
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
@@ -32,8 +34,22 @@ pub const DRIVER: &str = gpupool_api::names::DRIVER_NAME;
 pub const NAMESPACE: &str = "bench";
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// The API server the bench runs against.
+pub enum Server {
+    Emulator(ApiServer),
+    /// kube-apiserver and etcd only (no scheduler or controller-manager: the bench allocates and
+    /// reserves claims itself, for pods it does not create), its audit log counting the requests.
+    KubeApiserver(Box<ControlPlane>),
+}
+
+/// Which API server to start.
+pub enum ServerChoice {
+    Emulator(ApiServerOptions),
+    KubeApiserver,
+}
+
 pub struct Bench {
-    pub apiserver: ApiServer,
+    pub server: Server,
     pub client: Client,
     driver_bin: PathBuf,
     workdir: tempfile::TempDir,
@@ -94,7 +110,7 @@ pub fn allocation_result(kind: ClaimKind, pool: &str, device: &str) -> Value {
 }
 
 impl Bench {
-    pub async fn start(driver_bin: PathBuf, api: ApiServerOptions) -> anyhow::Result<Bench> {
+    pub async fn start(driver_bin: PathBuf, choice: ServerChoice) -> anyhow::Result<Bench> {
         // A short name: the drivers' socket paths, named after their pod UID as in a DaemonSet,
         // must stay under the 108 bytes of a Unix socket address.
         let workdir = tempfile::Builder::new()
@@ -111,18 +127,30 @@ impl Bench {
                 .tempdir()
                 .context("creating the run folder")?,
         };
-        let apiserver = ApiServer::start_with(api)
-            .await
-            .context("starting the API server emulator")?;
-        let kubeconfig = workdir.path().join("kubeconfig");
-        apiserver
-            .write_kubeconfig(&kubeconfig)
-            .context("writing the kubeconfig")?;
+        let (server, kubeconfig) = match choice {
+            ServerChoice::Emulator(api) => {
+                let apiserver = ApiServer::start_with(api)
+                    .await
+                    .context("starting the API server emulator")?;
+                let kubeconfig = workdir.path().join("kubeconfig");
+                apiserver
+                    .write_kubeconfig(&kubeconfig)
+                    .context("writing the kubeconfig")?;
+                (Server::Emulator(apiserver), kubeconfig)
+            }
+            ServerChoice::KubeApiserver => {
+                let plane = ControlPlane::start(PlaneOptions::default().apiserver_only().audit())
+                    .await
+                    .context("starting kube-apiserver and etcd")?;
+                let kubeconfig = plane.admin_kubeconfig();
+                (Server::KubeApiserver(Box::new(plane)), kubeconfig)
+            }
+        };
         let client = bench_client(&kubeconfig).await?;
         // The drivers run as their ServiceAccount, authorized as in a cluster.
         install_component_rbac(&client).await?;
         let bench = Bench {
-            apiserver,
+            server,
             client,
             driver_bin,
             workdir,
@@ -140,6 +168,54 @@ impl Bench {
 
     pub fn workdir(&self) -> &Path {
         self.workdir.path()
+    }
+
+    /// Every request the API server saw so far, oldest first: the emulator's own record, or
+    /// kube-apiserver's audit log (which records only requests on claims, slices and events).
+    pub fn requests(&self) -> Vec<RequestRecord> {
+        match &self.server {
+            Server::Emulator(apiserver) => apiserver.requests(),
+            Server::KubeApiserver(plane) => plane
+                .audit_requests()
+                .unwrap_or_else(|e| panic!("{e}"))
+                .into_iter()
+                .map(|r| RequestRecord {
+                    method: r.method,
+                    path: r.uri,
+                    user_agent: r.user_agent,
+                })
+                .collect(),
+        }
+    }
+
+    /// The driver's ServiceAccount kubeconfig for node `name`, its token bound to the node (on
+    /// kube-apiserver the Node is made first).
+    async fn driver_kubeconfig(&self, name: &str) -> anyhow::Result<PathBuf> {
+        let dir = self.workdir().join(name);
+        match &self.server {
+            Server::Emulator(apiserver) => Ok(service_account_kubeconfig(
+                apiserver,
+                &dir,
+                DRIVER_SERVICE_ACCOUNT,
+                Some(name),
+            )?),
+            Server::KubeApiserver(plane) => {
+                plane
+                    .create_node(&self.client, &NodeShape::new(name))
+                    .await?;
+                let path = dir.join(format!("kubeconfig-{DRIVER_SERVICE_ACCOUNT}-{name}"));
+                plane
+                    .service_account_kubeconfig(
+                        &self.client,
+                        COMPONENT_NAMESPACE,
+                        DRIVER_SERVICE_ACCOUNT,
+                        Some(name),
+                        &path,
+                    )
+                    .await?;
+                Ok(path)
+            }
+        }
     }
 
     /// The folder holding the nodes' CDI and run folders (on a tmpfs when the machine has one).
@@ -184,14 +260,9 @@ impl Bench {
         fake_gpus: &str,
         dirs: &NodeDirs,
         libs: &Path,
+        kubeconfig: &Path,
     ) -> anyhow::Result<ManagedProcess> {
-        let kubeconfig = service_account_kubeconfig(
-            &self.apiserver,
-            &self.workdir().join(name),
-            DRIVER_SERVICE_ACCOUNT,
-            Some(name),
-        )?;
-        let mut args = dirs.driver_run_args(name, &kubeconfig, fake_gpus, libs);
+        let mut args = dirs.driver_run_args(name, kubeconfig, fake_gpus, libs);
         // As the DaemonSet runs it (`POD_UID` from the downward API): sockets named after the
         // pod, and the serialize lock taken around every prepare and unprepare.
         args.extend(["--pod-uid".to_string(), uuid::Uuid::new_v4().to_string()]);
@@ -220,8 +291,10 @@ impl Bench {
         let kubelet = Kubelet::start(self.client.clone(), config)
             .await
             .with_context(|| format!("starting the kubelet emulator of {name}"))?;
+        // The token is made before the clock starts: a pod has it when its driver starts.
+        let kubeconfig = self.driver_kubeconfig(name).await?;
         let spawned = Instant::now();
-        let driver = self.spawn_driver(name, fake_gpus, &dirs, &libs)?;
+        let driver = self.spawn_driver(name, fake_gpus, &dirs, &libs, &kubeconfig)?;
         let mut node = BenchNode {
             name: name.to_string(),
             kubelet: Some(kubelet),
@@ -268,12 +341,7 @@ impl Bench {
             .await
             .with_context(|| format!("starting the kubelet emulator of {name}"))?;
         // The driver's ServiceAccount: the same RBAC, so the same authorization work per request.
-        let kubeconfig = service_account_kubeconfig(
-            &self.apiserver,
-            &self.workdir().join(name),
-            DRIVER_SERVICE_ACCOUNT,
-            Some(name),
-        )?;
+        let kubeconfig = self.driver_kubeconfig(name).await?;
         let path = |p: &Path| p.display().to_string();
         let args = vec![
             "--node-name".to_string(),
@@ -314,30 +382,51 @@ impl Bench {
         Ok(node)
     }
 
-    /// Starts drivers without kubelets (slice publishing only); their Node objects exist first.
-    pub async fn spawn_publishers(
-        &self,
-        names: &[String],
-        fake_gpus: &str,
-    ) -> anyhow::Result<Vec<BenchNode>> {
+    /// What drivers without kubelets (slice publishing only) need before they start, as a
+    /// DaemonSet's pods have it: their Node objects, folders and tokens.
+    pub async fn prepare_publishers(&self, names: &[String]) -> anyhow::Result<Vec<Publisher>> {
         let mut prepared = Vec::new();
         for name in names {
             self.create_node_object(name).await?;
-            prepared.push((name, self.node_dirs(name)?));
-        }
-        let mut nodes = Vec::new();
-        for (name, (dirs, libs)) in prepared {
-            let driver = self.spawn_driver(name, fake_gpus, &dirs, &libs)?;
-            nodes.push(BenchNode {
+            let (dirs, libs) = self.node_dirs(name)?;
+            let kubeconfig = self.driver_kubeconfig(name).await?;
+            prepared.push(Publisher {
                 name: name.clone(),
-                kubelet: None,
-                driver,
+                dirs,
+                libs,
+                kubeconfig,
             });
         }
-        Ok(nodes)
+        Ok(prepared)
+    }
+
+    /// Starts the prepared publishers' drivers.
+    pub fn spawn_publishers(
+        &self,
+        publishers: &[Publisher],
+        fake_gpus: &str,
+    ) -> anyhow::Result<Vec<BenchNode>> {
+        publishers
+            .iter()
+            .map(|p| {
+                let driver =
+                    self.spawn_driver(&p.name, fake_gpus, &p.dirs, &p.libs, &p.kubeconfig)?;
+                Ok(BenchNode {
+                    name: p.name.clone(),
+                    kubelet: None,
+                    driver,
+                })
+            })
+            .collect()
     }
 
     async fn create_node_object(&self, name: &str) -> anyhow::Result<()> {
+        if let Server::KubeApiserver(plane) = &self.server {
+            plane
+                .create_node(&self.client, &NodeShape::new(name))
+                .await?;
+            return Ok(());
+        }
         let node: Node = serde_json::from_value(json!({
             "apiVersion": "v1", "kind": "Node",
             "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
@@ -427,7 +516,15 @@ impl Bench {
     }
 }
 
-/// A kube client for the emulator whose requests carry the bench's user agent.
+/// A publish-only node, ready to start its driver.
+pub struct Publisher {
+    name: String,
+    dirs: NodeDirs,
+    libs: PathBuf,
+    kubeconfig: PathBuf,
+}
+
+/// A kube client for the API server whose requests carry the bench's user agent.
 async fn bench_client(kubeconfig: &Path) -> anyhow::Result<Client> {
     let parsed = Kubeconfig::read_from(kubeconfig)
         .with_context(|| format!("reading {}", kubeconfig.display()))?;

@@ -24,8 +24,8 @@ use gpupool_e2e::harness::{
 use gpupool_e2e::kubelet::Kubelet;
 use kube::api::GetParams;
 
-use cluster::{prepare_one, unprepare_one, Bench};
-use patterns::{Pacing, Plugin};
+use cluster::{prepare_one, unprepare_one, Bench, ServerChoice};
+use patterns::{Pacing, Pattern, Plugin};
 use report::{ApiSettings, ClaimKind, LatencyCell, Memory, Publishing, Report, Soak, Startup};
 
 const PROFILE: &str = "a100-40gb";
@@ -70,6 +70,10 @@ struct Args {
     /// Seed of the profile's delays.
     #[arg(long, default_value_t = 0)]
     api_seed: u64,
+    /// Against the real kube-apiserver and etcd (the control plane binaries of `GPUPOOL_KUBE_BIN`
+    /// or `KUBEBUILDER_ASSETS`) instead of the emulator; requests are counted from its audit log.
+    #[arg(long, conflicts_with_all = ["api_profile", "api_seed"])]
+    kube_apiserver: bool,
     /// The reference plugin's binary (what a driver on upstream's Go helper does per call); by
     /// default the one next to this binary.
     #[arg(long, env = "GPUPOOL_REFERENCE_PLUGIN_BIN")]
@@ -160,12 +164,22 @@ async fn run(args: &Args) -> anyhow::Result<Report> {
     let api_options = ApiServerOptions::default()
         .profile(args.api_profile)
         .seed(args.api_seed);
-    let api = ApiSettings {
+    let mut api = ApiSettings {
+        server: "the API server emulator".into(),
         profile: args.api_profile,
         seed: args.api_seed,
         cache_lag_us: api_options.effective_cache_lag().as_secs_f64() * 1e6,
     };
-    let bench = Bench::start(driver_bin.clone(), api_options).await?;
+    let choice = if args.kube_apiserver {
+        ServerChoice::KubeApiserver
+    } else {
+        ServerChoice::Emulator(api_options)
+    };
+    let bench = Bench::start(driver_bin.clone(), choice).await?;
+    if args.kube_apiserver {
+        let version = bench.client.apiserver_version().await?;
+        api.server = format!("kube-apiserver {} with etcd", version.git_version);
+    }
     let gpus = format!("{PROFILE}:{GPUS}");
 
     progress("start-up");
@@ -223,7 +237,7 @@ async fn run(args: &Args) -> anyhow::Result<Report> {
     let api_get_claim_cached = time_claim_gets(&bench, &probe, &GetParams::any(), gets).await?;
     let repeat_prepare = time_repeated_prepares(kubelet, &probe, plan.cycles.min(1000)).await?;
 
-    let first_cycle_request = bench.apiserver.requests().len();
+    let first_cycle_request = bench.requests().len();
     let mut latency = Vec::new();
     for kind in [ClaimKind::Whole, ClaimKind::Fractional] {
         for &concurrency in &plan.concurrency {
@@ -243,7 +257,7 @@ async fn run(args: &Args) -> anyhow::Result<Report> {
     // The driver writes a claim's status after answering: let the last cycles' writes land.
     settle_requests(&bench).await;
     let api_requests = requests::per_cycle(
-        &bench.apiserver.requests()[first_cycle_request..],
+        &bench.requests()[first_cycle_request..],
         latency.iter().map(|c| c.cycles).sum(),
     );
 
@@ -306,13 +320,19 @@ async fn run_patterns(
         ),
     ];
     let mut runs = Vec::new();
-    for &(plugin, kubelet, pool) in nodes.iter() {
-        progress(&format!(
-            "serial pattern: {}, {} pods on one claim",
-            plugin.label(),
-            plan.pattern_cycles
-        ));
-        runs.push(patterns::serial(bench, kubelet, plugin, pool, plan.pattern_cycles).await?);
+    for pattern in [Pattern::Serial, Pattern::Reprepare] {
+        for &(plugin, kubelet, pool) in nodes.iter() {
+            progress(&format!(
+                "{} pattern: {}, {} cycles on one claim",
+                pattern.label(),
+                plugin.label(),
+                plan.pattern_cycles
+            ));
+            runs.push(
+                patterns::serial(bench, kubelet, plugin, pool, plan.pattern_cycles, pattern)
+                    .await?,
+            );
+        }
     }
     for &(plugin, kubelet, pool) in nodes.iter().rev() {
         progress(&format!(
@@ -343,7 +363,6 @@ async fn settle_requests(bench: &Bench) {
     let started = Instant::now();
     let driver_requests = || {
         bench
-            .apiserver
             .requests()
             .iter()
             .filter(|r| !requests::is_bench(r))
@@ -520,9 +539,10 @@ async fn publish(
     let names: Vec<String> = (0..nodes).map(|i| format!("pub{step}-{i}")).collect();
     let wanted: BTreeSet<String> = names.iter().cloned().collect();
     let devices = nodes * GPUS;
-    let first_request = bench.apiserver.requests().len();
+    let publishers = bench.prepare_publishers(&names).await?;
+    let first_request = bench.requests().len();
     let started = Instant::now();
-    let drivers = bench.spawn_publishers(&names, gpus).await?;
+    let drivers = bench.spawn_publishers(&publishers, gpus)?;
     let slices = loop {
         let (published, slices) = bench.published_devices(&wanted).await?;
         if published >= devices {
@@ -537,9 +557,9 @@ async fn publish(
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
     let seconds = started.elapsed().as_secs_f64();
-    let until_published = requests::driver_requests(&bench.apiserver.requests()[first_request..]);
+    let until_published = requests::driver_requests(&bench.requests()[first_request..]);
     tokio::time::sleep(SETTLE).await;
-    let after_settle = requests::driver_requests(&bench.apiserver.requests()[first_request..]);
+    let after_settle = requests::driver_requests(&bench.requests()[first_request..]);
     drop(drivers);
     Ok(Publishing {
         nodes,

@@ -8,6 +8,8 @@
 //! - **serial**: one claim allocated once and a pod re-created on it over and over: before each
 //!   prepare the claim is reserved for the new pod (as the scheduler does), then prepare and
 //!   unprepare back to back.
+//! - **re-prepare**: one claim and one consumer prepared again after each unprepare (as after a
+//!   kubelet restart): the claim, its allocation and its reservation never change.
 
 use std::time::{Duration, Instant};
 
@@ -59,6 +61,7 @@ impl Plugin {
 pub enum Pattern {
     Realistic,
     Serial,
+    Reprepare,
 }
 
 impl Pattern {
@@ -66,6 +69,7 @@ impl Pattern {
         match self {
             Pattern::Realistic => "realistic",
             Pattern::Serial => "serial",
+            Pattern::Reprepare => "re-prepare",
         }
     }
 }
@@ -99,14 +103,7 @@ pub struct PatternRun {
 async fn settle(bench: &Bench, plugin: Plugin) {
     tokio::time::sleep(gpupool_driver::prepare::STATUS_WRITE_DELAY + Duration::from_millis(100))
         .await;
-    let count = || {
-        bench
-            .apiserver
-            .requests()
-            .iter()
-            .filter(|r| plugin.made(r))
-            .count()
-    };
+    let count = || bench.requests().iter().filter(|r| plugin.made(r)).count();
     let started = Instant::now();
     let mut seen = count();
     while started.elapsed() < Duration::from_secs(10) {
@@ -167,7 +164,7 @@ pub async fn realistic(
     let claims = bench
         .create_claims(&prefix, count, ClaimKind::Fractional, pool, gpus)
         .await?;
-    let first = bench.apiserver.requests().len();
+    let first = bench.requests().len();
     let started = Instant::now();
     let pods = claims.iter().enumerate().map(|(i, claim)| async move {
         let start_at = started + Duration::from_millis(pacing.interval_ms * i as u64);
@@ -186,29 +183,31 @@ pub async fn realistic(
     Ok(finish(
         Pattern::Realistic,
         plugin,
-        &bench.apiserver.requests()[first..],
+        &bench.requests()[first..],
         &prepare,
         &unprepare,
     ))
 }
 
-/// The serial pattern on `pool` (served by `plugin`): one claim, `cycles` pods re-created on it.
+/// The serial pattern on `pool` (served by `plugin`): one claim, `cycles` pods re-created on it;
+/// or, as [`Pattern::Reprepare`], the one pod's claim prepared again after each unprepare.
 pub async fn serial(
     bench: &Bench,
     kubelet: &Kubelet,
     plugin: Plugin,
     pool: &str,
     cycles: usize,
+    pattern: Pattern,
 ) -> anyhow::Result<PatternRun> {
-    let name = format!("serial-{}", plugin.label());
+    let name = format!("{}-{}", pattern.label(), plugin.label());
     let claim = bench
         .create_allocated_claim(&name, ClaimKind::Fractional, pool, "gpu-0")
         .await?;
     let api: Api<ResourceClaim> = Api::namespaced(bench.client.clone(), NAMESPACE);
-    let first = bench.apiserver.requests().len();
+    let first = bench.requests().len();
     let (mut prepare, mut unprepare) = (Vec::new(), Vec::new());
     for i in 0..cycles {
-        if i > 0 {
+        if i > 0 && pattern == Pattern::Serial {
             reserve_for_new_pod(&api, &claim, i).await?;
         }
         let t = Instant::now();
@@ -220,9 +219,9 @@ pub async fn serial(
     }
     settle(bench, plugin).await;
     Ok(finish(
-        Pattern::Serial,
+        pattern,
         plugin,
-        &bench.apiserver.requests()[first..],
+        &bench.requests()[first..],
         &prepare,
         &unprepare,
     ))

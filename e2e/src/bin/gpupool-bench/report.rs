@@ -87,9 +87,10 @@ pub struct Publishing {
     pub requests_after_settle: BTreeMap<String, usize>,
 }
 
-/// What the API server emulator charged in this run.
+/// The API server of this run, and what the emulator charged (when it was the emulator).
 #[derive(Clone, Debug, Serialize)]
 pub struct ApiSettings {
+    pub server: String,
     pub profile: ApiProfile,
     pub seed: u64,
     /// How far `resourceVersion=0` GETs of one object lagged behind writes.
@@ -150,7 +151,8 @@ pub struct Report {
     /// A prepare of a claim already prepared (answered from the checkpoint): the gRPC round trip
     /// and the driver's dispatch, the other floor of prepare latency.
     pub repeat_prepare: Summary,
-    /// The realistic and serial patterns, each against gpupool and the reference plugin.
+    /// The realistic, serial and re-prepare patterns, each against gpupool and the reference
+    /// plugin.
     pub patterns: Vec<PatternRun>,
     /// How the realistic pattern paced its pods.
     pub pacing: Pacing,
@@ -226,7 +228,7 @@ pub fn check_targets(report: &Report) -> Vec<TargetCheck> {
             }
         }
     }
-    for pattern in [Pattern::Realistic, Pattern::Serial] {
+    for pattern in [Pattern::Realistic, Pattern::Serial, Pattern::Reprepare] {
         let label = pattern.label();
         let mut ratio_at_most = |what: &str, figure: fn(&PatternRun) -> f64, limit: f64| {
             if let Some(r) = ratio(report, pattern, figure) {
@@ -321,7 +323,7 @@ fn write_patterns(out: &mut String, report: &Report) {
     let pacing = &report.pacing;
     let _ = writeln!(
         out,
-        "\npatterns (fractional claims; realistic: a new pod every {} ms, living {} ms; serial: one claim, a pod re-created on it):",
+        "\npatterns (fractional claims; realistic: a new pod every {} ms, living {} ms; serial: one claim, a pod re-created on it; re-prepare: one claim, the same pod prepared again):",
         pacing.interval_ms, pacing.lifetime_ms
     );
     let _ = writeln!(
@@ -350,7 +352,7 @@ fn write_patterns(out: &mut String, report: &Report) {
             run.writes_per_cycle
         );
     }
-    for pattern in [Pattern::Realistic, Pattern::Serial] {
+    for pattern in [Pattern::Realistic, Pattern::Serial, Pattern::Reprepare] {
         let r = |figure: fn(&PatternRun) -> f64| ratio(report, pattern, figure);
         if let (Some(p50), Some(p99), Some(u50)) = (
             r(|r| r.prepare.p50_us),
@@ -386,13 +388,18 @@ pub fn render_table(report: &Report) -> String {
         report.gpus,
         if report.short { " (--short)" } else { "" }
     );
-    let _ = writeln!(
-        out,
-        "API profile: {} (seed {}, watch cache lag {:.1} ms)\n",
-        report.api.profile,
-        report.api.seed,
-        report.api.cache_lag_us / 1e3
-    );
+    if report.api.server.starts_with("kube-apiserver") {
+        let _ = writeln!(out, "API server: {}\n", report.api.server);
+    } else {
+        let _ = writeln!(
+            out,
+            "API server: {}, profile {} (seed {}, watch cache lag {:.1} ms)\n",
+            report.api.server,
+            report.api.profile,
+            report.api.seed,
+            report.api.cache_lag_us / 1e3
+        );
+    }
     let _ = writeln!(
         out,
         "folders: state on {}, CDI and run folders on {}\n",
@@ -429,7 +436,7 @@ pub fn render_table(report: &Report) -> String {
     }
 
     let get = &report.api_get_claim;
-    write_calls(&mut out, "API claim GET (bench client -> emulator)", get);
+    write_calls(&mut out, "API claim GET (bench client -> API server)", get);
     let cached = &report.api_get_claim_cached;
     write_calls(
         &mut out,
@@ -601,6 +608,7 @@ mod tests {
             runtime_folders: "tmpfs (/dev/shm/c)".into(),
             short: false,
             api: ApiSettings {
+                server: "the API server emulator".into(),
                 profile: ApiProfile::Real,
                 seed: 3,
                 cache_lag_us: 1000.0,
@@ -797,7 +805,7 @@ mod tests {
         assert!(table.contains("20.0"), "{table}");
         assert!(
             table.contains(
-                "API claim GET (bench client -> emulator), 10 calls: p50 200 µs, p99 900 µs"
+                "API claim GET (bench client -> API server), 10 calls: p50 200 µs, p99 900 µs"
             ),
             "{table}"
         );
@@ -818,7 +826,7 @@ mod tests {
         assert!(table.contains("40.0 ms / 60.0 ms"), "{table}");
         assert!(table.contains("       8  GET nodes"), "{table}");
         assert!(
-            table.contains("API profile: real (seed 3, watch cache lag 1.0 ms)"),
+            table.contains("profile real (seed 3, watch cache lag 1.0 ms)"),
             "{table}"
         );
         assert!(

@@ -1,0 +1,123 @@
+//! Where the control plane's binaries come from: a folder named by `GPUPOOL_KUBE_BIN`, else by
+//! `KUBEBUILDER_ASSETS` (what controller-runtime's `setup-envtest use -p path` prints; its folder
+//! holds `etcd` and `kube-apiserver`, to which the scheduler and the controller-manager are added).
+
+use std::path::{Path, PathBuf};
+
+/// Environment that points the harness at the binaries, and makes their absence a failure.
+pub mod env {
+    /// A folder with `etcd`, `kube-apiserver`, `kube-scheduler` and `kube-controller-manager`.
+    pub const KUBE_BIN: &str = "GPUPOOL_KUBE_BIN";
+    /// envtest's convention for the same folder, read when `GPUPOOL_KUBE_BIN` is not set.
+    pub const KUBEBUILDER_ASSETS: &str = "KUBEBUILDER_ASSETS";
+    /// `1` (CI): a scenario that needs the control plane fails, instead of skipping, without it.
+    pub const KUBE_REQUIRED: &str = "GPUPOOL_KUBE_REQUIRED";
+}
+
+pub const ETCD: &str = "etcd";
+pub const KUBE_APISERVER: &str = "kube-apiserver";
+pub const KUBE_SCHEDULER: &str = "kube-scheduler";
+pub const KUBE_CONTROLLER_MANAGER: &str = "kube-controller-manager";
+const ALL: [&str; 4] = [
+    ETCD,
+    KUBE_APISERVER,
+    KUBE_SCHEDULER,
+    KUBE_CONTROLLER_MANAGER,
+];
+
+/// The four executables of a control plane.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KubeBinaries {
+    pub etcd: PathBuf,
+    pub apiserver: PathBuf,
+    pub scheduler: PathBuf,
+    pub controller_manager: PathBuf,
+}
+
+impl KubeBinaries {
+    /// The binaries in `dir`, or why they cannot be used (which are missing).
+    pub fn in_dir(dir: &Path) -> Result<KubeBinaries, String> {
+        let missing: Vec<&str> = ALL
+            .iter()
+            .copied()
+            .filter(|name| !is_executable(&dir.join(name)))
+            .collect();
+        if !missing.is_empty() {
+            return Err(format!(
+                "{} lacks {} (needs {})",
+                dir.display(),
+                missing.join(", "),
+                ALL.join(", ")
+            ));
+        }
+        Ok(KubeBinaries {
+            etcd: dir.join(ETCD),
+            apiserver: dir.join(KUBE_APISERVER),
+            scheduler: dir.join(KUBE_SCHEDULER),
+            controller_manager: dir.join(KUBE_CONTROLLER_MANAGER),
+        })
+    }
+
+    /// The binaries the environment names, or the one line that says why there are none.
+    pub fn from_env() -> Result<KubeBinaries, String> {
+        let dir = [env::KUBE_BIN, env::KUBEBUILDER_ASSETS]
+            .iter()
+            .find_map(|var| {
+                std::env::var_os(var)
+                    .filter(|v| !v.is_empty())
+                    .map(|v| (*var, PathBuf::from(v)))
+            });
+        match dir {
+            None => Err(format!(
+                "no Kubernetes control plane binaries: set {} (or {}) to a folder with {}",
+                env::KUBE_BIN,
+                env::KUBEBUILDER_ASSETS,
+                ALL.join(", ")
+            )),
+            Some((var, dir)) => Self::in_dir(&dir).map_err(|why| format!("{var}: {why}")),
+        }
+    }
+}
+
+/// Whether a scenario without the binaries must fail rather than skip (`GPUPOOL_KUBE_REQUIRED=1`).
+pub fn required() -> bool {
+    std::env::var(env::KUBE_REQUIRED).is_ok_and(|v| v == "1" || v == "true")
+}
+
+fn is_executable(path: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn a_folder_missing_binaries_is_refused_naming_them() {
+        let dir = tempfile::tempdir().unwrap();
+        for name in [ETCD, KUBE_APISERVER] {
+            let path = dir.path().join(name);
+            std::fs::write(&path, "").unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        // Present but not executable counts as missing.
+        std::fs::write(dir.path().join(KUBE_SCHEDULER), "").unwrap();
+        let err = KubeBinaries::in_dir(dir.path()).unwrap_err();
+        assert!(
+            err.ends_with(
+                "lacks kube-scheduler, kube-controller-manager (needs etcd, kube-apiserver, \
+                 kube-scheduler, kube-controller-manager)"
+            ),
+            "{err}"
+        );
+        for name in [KUBE_SCHEDULER, KUBE_CONTROLLER_MANAGER] {
+            let path = dir.path().join(name);
+            std::fs::write(&path, "").unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        let found = KubeBinaries::in_dir(dir.path()).unwrap();
+        assert_eq!(found.scheduler, dir.path().join(KUBE_SCHEDULER));
+    }
+}
