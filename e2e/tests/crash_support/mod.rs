@@ -570,8 +570,26 @@ impl CrashNode {
                 gpupool_driver::mig::fake::STATE_FILE,
                 // The MPS daemons' folders, one per card (checked by the MPS tests).
                 gpupool_driver::mps::layout::MPS_DIR,
+                // The cards' arbiter files (checked below).
+                gpupool_driver::node_state::layout::ARBITER_DIR_NAME,
             ])
             .collect();
+        // A card's arbiter is a plain file named by the card's UUID, writable by every container
+        // user, and nothing else is there.
+        let arbiters = self
+            .dirs
+            .run
+            .join(gpupool_driver::node_state::layout::ARBITER_DIR_NAME);
+        for name in list_dir(&arbiters) {
+            let meta = std::fs::symlink_metadata(arbiters.join(&name));
+            let plain = meta.as_ref().is_ok_and(|m| {
+                use std::os::unix::fs::PermissionsExt;
+                m.is_file() && m.permissions().mode() & 0o7777 == 0o666
+            });
+            if !name.starts_with("GPU-") || !plain {
+                problems.push(format!("run folder: unexpected arbiter {name} ({meta:?})"));
+            }
+        }
         for name in list_dir(&self.dirs.run) {
             if !run_files.contains(&name.as_str())
                 && !gpupool_driver::health::inject::is_socket_name(&name)

@@ -145,8 +145,15 @@ fn alone_with_the_default_policy_a_container_gets_the_whole_card() {
 #[test]
 fn force_caps_a_container_alone_at_its_share() {
     let _serial = one_at_a_time();
-    let share = alone("25", Some("FORCE"));
-    assert!((0.20..=0.30).contains(&share), "{share}");
+    // A second try, as for the pairs: a stand-in starved of a core for a second gives a share
+    // below the cap; a cap that does not hold (or starves the container) fails both tries.
+    let holds = |share: f64| (0.20..=0.30).contains(&share);
+    let first = alone("25", Some("FORCE"));
+    if holds(first) {
+        return;
+    }
+    let second = alone("25", Some("FORCE"));
+    assert!(holds(second), "FORCE 25 gave {first:.3}, then {second:.3}");
 }
 
 #[test]
