@@ -1,11 +1,12 @@
 //! Gang scheduling (Kubernetes 1.36 native, alpha) with gpupool claims on the real kube-scheduler:
 //! deploy/examples/gang/training-4x-h100.yaml, a PodGroup of four workers with one whole H100 each,
 //! applied to a plane of its own with the gang gates and API on (`PlaneOptions::gang_scheduling`).
-//! The node is a hand-made HGX-like node with four H100s on one NVSwitch board, its ResourceSlices the
-//! driver's own (no driver process), its DeviceClasses the controller's own for the example's
-//! GpuModels (no controller process). One card is held by another claim: three are free, the gang
-//! needs four, so no worker binds and no worker's claim is allocated; once that card is freed, all
-//! four bind, each claim on a card of its own.
+//! Two hand-made HGX-like nodes: `hgx-0` with four H100s on one NVSwitch board, `hgx-1` with two;
+//! their ResourceSlices the driver's own (no driver process), the DeviceClasses the controller's own
+//! for the example's GpuModels (no controller process). One card of `hgx-0` is held by another claim:
+//! five cards are free in all but no node has four, and the example keeps its workers on one node, so
+//! no worker binds and no worker's claim is allocated; once that card is freed, all four bind on
+//! `hgx-0`, each claim on a card of its own, all on one NVLink domain.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -27,7 +28,10 @@ use kube::api::{DeleteParams, PostParams};
 use kube::{Api, Client};
 
 const NS: &str = "default";
+/// Four cards: the node the gang fits on once its fourth card is free.
 const NODE: &str = "hgx-0";
+/// Two cards: with them, five are free while the gang waits, never four on one node.
+const SMALL_NODE: &str = "hgx-1";
 /// The example's workers and its PodGroup's minCount.
 const WORKERS: [&str; 4] = ["train-0", "train-1", "train-2", "train-3"];
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -110,6 +114,20 @@ async fn workers(client: &Client) -> Vec<Pod> {
     out
 }
 
+/// Each worker's node and PodScheduled condition, for a failure's message.
+fn scheduling_summary(pods: &[Pod]) -> Vec<String> {
+    pods.iter()
+        .map(|p| {
+            format!(
+                "{} on {:?}, PodScheduled {:?}",
+                p.metadata.name.as_deref().unwrap_or_default(),
+                node_of(p),
+                condition(p, "PodScheduled")
+            )
+        })
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gang_that_does_not_fit_holds_no_card_and_binds_whole_once_it_fits() {
     let started = Instant::now();
@@ -124,16 +142,23 @@ async fn a_gang_that_does_not_fit_holds_no_card_and_binds_whole_once_it_fits() {
         panic!("{what}")
     };
 
-    // The node, its four cards on one NVSwitch board, and the classes the example names.
-    plane
-        .create_node(&admin, &NodeShape::new(NODE))
-        .await
-        .unwrap_or_else(|e| fail(e.to_string()));
-    let slices = fake_node_slices(NODE, "h100-80gb:4+nvswitch", &BTreeMap::new()).unwrap();
-    plane
-        .publish_slices(&admin, &slices)
-        .await
-        .unwrap_or_else(|e| fail(e.to_string()));
+    // The nodes, each with its cards on one NVSwitch board, and the classes the example names.
+    let mut slices = Vec::new();
+    for (node, cards) in [
+        (NODE, "h100-80gb:4+nvswitch"),
+        (SMALL_NODE, "h100-80gb:2+nvswitch"),
+    ] {
+        plane
+            .create_node(&admin, &NodeShape::new(node))
+            .await
+            .unwrap_or_else(|e| fail(e.to_string()));
+        let published = fake_node_slices(node, cards, &BTreeMap::new()).unwrap();
+        plane
+            .publish_slices(&admin, &published)
+            .await
+            .unwrap_or_else(|e| fail(e.to_string()));
+        slices.extend(published);
+    }
     let classes = controller_classes(&slices);
     assert!(
         classes
@@ -149,7 +174,8 @@ async fn a_gang_that_does_not_fit_holds_no_card_and_binds_whole_once_it_fits() {
             .unwrap_or_else(|e| fail(format!("creating {:?}: {e}", class.metadata.name)));
     }
 
-    // Another claim holds card 3 whole (no capacity request: all its memory): three cards free.
+    // Another claim holds card 3 of hgx-0 whole (no capacity request: all its memory): three cards
+    // free there, two on hgx-1.
     let held_uuid = gpupool_driver::inventory::fake::fake_uuid(NODE, 3);
     // (The harness's `Request::on` cannot pin it: its class takes MIG devices too, which have no
     // uuid attribute until they are prepared, so its selector fails on an H100 node.)
@@ -253,13 +279,19 @@ async fn a_gang_that_does_not_fit_holds_no_card_and_binds_whole_once_it_fits() {
     .await
     .unwrap_or_else(|e| fail(e.to_string()));
 
-    let bound = wait_for("every worker to bind", TIMEOUT, || async {
+    let bound = match wait_for("every worker to bind", TIMEOUT, || async {
         let workers = workers(&admin).await;
         let nodes: Vec<String> = workers.iter().filter_map(node_of).collect();
         (nodes.len() == WORKERS.len()).then_some(nodes)
     })
     .await
-    .unwrap_or_else(|e| fail(e.to_string()));
+    {
+        Ok(bound) => bound,
+        Err(e) => {
+            let workers = scheduling_summary(&workers(&admin).await);
+            fail(format!("{e}; the workers: {workers:?}"))
+        }
+    };
     assert_eq!(bound, [NODE; 4]);
 
     let domains: BTreeMap<String, String> = slices
@@ -324,7 +356,7 @@ async fn a_gang_that_does_not_fit_holds_no_card_and_binds_whole_once_it_fits() {
     let one_domain: BTreeSet<&String> = cards.iter().map(|c| &domains[c]).collect();
     assert_eq!(one_domain.len(), 1, "{one_domain:?}");
     println!(
-        "gang_scheduling: refused with 3 cards free after {decided_at:?}, all bound {:?} after the start",
+        "gang_scheduling: refused with 3 + 2 cards free after {decided_at:?}, all bound {:?} after the start",
         started.elapsed()
     );
 }
