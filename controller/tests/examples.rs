@@ -224,3 +224,47 @@ fn mig_fraction_and_nvlink_examples_name_classes_the_controller_makes() {
         ]
     );
 }
+
+#[test]
+fn the_gang_example_asks_each_worker_for_a_whole_card_of_a_class_the_controller_makes() {
+    let docs = documents("gang/training-4x-h100.yaml");
+    let kinds: Vec<&str> = docs.iter().map(|d| d["kind"].as_str().unwrap()).collect();
+    assert_eq!(
+        kinds,
+        [
+            "PodGroup",
+            "ResourceClaimTemplate",
+            "Pod",
+            "Pod",
+            "Pod",
+            "Pod"
+        ]
+    );
+    assert_eq!(docs[0]["spec"]["schedulingPolicy"]["gang"]["minCount"], 4);
+    let template: ResourceClaimTemplate = typed(&docs[1]);
+    let requests = template.spec.spec.devices.unwrap().requests.unwrap();
+    let exactly = requests[0].exactly.as_ref().unwrap();
+    assert_eq!(exactly.device_class_name, "h100-80gb-hbm3.gpupool.dev");
+    assert!(class_names().contains(&exactly.device_class_name));
+    // A whole card: one device, no capacity request (the default is the card's whole memory).
+    assert_eq!((requests.len(), exactly.count), (1, Some(1)));
+    assert!(exactly.capacity.is_none());
+    // Pods stay JSON: k8s-openapi's PodSpec has no schedulingGroup yet.
+    for (i, pod) in docs[2..].iter().enumerate() {
+        let spec = &pod["spec"];
+        assert_eq!(
+            spec["schedulingGroup"]["podGroupName"], "train",
+            "worker {i}"
+        );
+        assert_eq!(
+            spec["resourceClaims"][0]["resourceClaimTemplateName"], "train-one-h100",
+            "worker {i}"
+        );
+        assert_eq!(
+            spec["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+                ["topologyKey"],
+            "kubernetes.io/hostname",
+            "worker {i}"
+        );
+    }
+}

@@ -29,7 +29,7 @@ use kube::{Api, Client, Config};
 use serde_json::Value;
 
 use crate::kubelet::{Kubelet, KubeletConfig, KubeletError, Registration};
-use crate::plane::{ControlPlane, NodeShape, PlaneError};
+use crate::plane::{ControlPlane, NodeShape, PlaneError, PlaneOptions};
 pub use apply::{apply_objects, parse_manifests, ApplyError};
 pub use process::{find_binary, print_log_tail, ManagedProcess, ProcessError, Program, Programs};
 
@@ -403,6 +403,21 @@ impl Drop for TestCluster {
 /// binary fails the test instead, and a plane that does not start always does.
 pub async fn plane_or_skip(test: &str) -> Option<&'static ControlPlane> {
     match ControlPlane::shared().await {
+        Ok(plane) => Some(plane),
+        Err(PlaneError::Unavailable(why)) if !crate::plane::binaries::required() => {
+            println!("skipping {test}: {why}");
+            None
+        }
+        Err(err) => panic!("{test}: {err}"),
+    }
+}
+
+/// A control plane of `test`'s own, started with `options` (alpha gates, other APIs), or `None`
+/// after printing the one line that says why `test` skips (no binaries). As with
+/// [`plane_or_skip`], `GPUPOOL_KUBE_REQUIRED=1` makes a missing binary a failure, and a plane that
+/// does not start always fails. Stopped when dropped.
+pub async fn own_plane_or_skip(test: &str, options: PlaneOptions) -> Option<ControlPlane> {
+    match ControlPlane::start(options).await {
         Ok(plane) => Some(plane),
         Err(PlaneError::Unavailable(why)) if !crate::plane::binaries::required() => {
             println!("skipping {test}: {why}");

@@ -99,6 +99,22 @@ impl PlaneOptions {
     }
 }
 
+/// Kubernetes 1.36 native gang scheduling (alpha), as the gang scenario and
+/// deploy/examples/gang/ need it.
+pub const GANG_FEATURE_GATE: &str = "GenericWorkload";
+pub const GANG_SCHEDULER_FEATURE_GATE: &str = "GangScheduling";
+pub const GANG_RUNTIME_CONFIG: &str = "scheduling.k8s.io/v1alpha2=true";
+
+impl PlaneOptions {
+    /// Gang scheduling on: `GenericWorkload` on every component, `GangScheduling` on
+    /// kube-scheduler, and the `scheduling.k8s.io/v1alpha2` API (PodGroup, Workload) served.
+    pub fn gang_scheduling(self) -> Self {
+        self.feature_gate(GANG_FEATURE_GATE)
+            .scheduler_feature_gate(GANG_SCHEDULER_FEATURE_GATE)
+            .runtime_config(GANG_RUNTIME_CONFIG)
+    }
+}
+
 /// Loopback ports of one plane.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Ports {
@@ -464,6 +480,29 @@ mod tests {
             value_of(&manager, "--controllers"),
             "*,-node-lifecycle-controller"
         );
+    }
+
+    #[test]
+    fn gang_scheduling_turns_on_the_alpha_gates_and_api_where_each_belongs() {
+        let options = PlaneOptions::default().gang_scheduling();
+        let apiserver = apiserver_args(&files(), PORTS, &options);
+        let scheduler = scheduler_args(&files(), PORTS, &options);
+        let manager = controller_manager_args(&files(), PORTS, &options);
+        for args in [&apiserver, &scheduler, &manager] {
+            let gates = value_of(args, "--feature-gates");
+            let on = |gate: &str| gates.split(',').any(|g| g == format!("{gate}=true"));
+            assert!(on("GenericWorkload"), "{gates}");
+            assert!(on("DynamicResourceAllocation"), "{gates}");
+            assert_eq!(
+                on("GangScheduling"),
+                std::ptr::eq(args, &scheduler),
+                "{gates}"
+            );
+        }
+        assert!(
+            value_of(&apiserver, "--runtime-config").ends_with(",scheduling.k8s.io/v1alpha2=true")
+        );
+        assert!(!scheduler.iter().any(|a| a == "--runtime-config"));
     }
 
     #[test]
