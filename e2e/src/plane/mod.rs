@@ -150,7 +150,26 @@ impl ControlPlane {
             .map_err(|e| PlaneError::SharedFailed(e.clone()))
     }
 
+    /// Starts the plane; a start that lost one of its ports to another process between choosing
+    /// and binding it (the components bind seconds apart) is made again with other ports.
     pub async fn start_with(
+        binaries: &KubeBinaries,
+        options: PlaneOptions,
+    ) -> Result<ControlPlane, PlaneError> {
+        const TRIES: usize = 3;
+        let mut tries = 1;
+        loop {
+            match Self::start_once(binaries, options.clone()).await {
+                Err(err) if tries < TRIES && lost_a_port(&err) => {
+                    tracing::warn!("control plane start lost a port, starting again: {err}");
+                    tries += 1;
+                }
+                outcome => return outcome,
+            }
+        }
+    }
+
+    async fn start_once(
         binaries: &KubeBinaries,
         options: PlaneOptions,
     ) -> Result<ControlPlane, PlaneError> {
@@ -520,17 +539,35 @@ fn log_tail(log: &str, lines: usize) -> String {
     all[all.len().saturating_sub(lines)..].join("\n")
 }
 
-/// Five free loopback ports, taken at once so none is handed out twice.
+/// Whether a start failed because a component could not bind the port it was given.
+fn lost_a_port(err: &PlaneError) -> bool {
+    matches!(err, PlaneError::Exited { log, .. } if log.contains("address already in use"))
+}
+
+/// Five free loopback ports, taken at once so none is handed out twice, below the kernel's
+/// ephemeral range: a port from that range, free when chosen, can become the source port of any
+/// outgoing connection (the tests make thousands) before the component that was given it binds it.
 fn free_ports() -> Result<flags::Ports, PlaneError> {
-    let listeners = (0..5)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(io_err("finding free loopback ports"))?;
+    let ephemeral_start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let below = ephemeral_start.saturating_sub(1).max(PORTS_FROM + 1000);
+    let first = rand::random_range(PORTS_FROM..below);
+    let listeners: Vec<std::net::TcpListener> = (first..below)
+        .chain(PORTS_FROM..first)
+        .filter_map(|port| std::net::TcpListener::bind(("127.0.0.1", port)).ok())
+        .take(5)
+        .collect();
     let port = |i: usize| {
-        listeners[i]
-            .local_addr()
+        listeners
+            .get(i)
+            .and_then(|l| l.local_addr().ok())
             .map(|a| a.port())
-            .map_err(io_err("finding free loopback ports"))
+            .ok_or_else(|| PlaneError::Io {
+                what: format!("finding free loopback ports in {PORTS_FROM}..{below}"),
+                source: std::io::Error::from(std::io::ErrorKind::AddrInUse),
+            })
     };
     Ok(flags::Ports {
         etcd_client: port(0)?,
@@ -540,6 +577,9 @@ fn free_ports() -> Result<flags::Ports, PlaneError> {
         controller_manager: port(4)?,
     })
 }
+
+/// Where the planes' ports are looked for, up to the ephemeral range.
+const PORTS_FROM: u16 = 20000;
 
 /// A kubeconfig for `server` trusting `ca`, authenticating as `user` (a kubeconfig `user` entry).
 pub fn kubeconfig_yaml(server: &str, ca: &Path, user: serde_json::Value) -> String {
@@ -568,4 +608,41 @@ fn write_private(path: &Path, contents: &str) -> Result<(), PlaneError> {
         .map_err(io_err(format!("writing {}", path.display())))?;
     file.write_all(contents.as_bytes())
         .map_err(io_err(format!("writing {}", path.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ports_are_five_distinct_bindable_ones_below_the_ephemeral_range() {
+        let ports = free_ports().unwrap();
+        let all = [
+            ports.etcd_client,
+            ports.etcd_peer,
+            ports.apiserver,
+            ports.scheduler,
+            ports.controller_manager,
+        ];
+        let distinct: std::collections::BTreeSet<u16> = all.into_iter().collect();
+        assert_eq!(distinct.len(), 5, "{all:?}");
+        for port in all {
+            assert!((PORTS_FROM..32768).contains(&port), "{port}");
+            std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
+        }
+    }
+
+    #[test]
+    fn only_a_bind_failure_starts_the_plane_again() {
+        let exited = |log: &str| PlaneError::Exited {
+            component: "kube-scheduler",
+            status: "exit status: 1".into(),
+            log: log.into(),
+        };
+        assert!(lost_a_port(&exited(
+            "failed to listen on 127.0.0.1:35507: listen tcp 127.0.0.1:35507: bind: address already in use"
+        )));
+        assert!(!lost_a_port(&exited("unknown flag: --feature-gates")));
+        assert!(!lost_a_port(&PlaneError::Unavailable("no binaries".into())));
+    }
 }
