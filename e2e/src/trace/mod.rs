@@ -408,14 +408,22 @@ pub enum Mode {
     /// (c) as `SharesPacked`, and whole-card tasks ask through the class's extended resource, so
     /// NodeResourcesFit also packs by cards allocated.
     SharesPackedExtended,
+    /// (c) stock configuration; each share prefers nodes that already run shares (a preferred
+    /// pod affinity, InterPodAffinity scoring), so shares gather on few cards' nodes.
+    SharesAffinity,
+    /// (c) shares with that affinity, whole cards through the extended resource, and
+    /// NodeResourcesFit MostAllocated on the extended resource only (cpu and memory unscored).
+    SharesAffinityGpuPacked,
 }
 
 impl Mode {
-    pub const ALL: [Mode; 4] = [
+    pub const ALL: [Mode; 6] = [
         Mode::Whole,
         Mode::Shares,
         Mode::SharesPacked,
         Mode::SharesPackedExtended,
+        Mode::SharesAffinity,
+        Mode::SharesAffinityGpuPacked,
     ];
 
     pub fn name(self) -> &'static str {
@@ -424,6 +432,8 @@ impl Mode {
             Mode::Shares => "shares",
             Mode::SharesPacked => "shares-packed",
             Mode::SharesPackedExtended => "shares-packed-ext",
+            Mode::SharesAffinity => "shares-affinity",
+            Mode::SharesAffinityGpuPacked => "shares-affinity-gpu-packed",
         }
     }
 
@@ -437,13 +447,21 @@ impl Mode {
     /// The KubeSchedulerConfiguration the mode runs kube-scheduler with (`None`: stock).
     pub fn scheduler_config(self) -> Option<&'static str> {
         match self {
-            Mode::Whole | Mode::Shares => None,
+            Mode::Whole | Mode::Shares | Mode::SharesAffinity => None,
             Mode::SharesPacked | Mode::SharesPackedExtended => Some(PACKED_PROFILE),
+            Mode::SharesAffinityGpuPacked => Some(GPU_PACKED_PROFILE),
         }
     }
 
     fn extended(self) -> bool {
-        self == Mode::SharesPackedExtended
+        matches!(
+            self,
+            Mode::SharesPackedExtended | Mode::SharesAffinityGpuPacked
+        )
+    }
+
+    fn share_affinity(self) -> bool {
+        matches!(self, Mode::SharesAffinity | Mode::SharesAffinityGpuPacked)
     }
 }
 
@@ -451,6 +469,25 @@ impl Mode {
 /// on cpu, memory and the DRA-backed extended resource, and every feasible node scored (the
 /// default scores a sample of them on a large cluster).
 pub const PACKED_PROFILE: &str = include_str!("../../../deploy/scheduler/gpupool-packing.yaml");
+
+/// NodeResourcesFit MostAllocated on the DRA-backed extended resource alone, every node scored.
+pub const GPU_PACKED_PROFILE: &str = "apiVersion: kubescheduler.config.k8s.io/v1
+kind: KubeSchedulerConfiguration
+percentageOfNodesToScore: 100
+profiles:
+- schedulerName: default-scheduler
+  pluginConfig:
+  - name: NodeResourcesFit
+    args:
+      scoringStrategy:
+        type: MostAllocated
+        resources:
+        - name: gpupool.dev/gpu
+          weight: 1
+";
+
+/// The label of a share's pod, which the affinity of [`Mode::SharesAffinity`] looks for.
+pub const SHARE_LABEL: &str = "gpupool.dev/share";
 
 /// The DeviceClass of the trace's claims; in the extended mode backed by [`EXTENDED_RESOURCE`].
 pub fn device_class(mode: Mode) -> DeviceClass {
@@ -526,12 +563,22 @@ pub fn task_objects(task: &Task, mode: Mode, models: &[&str]) -> Result<TaskObje
         container["resources"]["claims"] = json!([{"name": "gpu"}]);
     }
     let mut spec = json!({"containers": [container], "terminationGracePeriodSeconds": 0});
+    let mut labels = json!({"gpupool.dev/trace": "task"});
+    if task.is_sharing() && mode != Mode::Whole {
+        labels[SHARE_LABEL] = json!("true");
+        if mode.share_affinity() {
+            spec["affinity"] = json!({"podAffinity": {
+                "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "podAffinityTerm": {
+                    "labelSelector": {"matchLabels": {SHARE_LABEL: "true"}},
+                    "topologyKey": "kubernetes.io/hostname"}}]}});
+        }
+    }
     if !pod_claims.is_empty() {
         spec["resourceClaims"] = json!(pod_claims);
     }
     let pod = serde_json::from_value(json!({
         "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "labels": {"gpupool.dev/trace": "task"}},
+        "metadata": {"name": name, "labels": labels},
         "spec": spec,
     }))
     .expect("the pod literal is a Pod");
