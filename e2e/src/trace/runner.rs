@@ -134,8 +134,10 @@ pub async fn run(spec: &RunSpec) -> Result<RunResult, RunError> {
         .collect::<Result<Vec<_>, _>>()?;
 
     let setup = Instant::now();
-    let mut options = PlaneOptions::default();
-    options.etcd_unsafe_no_fsync = !spec.etcd_fsync;
+    let mut options = PlaneOptions {
+        etcd_unsafe_no_fsync: !spec.etcd_fsync,
+        ..Default::default()
+    };
     if let Some(config) = spec.mode.scheduler_config() {
         options = options.scheduler_config(config);
     }
