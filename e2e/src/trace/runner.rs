@@ -2,6 +2,7 @@
 //! nodes and the driver's slices for them, and the tasks submitted one at a time, each waited for
 //! until kube-scheduler binds it or reports it unschedulable.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -92,6 +93,8 @@ pub struct RunResult {
     pub placed_milli: u64,
     /// Tasks decided (bound or refused) per second of the placement loop.
     pub pods_per_second: f64,
+    /// kube-scheduler's reasons for the refusals (its message, numbers as `N`), by count.
+    pub refusals: BTreeMap<String, usize>,
     pub setup_seconds: f64,
     pub placement_seconds: f64,
     pub curve: Vec<Point>,
@@ -159,6 +162,7 @@ pub async fn run(spec: &RunSpec) -> Result<RunResult, RunError> {
     let pods: Api<Pod> = Api::namespaced(admin.clone(), NAMESPACE);
     let claims: Api<ResourceClaim> = Api::namespaced(admin.clone(), NAMESPACE);
     let mut account = Account::new(capacity);
+    let mut refusals = BTreeMap::new();
     let started = Instant::now();
     for (n, (task, objects)) in arrivals.iter().zip(&objects).enumerate() {
         if let Some(claim) = &objects.claim {
@@ -169,10 +173,12 @@ pub async fn run(spec: &RunSpec) -> Result<RunResult, RunError> {
         }
         let name = objects.pod.metadata.name.clone().unwrap_or_default();
         create_pod(&pods, &objects.pod).await?;
-        let placed = verdict(&pods, &name).await.inspect_err(|_| {
+        let refusal = verdict(&pods, &name).await.inspect_err(|_| {
             plane.print_logs(20);
         })?;
-        if !placed {
+        let placed = refusal.is_none();
+        if let Some(message) = refusal {
+            *refusals.entry(reason(&message)).or_insert(0) += 1;
             // Refused tasks leave, as in the FGD method (a failed task is counted and dropped);
             // left pending, kube-scheduler would retry them on every later change.
             let delete = DeleteParams::default().grace_period(0);
@@ -210,6 +216,7 @@ pub async fn run(spec: &RunSpec) -> Result<RunResult, RunError> {
         capacity_milli: capacity,
         placed_milli: account.placed_milli,
         pods_per_second: arrivals.len() as f64 / placement_seconds,
+        refusals,
         setup_seconds,
         placement_seconds,
         curve: account.curve,
@@ -226,8 +233,8 @@ async fn create_pod(pods: &Api<Pod>, pod: &Pod) -> Result<(), RunError> {
         .map_err(kube_err(format!("creating pod {name}")))
 }
 
-/// Whether kube-scheduler bound pod `name` (true) or reported it unschedulable (false).
-async fn verdict(pods: &Api<Pod>, name: &str) -> Result<bool, RunError> {
+/// `None` when kube-scheduler bound pod `name`, its message when it reported it unschedulable.
+async fn verdict(pods: &Api<Pod>, name: &str) -> Result<Option<String>, RunError> {
     let deadline = Instant::now() + VERDICT_TIMEOUT;
     let mut pause = Duration::from_millis(1);
     loop {
@@ -249,27 +256,43 @@ async fn verdict(pods: &Api<Pod>, name: &str) -> Result<bool, RunError> {
     }
 }
 
-/// A pod's verdict: bound, unschedulable, or none yet. A claim the scheduler has not seen yet
-/// ("not found") is no verdict: it retries when the claim arrives.
-pub fn pod_verdict(pod: &Pod) -> Option<bool> {
+/// A pod's verdict: bound (`Some(None)`), unschedulable (`Some(Some(message))`), or none yet. A
+/// claim the scheduler has not seen yet ("not found") is no verdict: it retries when the claim
+/// arrives.
+pub fn pod_verdict(pod: &Pod) -> Option<Option<String>> {
     if pod
         .spec
         .as_ref()
         .and_then(|s| s.node_name.as_deref())
         .is_some_and(|n| !n.is_empty())
     {
-        return Some(true);
+        return Some(None);
     }
     let conditions = pod.status.as_ref()?.conditions.as_ref()?;
     let scheduled = conditions.iter().find(|c| c.type_ == "PodScheduled")?;
+    let message = scheduled.message.clone().unwrap_or_default();
     let unschedulable = scheduled.status == "False"
         && scheduled.reason.as_deref() == Some("Unschedulable")
-        && !scheduled
-            .message
-            .as_deref()
-            .unwrap_or_default()
-            .contains("not found");
-    unschedulable.then_some(false)
+        && !message.contains("not found");
+    unschedulable.then_some(Some(message))
+}
+
+/// kube-scheduler's message with its numbers as `N`, so that refusals group by reason.
+pub fn reason(message: &str) -> String {
+    let mut out = String::new();
+    let mut in_number = false;
+    for c in message.chars() {
+        if c.is_ascii_digit() {
+            if !in_number {
+                out.push('N');
+            }
+            in_number = true;
+        } else {
+            in_number = false;
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// The DeviceClass, the Nodes and the driver's ResourceSlices for them.

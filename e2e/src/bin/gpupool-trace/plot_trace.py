@@ -3,7 +3,9 @@
 mode (the mean over the seeds of each mode, per whole percent of arrivals), one panel per trace.
 
     python3 e2e/src/bin/gpupool-trace/plot_trace.py runs.json docs/trace-unallocated.png
+    python3 e2e/src/bin/gpupool-trace/plot_trace.py --table runs.json   # BENCHMARKS.md's table
 
+Several JSON files (one per gpupool-trace process) may be given before the PNG; they are merged.
 Needs matplotlib (pip install matplotlib). Not run by CI.
 """
 import json
@@ -35,11 +37,40 @@ def curves(runs):
     return out
 
 
+def load(paths):
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.extend(json.load(f))
+    return runs
+
+
+def table(runs):
+    """Per trace and mode: mean (sd) over the seeds, as gpupool-trace prints it."""
+    keys = sorted({(r["trace"], r["mode"]) for r in runs}, key=lambda k: (k[0] != "default", k))
+    print("| trace | mode | nodes | seeds | unallocated % at 100 % | at 130 % | placed | refused | pods/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for trace, mode in keys:
+        sel = [r for r in runs if r["trace"] == trace and r["mode"] == mode]
+        at100 = [r["unallocated_at_100"] for r in sel]
+        mean = sum(at100) / len(at100)
+        sd = (sum((x - mean) ** 2 for x in at100) / (len(at100) - 1)) ** 0.5 if len(at100) > 1 else None
+        avg = lambda k: sum(r[k] for r in sel) / len(sel)  # noqa: E731
+        nodes = "/".join(str(n) for n in sorted({r["nodes"] for r in sel}))
+        seeds = ",".join(str(r["seed"]) for r in sel)
+        sd_text = f" (sd {sd:.2f})" if sd is not None else ""
+        print(f"| {trace} | {mode} | {nodes} | {seeds} | {mean:.2f}{sd_text} | "
+              f"{avg('unallocated_at_130'):.2f} | {avg('placed'):.0f} | {avg('refused'):.0f} | "
+              f"{avg('pods_per_second'):.1f} |")
+
+
 def main():
-    if len(sys.argv) != 3:
-        sys.exit("usage: plot_trace.py RUNS.json OUT.png")
-    with open(sys.argv[1]) as f:
-        runs = json.load(f)
+    if len(sys.argv) >= 3 and sys.argv[1] == "--table":
+        table(load(sys.argv[2:]))
+        return
+    if len(sys.argv) < 3:
+        sys.exit("usage: plot_trace.py RUNS.json... OUT.png | --table RUNS.json...")
+    runs = load(sys.argv[1:-1])
     per_trace = curves(runs)
     traces = sorted(per_trace, key=lambda t: (t != "default", t))
     fig, axes = plt.subplots(1, len(traces), figsize=(5.5 * len(traces), 4.5), squeeze=False)
@@ -61,7 +92,7 @@ def main():
         ax.grid(alpha=0.3)
     fig.suptitle("Alibaba cluster-trace-gpu-v2023 through kube-scheduler v1.36.2 (gpupool-trace)")
     fig.tight_layout()
-    fig.savefig(sys.argv[2], dpi=110)
+    fig.savefig(sys.argv[-1], dpi=110)
 
 
 if __name__ == "__main__":
