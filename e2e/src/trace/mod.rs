@@ -99,16 +99,19 @@ fn rows<'a>(
         .next()
         .map(|(_, l)| l.trim().split(',').collect())
         .unwrap_or_default();
-    let index: Vec<usize> = columns
+    // A column named with a leading `?` is optional: absent, it reads as empty.
+    let index: Vec<Option<usize>> = columns
         .iter()
         .map(|c| {
-            header
-                .iter()
-                .position(|h| h == c)
-                .ok_or_else(|| TraceError::MissingColumn {
+            let name = c.trim_start_matches('?');
+            match header.iter().position(|h| *h == name) {
+                Some(i) => Ok(Some(i)),
+                None if c.starts_with('?') => Ok(None),
+                None => Err(TraceError::MissingColumn {
                     file: file.to_string(),
-                    column: c.to_string(),
-                })
+                    column: name.to_string(),
+                }),
+            }
         })
         .collect::<Result<_, _>>()?;
     let mut out = Vec::new();
@@ -121,6 +124,7 @@ fn rows<'a>(
         let picked = index
             .iter()
             .map(|&i| {
+                let Some(i) = i else { return Ok("") };
                 fields.get(i).copied().ok_or_else(|| TraceError::Parse {
                     file: file.to_string(),
                     line: n + 1,
@@ -172,7 +176,8 @@ pub fn parse_tasks(file: &str, text: &str) -> Result<Vec<Task>, TraceError> {
         "memory_mib",
         "num_gpu",
         "gpu_milli",
-        "gpu_spec",
+        // The multigpu lists were published without it.
+        "?gpu_spec",
     ];
     rows(file, text, &columns)?
         .into_iter()

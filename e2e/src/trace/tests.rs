@@ -78,6 +78,16 @@ fn tasks_parse_with_their_gpu_request_and_spec() {
 }
 
 #[test]
+fn a_list_without_gpu_spec_reads_as_any_model() {
+    let t = parse_tasks(
+        "multigpu.csv",
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli,qos\np,1000,1024,2,1000,LS\n",
+    )
+    .unwrap();
+    assert_eq!((t[0].num_gpu, t[0].gpu_spec.len()), (2, 0));
+}
+
+#[test]
 fn sampling_inflates_to_130_percent_and_repeats_by_seed() {
     let t = tasks();
     let capacity = 100_000;
