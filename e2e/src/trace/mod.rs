@@ -46,7 +46,7 @@ pub enum TraceError {
     UnknownSpec { task: String, model: String },
     #[error("the task list has no task with a GPU request: nothing to inflate")]
     NoGpuTasks,
-    #[error("unknown mode {0} (whole, shares, shares-packed, shares-packed-ext)")]
+    #[error("unknown mode {0} (whole, shares, shares-packed, shares-packed-extended, shares-affinity, shares-affinity-gpu-packed)")]
     UnknownMode(String),
 }
 
@@ -436,7 +436,7 @@ impl Mode {
             Mode::Whole => "whole",
             Mode::Shares => "shares",
             Mode::SharesPacked => "shares-packed",
-            Mode::SharesPackedExtended => "shares-packed-ext",
+            Mode::SharesPackedExtended => "shares-packed-extended",
             Mode::SharesAffinity => "shares-affinity",
             Mode::SharesAffinityGpuPacked => "shares-affinity-gpu-packed",
         }

@@ -279,3 +279,15 @@ fn every_model_of_the_trace_has_a_profile_and_the_undisclosed_are_marked() {
         "node n: model H800 has no profile"
     );
 }
+
+#[test]
+fn modes_read_back_by_the_name_the_json_gives_them() {
+    for mode in Mode::ALL {
+        assert_eq!(Mode::parse(mode.name()), Ok(mode));
+        assert_eq!(serde_json::to_value(mode).unwrap(), mode.name());
+    }
+    assert_eq!(
+        Mode::parse("packed").unwrap_err(),
+        TraceError::UnknownMode("packed".into())
+    );
+}

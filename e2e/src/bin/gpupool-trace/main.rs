@@ -21,10 +21,10 @@ struct Args {
     /// Task list variants, comma-separated: `default` reads `openb_pod_list_default.csv`.
     #[arg(long, default_value = "default", value_delimiter = ',')]
     traces: Vec<String>,
-    /// Modes, comma-separated: whole, shares, shares-packed, shares-packed-ext.
+    /// Modes, comma-separated: whole, shares, shares-affinity, shares-packed, shares-packed-extended, shares-affinity-gpu-packed.
     #[arg(
         long,
-        default_value = "whole,shares,shares-packed,shares-packed-ext",
+        default_value = "whole,shares,shares-affinity,shares-packed,shares-packed-extended,shares-affinity-gpu-packed",
         value_delimiter = ','
     )]
     modes: Vec<String>,
