@@ -73,8 +73,12 @@ def main():
     runs = load(sys.argv[1:-1])
     per_trace = curves(runs)
     traces = sorted(per_trace, key=lambda t: (t != "default", t))
-    fig, axes = plt.subplots(1, len(traces), figsize=(5.5 * len(traces), 4.5), squeeze=False)
-    for ax, trace in zip(axes[0], traces):
+    cols = min(2, len(traces))
+    rows = (len(traces) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.8 * rows), squeeze=False)
+    for ax in axes.flat[len(traces):]:
+        ax.set_visible(False)
+    for ax, trace in zip(axes.flat, traces):
         for mode, points in sorted(per_trace[trace].items()):
             seeds = len({r["seed"] for r in runs if r["trace"] == trace and r["mode"] == mode})
             ax.plot([a for a, _ in points], [u for _, u in points],
@@ -90,7 +94,7 @@ def main():
         ax.set_ylabel("unallocated GPU %")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-    fig.suptitle("Alibaba cluster-trace-gpu-v2023 through kube-scheduler v1.36.2 (gpupool-trace)")
+    fig.suptitle("Alibaba cluster-trace-gpu-v2023 (openb) through the real kube-scheduler v1.36.2, gpupool-trace", fontsize=10)
     fig.tight_layout()
     fig.savefig(sys.argv[-1], dpi=110)
 
