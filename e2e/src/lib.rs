@@ -8,3 +8,4 @@ pub mod kubelet;
 pub mod plane;
 pub mod roles;
 pub mod sandbox;
+pub mod trace;

@@ -881,6 +881,32 @@ fn crd_copies_equal_the_generated_crds() {
 }
 
 #[test]
+fn the_charts_scheduler_profile_is_the_shipped_one() {
+    let shipped = read(&deploy_dir().join("scheduler/gpupool-packing.yaml"));
+    assert!(
+        read(&chart_dir().join("files/gpupool-packing.yaml")) == shipped,
+        "deploy/helm/gpupool/files/gpupool-packing.yaml differs from deploy/scheduler/; refresh with: \
+         cp deploy/scheduler/gpupool-packing.yaml deploy/helm/gpupool/files/"
+    );
+    let Some(helm) = helm("the_charts_scheduler_profile_is_the_shipped_one") else {
+        return;
+    };
+    assert!(
+        of_kind(&helm_template(&helm, &[]), "ConfigMap").is_empty(),
+        "off by default"
+    );
+    let objects = helm_template(&helm, &["schedulerProfile.enabled=true"]);
+    let map = find(&objects, "ConfigMap", "gpupool-scheduler-profile");
+    let rendered = map["data"]["kube-scheduler-config.yaml"]
+        .as_str()
+        .expect("the profile is a string");
+    let parsed: Value = serde_yaml::from_str(rendered).expect("the profile is YAML");
+    let expected: Value = serde_yaml::from_str(&shipped).expect("the shipped profile is YAML");
+    assert_eq!(parsed, expected);
+    assert_eq!(parsed["kind"], "KubeSchedulerConfiguration");
+}
+
+#[test]
 fn default_gpumodels_are_valid_and_agree_with_the_examples() {
     let base = parse_documents(
         &read(&deploy_dir().join("base/gpumodels.yaml")),
@@ -1049,6 +1075,7 @@ const VALUE_SETS: &[(&[&str], Option<&str>)] = &[
     (&["enforcement.gpupool.libDir=/opt/gpupool"], None),
     (PATHS_AND_PORTS, None),
     (&["gpuModels=null"], None),
+    (&["schedulerProfile.enabled=true"], None),
 ];
 
 /// Every folder, port and name values.yaml lets a user move, moved at once.
