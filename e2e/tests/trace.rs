@@ -1,8 +1,8 @@
 //! The short trace run (issue 31): a tenth of the openb trace's nodes and one seed through the real
 //! kube-scheduler, in the benchmark's two reference modes (whole cards and stock shares; the other
 //! modes run the same code with another profile or pod spec, and the bench runs them), checked for
-//! what a reader of BENCHMARKS.md relies on: each mode produces its figures, no more GPU is placed than the cluster has, and shares leave no more
-//! unallocated than whole cards. The trace folder comes from `GPUPOOL_TRACE_DIR` (CI passes the
+//! what a reader of BENCHMARKS.md relies on: each mode produces its figures, no more GPU is placed
+//! than the cluster has, and shares leave no more unallocated than whole cards. The trace folder comes from `GPUPOOL_TRACE_DIR` (CI passes the
 //! published one); without it, or without the control plane binaries, the scenario skips, and
 //! fails instead where `GPUPOOL_KUBE_REQUIRED` says they must be there.
 
