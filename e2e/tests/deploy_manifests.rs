@@ -310,6 +310,24 @@ fn driver_daemonset_mounts_exactly_what_it_needs() {
             "{dir}"
         );
 
+        // The NVIDIA container runtime mounts NVML for "utility" and the MPS control daemon and
+        // server for "compute": without the latter every `compute: Mps` claim fails to prepare.
+        if !fake {
+            let capabilities = driver["env"]
+                .as_array()
+                .and_then(|env| {
+                    env.iter()
+                        .find(|e| e["name"] == "NVIDIA_DRIVER_CAPABILITIES")
+                })
+                .and_then(|e| e["value"].as_str())
+                .unwrap_or_else(|| panic!("{dir}: no NVIDIA_DRIVER_CAPABILITIES"));
+            let capabilities: BTreeSet<&str> = capabilities.split(',').map(str::trim).collect();
+            assert!(
+                capabilities.contains("utility") && capabilities.contains("compute"),
+                "{dir}: NVIDIA_DRIVER_CAPABILITIES {capabilities:?} lacks utility or compute"
+            );
+        }
+
         assert_surge_upgrade(ds, dir);
 
         // Probes hit the driver's own health endpoint on the port it listens on.
