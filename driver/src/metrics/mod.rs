@@ -271,7 +271,8 @@ fn env_limit<'a>(env: &'a [String], key: &str) -> Option<&'a str> {
 /// Allocation per GPU and limits per share, from the claims the kubelet was told are prepared.
 /// A share's memory and cores are the limits its CDI spec gives HAMi-core: the allocation, or less
 /// where a `GpuConfig` lowered it. A share prepared with `enforcement: None` has no limits in its
-/// spec: it counts in `shares` but adds no memory or cores.
+/// spec: it counts in `shares` but adds no memory or cores. A card given whole adds all its memory
+/// and 100 % of its SMs.
 pub fn node_state(inventory: &Inventory, data: &CheckpointData) -> NodeState {
     const MIB: u64 = 1 << 20;
     let mut state = NodeState {
@@ -307,10 +308,25 @@ pub fn node_state(inventory: &Inventory, data: &CheckpointData) -> NodeState {
             let cores = mps.or_else(|| {
                 env_limit(env, "CUDA_DEVICE_SM_LIMIT").and_then(|v| v.parse::<u32>().ok())
             });
+            // A card given whole (no share id) is all the claim's, whatever limits its spec
+            // carries: its SM limit is 0 ("none"), and without enforcement it has no memory limit.
+            let whole_card = device
+                .share_id
+                .is_none()
+                .then(|| inventory.gpu(&device.device_name))
+                .flatten();
             let gpu = state.gpus.entry(device.device_name.clone()).or_default();
             gpu.shares += 1;
-            gpu.memory_bytes += memory.unwrap_or(0);
-            gpu.cores_percent += u64::from(cores.unwrap_or(0));
+            match whole_card {
+                Some(card) => {
+                    gpu.memory_bytes += card.memory_bytes;
+                    gpu.cores_percent += 100;
+                }
+                None => {
+                    gpu.memory_bytes += memory.unwrap_or(0);
+                    gpu.cores_percent += u64::from(cores.unwrap_or(0));
+                }
+            }
             state.shares.push(ShareLimit {
                 namespace: entry.namespace.clone(),
                 claim: entry.name.clone(),
@@ -410,7 +426,7 @@ impl Collector for NodeCollector {
         gauge(
             &mut encoder,
             "gpupool_gpu_memory_allocated_bytes",
-            "Memory of each GPU given to the claims prepared on it (their memory limits).",
+            "Memory of each GPU given to the claims prepared on it (their memory limits; all of it for a card given whole).",
             state.gpus.iter().map(|(gpu, a)| {
                 (
                     vec![("gpu", gpu.clone()), ("model", model_of(gpu))],
@@ -421,7 +437,7 @@ impl Collector for NodeCollector {
         gauge(
             &mut encoder,
             "gpupool_gpu_cores_allocated_percent",
-            "Percent of each GPU's SMs given to the claims prepared on it (their SM limits).",
+            "Percent of each GPU's SMs given to the claims prepared on it (their SM limits; 100 for a card given whole).",
             state.gpus.iter().map(|(gpu, a)| {
                 (
                     vec![("gpu", gpu.clone()), ("model", model_of(gpu))],

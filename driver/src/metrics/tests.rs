@@ -223,6 +223,35 @@ fn allocation_per_gpu_sums_the_limits_of_the_prepared_shares() {
     assert_eq!(pair.gpus, ["gpu-1", "gpu-2"]);
 }
 
+#[test]
+fn a_card_given_whole_is_all_allocated_whatever_its_spec_limits() {
+    let inventory = fake_inventory("a100-40gb:2", "node-1").unwrap();
+    let mut data = CheckpointData::default();
+    // A whole card's spec carries the card's memory and SM limit 0 ("none"); without
+    // enforcement it carries no limits at all. Neither may read as an idle card.
+    for (uid, device, enforcement) in [
+        ("u1", "gpu-0", Enforcement::Gpupool),
+        ("u2", "gpu-1", Enforcement::None),
+    ] {
+        let mut entry = prepared_entry(&inventory, uid, uid, &[(device, 40 * GIB, 0, enforcement)]);
+        entry.devices[0].share_id = None;
+        data.claims.insert(uid.into(), entry);
+    }
+    let state = node_state(&inventory, &data);
+    let whole = GpuAllocation {
+        memory_bytes: 40 * GIB,
+        cores_percent: 100,
+        shares: 1,
+    };
+    assert_eq!(
+        state.gpus,
+        BTreeMap::from([
+            ("gpu-0".to_string(), whole.clone()),
+            ("gpu-1".to_string(), whole)
+        ])
+    );
+}
+
 #[tokio::test]
 async fn an_mps_shares_cores_count_and_its_cards_daemon_is_up_while_it_runs() {
     use crate::node_state::checkpoint::{MpsDaemonRecord, MpsDaemonState};
