@@ -85,7 +85,7 @@ fn claim_spec_yaml(requests: &[Request]) -> String {
         if let Some(uuid) = &r.uuid {
             let _ = write!(
                 out,
-                "        selectors:\n        - cel:\n            expression: device.driver == \"gpupool.dev\" && device.attributes[\"gpupool.dev\"].uuid == \"{uuid}\"\n"
+                "        selectors:\n        - cel:\n            expression: device.driver == \"gpupool.dev\" && has(device.attributes[\"gpupool.dev\"].uuid) && device.attributes[\"gpupool.dev\"].uuid == \"{uuid}\"\n"
             );
         }
         if r.memory.is_some() || r.cores.is_some() {
@@ -183,7 +183,9 @@ mod tests {
             .as_ref()
             .unwrap()
             .expression;
-        assert_eq!(cel, "device.driver == \"gpupool.dev\" && device.attributes[\"gpupool.dev\"].uuid == \"GPU-1\"");
+        // MIG devices carry no uuid before they exist: without has() the class's MIG devices make
+        // the whole selector fail with "no such key".
+        assert_eq!(cel, "device.driver == \"gpupool.dev\" && has(device.attributes[\"gpupool.dev\"].uuid) && device.attributes[\"gpupool.dev\"].uuid == \"GPU-1\"");
         let capacity = a.capacity.as_ref().unwrap().requests.as_ref().unwrap();
         assert_eq!(capacity["memory"].0, "8Gi");
         assert_eq!(capacity["cores"].0, "50");
