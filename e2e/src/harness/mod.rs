@@ -29,11 +29,16 @@ use kube::{Api, Client, Config};
 use serde_json::Value;
 
 use crate::kubelet::{Kubelet, KubeletConfig, KubeletError, Registration};
+use crate::plane::binaries::NodeBinaries;
+use crate::plane::real_node::RealNode;
 use crate::plane::{ControlPlane, NodeShape, PlaneError, PlaneOptions};
 pub use apply::{apply_objects, parse_manifests, ApplyError};
 pub use process::{find_binary, print_log_tail, ManagedProcess, ProcessError, Program, Programs};
 
 pub const DRIVER_BIN: &str = "gpupool-driver";
+/// What the driver logs when a kubelet tells it it is registered (NotifyRegistrationStatus): how
+/// the harness sees a real kubelet's registration, which it cannot ask the kubelet for.
+const REGISTERED_LOG_LINE: &str = "registered with kubelet";
 pub const CONTROLLER_BIN: &str = "gpupool-controller";
 /// The bench's stand-in for a driver on upstream's Go helper (`gpupool-bench`'s reference mode).
 pub const REFERENCE_PLUGIN_BIN: &str = "gpupool-reference-plugin";
@@ -108,6 +113,9 @@ pub struct NodeSpec {
     /// How often the kubelet emulator looks at its registry folder and pods (default 100 ms).
     /// The real kubelet's plugin manager reconciles registrations once a second.
     pub kubelet_poll_interval: Option<Duration>,
+    /// On the control plane: the real kubelet and containerd drive the driver instead of the
+    /// kubelet emulator ([`crate::plane::real_node`]).
+    pub real_kubelet: bool,
 }
 
 impl NodeSpec {
@@ -118,7 +126,14 @@ impl NodeSpec {
             kubelet_versions: None,
             extra_driver_args: Vec::new(),
             kubelet_poll_interval: None,
+            real_kubelet: false,
         }
+    }
+
+    /// Runs this node with the real kubelet and containerd (on the control plane only).
+    pub fn with_real_kubelet(mut self) -> Self {
+        self.real_kubelet = true;
+        self
     }
 
     pub fn kubelet_versions(mut self, versions: &[&str]) -> Self {
@@ -294,13 +309,16 @@ pub fn metrics_addr_in_log(log: &str) -> Option<std::net::SocketAddr> {
         .next_back()
 }
 
-/// A node: its folders, kubelet emulator and driver process.
+/// A node: its folders, kubelet emulator (or real kubelet and containerd) and driver process.
 pub struct TestNode {
     pub name: String,
     pub spec: NodeSpec,
     pub dirs: NodeDirs,
     pub kubelet: Option<Kubelet>,
     driver: Mutex<ManagedProcess>,
+    /// The real kubelet and containerd, where the spec asks for them; after `driver`, so that it
+    /// is dropped (stopped) after the driver.
+    pub real: Option<RealNode>,
 }
 
 impl TestNode {
@@ -316,6 +334,18 @@ impl TestNode {
 
     pub fn driver_log(&self) -> String {
         self.driver().log()
+    }
+
+    /// The real kubelet and containerd of a node started [`NodeSpec::with_real_kubelet`].
+    pub fn real(&self) -> &RealNode {
+        self.real
+            .as_ref()
+            .expect("this node's plugin is driven by the kubelet emulator")
+    }
+
+    /// How many times the driver has heard from a real kubelet that it is registered.
+    fn registrations_in_log(&self) -> usize {
+        self.driver_log().matches(REGISTERED_LOG_LINE).count()
     }
 
     /// Where the node's driver serves `/metrics` (None before it has bound, or with a real kubelet
@@ -654,6 +684,22 @@ impl TestCluster {
         }
         let timeout = spec.registration_timeout.unwrap_or(Duration::from_secs(30));
         for node in &cluster.nodes {
+            if node.real.is_some() {
+                let registered = wait_for(
+                    &format!("the real kubelet on {} to register the driver", node.name),
+                    timeout,
+                    || async { (node.registrations_in_log() > 0).then_some(()) },
+                )
+                .await;
+                if let Err(err) = registered {
+                    return Err(HarnessError::Setup(format!(
+                        "driver on {} did not register: {err}\n--- driver log ---\n{}\n--- kubelet log ---\n{}",
+                        node.name,
+                        node.driver_log(),
+                        node.real().kubelet_log()
+                    )));
+                }
+            }
             if let Some(kubelet) = &node.kubelet {
                 if let Err(err) = kubelet
                     .wait_for_registration(gpupool_api::names::DRIVER_NAME, timeout)
@@ -751,11 +797,40 @@ impl TestCluster {
             }
         };
         let defaults = NodeDirs::under(&base);
-        let dirs = NodeDirs {
-            registry: from_env(env::REGISTRY_DIR, defaults.registry),
-            plugin: from_env(env::PLUGIN_DIR, defaults.plugin),
-            cdi: from_env(env::CDI_DIR, defaults.cdi),
-            ..defaults
+        let real = match (&self.plane, spec.real_kubelet) {
+            (_, false) => None,
+            (Some(tenant), true) => {
+                let binaries = NodeBinaries::from_env().map_err(PlaneError::Unavailable)?;
+                Some(
+                    RealNode::start(
+                        tenant.plane,
+                        &self.client,
+                        &binaries,
+                        &name,
+                        &base.join("real-node"),
+                    )
+                    .await?,
+                )
+            }
+            (None, true) => {
+                return Err(HarnessError::Setup(format!(
+                    "node {name}: a real kubelet runs only on the control plane backend"
+                )))
+            }
+        };
+        let dirs = match &real {
+            Some(real) => NodeDirs {
+                registry: real.registry_dir(),
+                plugin: real.plugin_dir(gpupool_api::names::DRIVER_NAME),
+                cdi: real.cdi_dir(),
+                ..defaults
+            },
+            None => NodeDirs {
+                registry: from_env(env::REGISTRY_DIR, defaults.registry),
+                plugin: from_env(env::PLUGIN_DIR, defaults.plugin),
+                cdi: from_env(env::CDI_DIR, defaults.cdi),
+                ..defaults
+            },
         };
         for dir in [
             &dirs.registry,
@@ -769,7 +844,7 @@ impl TestCluster {
         // On the plane the Node is made by hand, and the kubelet emulator acts as the node
         // (`system:node:<name>`), held to it by the Node authorizer and NodeRestriction.
         let mut kubelet_client = self.client.clone();
-        if let Some(tenant) = &self.plane {
+        if let (Some(tenant), None) = (&self.plane, &real) {
             tenant
                 .plane
                 .create_node(&self.client, &NodeShape::new(&name))
@@ -778,7 +853,7 @@ impl TestCluster {
             tenant.plane.node_kubeconfig(&name, &path)?;
             kubelet_client = client_for_kubeconfig(&path).await?;
         }
-        let kubelet = if real_kubelet {
+        let kubelet = if real_kubelet || real.is_some() {
             None
         } else {
             let mut config = KubeletConfig::new(&name, &dirs.registry);
@@ -809,6 +884,7 @@ impl TestCluster {
             dirs,
             kubelet,
             driver: Mutex::new(driver),
+            real,
         });
         Ok(())
     }
@@ -950,6 +1026,7 @@ impl TestCluster {
             .as_ref()
             .and_then(|k| k.registration(gpupool_api::names::DRIVER_NAME))
             .map_or(0, |r| r.sequence);
+        let registered_before = node.registrations_in_log();
         {
             let mut driver = node.driver();
             driver.kill();
@@ -969,6 +1046,19 @@ impl TestCluster {
                 .await
                 .map_err(|e| self.with_driver_log(&node.name, e))?;
                 Ok(Some(registration))
+            }
+            None if node.real.is_some() => {
+                wait_for(
+                    &format!(
+                        "the real kubelet on {} to register the restarted driver",
+                        node.name
+                    ),
+                    Duration::from_secs(30),
+                    || async { (node.registrations_in_log() > registered_before).then_some(()) },
+                )
+                .await
+                .map_err(|e| self.with_driver_log(&node.name, e))?;
+                Ok(None)
             }
             None => Ok(None),
         }
@@ -1106,6 +1196,13 @@ impl TestCluster {
         for node in &self.nodes {
             let driver = node.driver();
             logs.insert(driver.name().to_string(), driver.log());
+            if let Some(real) = &node.real {
+                logs.insert(format!("kubelet on {}", node.name), real.kubelet_log());
+                logs.insert(
+                    format!("containerd on {}", node.name),
+                    real.containerd_log(),
+                );
+            }
         }
         if let Some(log) = self.controller_log() {
             logs.insert(CONTROLLER_BIN.to_string(), log);

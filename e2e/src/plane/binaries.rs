@@ -79,6 +79,90 @@ impl KubeBinaries {
     }
 }
 
+/// The kubelet and containerd 2.4 (with its runc shim and `ctr`) beside the control plane's
+/// binaries, and the images a node imports instead of pulling (`images/*.tar`, docker archives:
+/// the pause image and a busybox). Only the scenarios with a real node need them.
+pub const KUBELET: &str = "kubelet";
+pub const CONTAINERD: &str = "containerd";
+pub const CONTAINERD_SHIM: &str = "containerd-shim-runc-v2";
+pub const CTR: &str = "ctr";
+const NODE: [&str; 4] = [KUBELET, CONTAINERD, CONTAINERD_SHIM, CTR];
+
+/// What a real node runs: the kubelet, containerd and its tools, and the images it imports.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeBinaries {
+    pub kubelet: PathBuf,
+    pub containerd: PathBuf,
+    /// The folder of `containerd-shim-runc-v2`, which containerd finds on its PATH.
+    pub shim_dir: PathBuf,
+    pub ctr: PathBuf,
+    pub images: Vec<PathBuf>,
+}
+
+impl NodeBinaries {
+    /// The node's binaries in `dir` and its images in `dir/images`, or why they cannot be used.
+    pub fn in_dir(dir: &Path) -> Result<NodeBinaries, String> {
+        let missing: Vec<&str> = NODE
+            .iter()
+            .copied()
+            .filter(|name| !is_executable(&dir.join(name)))
+            .collect();
+        if !missing.is_empty() {
+            return Err(format!(
+                "{} lacks {} (a real node needs {})",
+                dir.display(),
+                missing.join(", "),
+                NODE.join(", ")
+            ));
+        }
+        let images_dir = dir.join("images");
+        let mut images: Vec<PathBuf> = std::fs::read_dir(&images_dir)
+            .map_err(|e| {
+                format!(
+                    "{}: {e} (a real node imports its images from there)",
+                    images_dir.display()
+                )
+            })?
+            .filter_map(|entry| entry.ok().map(|e| e.path()))
+            .filter(|path| path.extension().is_some_and(|ext| ext == "tar"))
+            .collect();
+        images.sort();
+        if images.is_empty() {
+            return Err(format!(
+                "{} holds no image archive (*.tar); a real node needs the pause image at least",
+                images_dir.display()
+            ));
+        }
+        Ok(NodeBinaries {
+            kubelet: dir.join(KUBELET),
+            containerd: dir.join(CONTAINERD),
+            shim_dir: dir.to_path_buf(),
+            ctr: dir.join(CTR),
+            images,
+        })
+    }
+
+    /// The node's binaries in the folder the environment names for the control plane.
+    pub fn from_env() -> Result<NodeBinaries, String> {
+        let dir = [env::KUBE_BIN, env::KUBEBUILDER_ASSETS]
+            .iter()
+            .find_map(|var| {
+                std::env::var_os(var)
+                    .filter(|v| !v.is_empty())
+                    .map(PathBuf::from)
+            })
+            .ok_or_else(|| {
+                format!(
+                    "no Kubernetes binaries: set {} to a folder with {}, {} and images/",
+                    env::KUBE_BIN,
+                    ALL.join(", "),
+                    NODE.join(", ")
+                )
+            })?;
+        Self::in_dir(&dir)
+    }
+}
+
 /// Whether a scenario without the binaries must fail rather than skip (`GPUPOOL_KUBE_REQUIRED=1`).
 pub fn required() -> bool {
     std::env::var(env::KUBE_REQUIRED).is_ok_and(|v| v == "1" || v == "true")
@@ -119,5 +203,33 @@ mod tests {
         }
         let found = KubeBinaries::in_dir(dir.path()).unwrap();
         assert_eq!(found.scheduler, dir.path().join(KUBE_SCHEDULER));
+    }
+
+    #[test]
+    fn a_node_needs_its_binaries_and_at_least_one_image() {
+        let dir = tempfile::tempdir().unwrap();
+        for name in [KUBELET, CONTAINERD, CTR] {
+            let path = dir.path().join(name);
+            std::fs::write(&path, "").unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        let err = NodeBinaries::in_dir(dir.path()).unwrap_err();
+        assert!(err.contains("lacks containerd-shim-runc-v2"), "{err}");
+        let shim = dir.path().join(CONTAINERD_SHIM);
+        std::fs::write(&shim, "").unwrap();
+        std::fs::set_permissions(&shim, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let err = NodeBinaries::in_dir(dir.path()).unwrap_err();
+        assert!(err.contains("images"), "{err}");
+        std::fs::create_dir(dir.path().join("images")).unwrap();
+        std::fs::write(dir.path().join("images").join("notes.txt"), "").unwrap();
+        let err = NodeBinaries::in_dir(dir.path()).unwrap_err();
+        assert!(err.contains("no image archive"), "{err}");
+        std::fs::write(dir.path().join("images").join("pause.tar"), "").unwrap();
+        let node = NodeBinaries::in_dir(dir.path()).unwrap();
+        assert_eq!(
+            node.images,
+            vec![dir.path().join("images").join("pause.tar")]
+        );
+        assert_eq!(node.shim_dir, dir.path());
     }
 }

@@ -16,6 +16,7 @@ pub mod binaries;
 pub mod flags;
 pub mod nodes;
 pub mod pki;
+pub mod real_node;
 pub mod tenancy;
 
 use std::collections::BTreeMap;
@@ -544,38 +545,41 @@ fn lost_a_port(err: &PlaneError) -> bool {
     matches!(err, PlaneError::Exited { log, .. } if log.contains("address already in use"))
 }
 
-/// Five free loopback ports, taken at once so none is handed out twice, below the kernel's
+/// Five free loopback ports for a plane's components (see [`free_loopback_ports`]).
+fn free_ports() -> Result<flags::Ports, PlaneError> {
+    let ports = free_loopback_ports(5)?;
+    Ok(flags::Ports {
+        etcd_client: ports[0],
+        etcd_peer: ports[1],
+        apiserver: ports[2],
+        scheduler: ports[3],
+        controller_manager: ports[4],
+    })
+}
+
+/// `count` free loopback ports, taken at once so none is handed out twice, below the kernel's
 /// ephemeral range: a port from that range, free when chosen, can become the source port of any
 /// outgoing connection (the tests make thousands) before the component that was given it binds it.
-fn free_ports() -> Result<flags::Ports, PlaneError> {
+pub(crate) fn free_loopback_ports(count: usize) -> Result<Vec<u16>, PlaneError> {
     let ephemeral_start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
         .ok()
         .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
         .unwrap_or(32768);
     let below = ephemeral_start.saturating_sub(1).max(PORTS_FROM + 1000);
     let first = rand::random_range(PORTS_FROM..below);
-    let listeners: Vec<std::net::TcpListener> = (first..below)
+    let ports: Vec<u16> = (first..below)
         .chain(PORTS_FROM..first)
         .filter_map(|port| std::net::TcpListener::bind(("127.0.0.1", port)).ok())
-        .take(5)
+        .take(count)
+        .filter_map(|l| l.local_addr().ok().map(|a| a.port()))
         .collect();
-    let port = |i: usize| {
-        listeners
-            .get(i)
-            .and_then(|l| l.local_addr().ok())
-            .map(|a| a.port())
-            .ok_or_else(|| PlaneError::Io {
-                what: format!("finding free loopback ports in {PORTS_FROM}..{below}"),
-                source: std::io::Error::from(std::io::ErrorKind::AddrInUse),
-            })
-    };
-    Ok(flags::Ports {
-        etcd_client: port(0)?,
-        etcd_peer: port(1)?,
-        apiserver: port(2)?,
-        scheduler: port(3)?,
-        controller_manager: port(4)?,
-    })
+    if ports.len() < count {
+        return Err(PlaneError::Io {
+            what: format!("finding free loopback ports in {PORTS_FROM}..{below}"),
+            source: std::io::Error::from(std::io::ErrorKind::AddrInUse),
+        });
+    }
+    Ok(ports)
 }
 
 /// Where the planes' ports are looked for, up to the ephemeral range.

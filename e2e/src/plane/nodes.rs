@@ -17,7 +17,8 @@ use serde_json::{json, Value};
 
 /// The taint TaintNodesByCondition admission adds to every Node created.
 pub const NOT_READY_TAINT: &str = "node.kubernetes.io/not-ready";
-/// Label on every hand-made Node, so a plane can tell them apart (and remove them).
+/// Label on every Node a test made, by hand or through a real kubelet it started
+/// ([`super::real_node`]), so a plane can tell them apart (and remove them at the next turn).
 pub const HAND_MADE_LABEL: &str = "gpupool.dev/hand-made";
 
 /// What a hand-made Node offers to the scheduler besides its devices.

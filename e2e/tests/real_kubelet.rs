@@ -1,0 +1,250 @@
+//! The driver under the real kubelet v1.36.2 and containerd 2.4 ([`gpupool_e2e::plane::real_node`])
+//! on the real control plane: the kubelet's plugin watcher registers it, NodePrepareResources comes
+//! when the scheduler has placed a pod, containerd injects the claim's CDI device into a real
+//! container, NodeUnprepareResources comes when the pod is gone, and a driver killed under a
+//! running pod is registered again and unprepares that pod's claim. Nothing here is the kubelet
+//! emulator. Root only; where `GPUPOOL_KUBE_REQUIRED=1` (CI) a skip is a failure.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use gpupool_e2e::harness::objects::Request;
+use gpupool_e2e::harness::{
+    plane_or_skip, wait_for, ClusterSpec, HarnessError, NodeSpec, TestCluster, TestNode,
+};
+use gpupool_e2e::plane::{binaries, PlaneError};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kube::Api;
+
+const NODE: &str = "node-real";
+/// The real kubelet calls NodeUnprepareResources 2-3 s after a pod is gone, once its containers
+/// have stopped; on a loaded machine it takes longer.
+const UNPREPARE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A cluster on the shared plane whose one node runs the real kubelet and containerd, or `None`
+/// after saying why this machine cannot run one.
+async fn real_node_cluster(test: &str) -> Option<TestCluster> {
+    plane_or_skip(test).await?;
+    let spec = ClusterSpec::new()
+        .on_control_plane()
+        .with_node(NodeSpec::new(NODE, "a100-40gb:2").with_real_kubelet());
+    match TestCluster::start(spec).await {
+        Ok(cluster) => Some(cluster),
+        Err(HarnessError::Plane(PlaneError::Unavailable(why))) if !binaries::required() => {
+            println!("skipping {test}: {why}");
+            None
+        }
+        Err(err) => panic!("{test}: {err}"),
+    }
+}
+
+/// A pod of busybox (imported, never pulled) that prints its environment and waits; it leaves
+/// at once on SIGTERM, so that deleting it does not wait out a grace period.
+fn pod_yaml(name: &str, claim: &str) -> String {
+    format!(
+        r#"apiVersion: v1
+kind: Pod
+metadata:
+  name: {name}
+spec:
+  restartPolicy: Never
+  dnsPolicy: Default
+  terminationGracePeriodSeconds: 5
+  resourceClaims:
+  - name: gpu
+    resourceClaimName: {claim}
+  containers:
+  - name: main
+    image: docker.io/local/busybox:latest
+    imagePullPolicy: Never
+    command: ["sh", "-c", "env | sort; echo printed-env; trap 'exit 0' TERM; sleep 3600 & wait"]
+    resources:
+      claims:
+      - name: gpu
+"#
+    )
+}
+
+/// The environment the container printed, once it has.
+async fn container_env(node: &TestNode, namespace: &str, pod: &str) -> Vec<String> {
+    let output = wait_for(
+        &format!("{namespace}/{pod}'s container to print its environment"),
+        TIMEOUT,
+        || async {
+            node.real()
+                .container_output(namespace, pod, "main")
+                .filter(|out| out.contains("printed-env"))
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n--- kubelet ---\n{}", node.real().kubelet_log()));
+    output.lines().map(String::from).collect()
+}
+
+async fn run_pod(cluster: &TestCluster, namespace: &str, name: &str) -> Vec<String> {
+    apply(cluster, namespace, &pod_yaml(name, name)).await;
+    wait_pod_running(cluster, namespace, name).await;
+    container_env(cluster.node_at(0), namespace, name).await
+}
+
+/// Deletes the pod and waits for the real kubelet's unprepare: the claim's CDI spec gone from the
+/// node and the driver's log saying so.
+async fn delete_and_wait_unprepared(
+    cluster: &TestCluster,
+    namespace: &str,
+    pod: &str,
+    claim_uid: &str,
+) {
+    let node = cluster.node_at(0);
+    delete_pod(cluster, namespace, pod).await;
+    wait_for(
+        &format!("the real kubelet to unprepare {namespace}/{pod}'s claim"),
+        UNPREPARE_TIMEOUT,
+        || async { (!node.cdi_spec_path(claim_uid).exists()).then_some(()) },
+    )
+    .await
+    .unwrap_or_else(|e| {
+        panic!(
+            "{e}\n--- driver ---\n{}\n--- kubelet ---\n{}",
+            node.driver_log(),
+            node.real().kubelet_log()
+        )
+    });
+    let pods: Api<Pod> = Api::namespaced(cluster.client(), namespace);
+    wait_for(
+        &format!("pod {namespace}/{pod} to be gone"),
+        UNPREPARE_TIMEOUT,
+        || async { pods.get_opt(pod).await.ok()?.is_none().then_some(()) },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+}
+
+fn env_value<'a>(env: &'a [String], key: &str) -> Option<&'a str> {
+    env.iter()
+        .find_map(|line| line.strip_prefix(key)?.strip_prefix('='))
+}
+
+/// A share of a card, from scheduler to container: the real kubelet prepares it through the
+/// driver's socket, containerd injects the CDI spec's environment into the container, the limits
+/// are the claim's, the device is the one the scheduler allocated; and when the pod goes, the
+/// kubelet unprepares it and the claim is deallocated.
+#[tokio::test]
+async fn a_share_reaches_a_real_container_and_is_unprepared_when_its_pod_goes() {
+    const TEST: &str = "a_share_reaches_a_real_container_and_is_unprepared_when_its_pod_goes";
+    let Some(cluster) = real_node_cluster(TEST).await else {
+        return;
+    };
+    let _logs = cluster.logs_on_failure();
+    let node = cluster.node_at(0);
+    apply_device_class(&cluster).await;
+    let ns = cluster.create_namespace("e2e-real-kubelet").await.unwrap();
+    apply_claim(
+        &cluster,
+        &ns,
+        "half",
+        &[Request::new("gpu").memory("1Gi").cores("50")],
+    )
+    .await;
+
+    let env = run_pod(&cluster, &ns, "half").await;
+    let claim = claim(&cluster, &ns, "half").await;
+    let claim_uid = claim.metadata.uid.clone().unwrap();
+    let allocated = results(&claim);
+    assert_eq!(allocated.len(), 1, "{allocated:?}");
+    let device = &allocated[0].2;
+    let uuid = device_uuid(&cluster, NODE, device, 2).await;
+    assert_eq!(
+        env_value(&env, "GPUPOOL_DEVICE_UUID_0"),
+        Some(uuid.as_str()),
+        "the container is given the allocated card {device}: {env:?}"
+    );
+    assert_eq!(
+        env_value(&env, "CUDA_DEVICE_MEMORY_LIMIT_0"),
+        Some("1024m"),
+        "{env:?}"
+    );
+    assert_eq!(
+        env_value(&env, "CUDA_DEVICE_SM_LIMIT_0"),
+        Some("50"),
+        "{env:?}"
+    );
+    assert!(
+        node.cdi_spec_path(&claim_uid).exists(),
+        "the claim's CDI spec is on the node while its pod runs"
+    );
+    // The driver's own status write, under its ServiceAccount, reached the claim.
+    let entry = wait_for(
+        "the driver's entry in the claim's status",
+        TIMEOUT,
+        || async { driver_status_entry(&cluster, &ns, "half").await },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(&entry.device, device, "{entry:?}");
+
+    delete_and_wait_unprepared(&cluster, &ns, "half", &claim_uid).await;
+    let claims: Api<ResourceClaim> = Api::namespaced(cluster.client(), &ns);
+    wait_for(
+        "the claim to be deallocated once its pod is gone",
+        UNPREPARE_TIMEOUT,
+        || async {
+            let claim = claims.get("half").await.ok()?;
+            claim
+                .status
+                .and_then(|s| s.allocation)
+                .is_none()
+                .then_some(())
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        node.driver_log().contains("unprepared claim"),
+        "{}",
+        node.driver_log()
+    );
+}
+
+/// A driver killed (SIGKILL) under a running pod, as a crash or an OOM kill ends it: the real
+/// kubelet's plugin watcher registers the restarted driver, the claim prepared before the crash
+/// is unprepared by it when its pod goes, and a new pod is prepared.
+#[tokio::test]
+async fn a_driver_killed_under_a_running_pod_is_registered_again_and_unprepares_it() {
+    const TEST: &str = "a_driver_killed_under_a_running_pod_is_registered_again_and_unprepares_it";
+    let Some(cluster) = real_node_cluster(TEST).await else {
+        return;
+    };
+    let _logs = cluster.logs_on_failure();
+    let node = cluster.node_at(0);
+    apply_device_class(&cluster).await;
+    let ns = cluster.create_namespace("e2e-real-restart").await.unwrap();
+    let share = || [Request::new("gpu").memory("2Gi").cores("20")];
+    apply_claim(&cluster, &ns, "before", &share()).await;
+    run_pod(&cluster, &ns, "before").await;
+    let before_uid = claim(&cluster, &ns, "before").await.metadata.uid.unwrap();
+
+    cluster.kill_driver(NODE).unwrap();
+    cluster
+        .restart_driver(NODE)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n--- kubelet ---\n{}", node.real().kubelet_log()));
+
+    apply_claim(&cluster, &ns, "after", &share()).await;
+    let env = run_pod(&cluster, &ns, "after").await;
+    assert_eq!(
+        env_value(&env, "CUDA_DEVICE_SM_LIMIT_0"),
+        Some("20"),
+        "{env:?}"
+    );
+    delete_and_wait_unprepared(&cluster, &ns, "before", &before_uid).await;
+    let after_uid = claim(&cluster, &ns, "after").await.metadata.uid.unwrap();
+    assert!(
+        node.cdi_spec_path(&after_uid).exists(),
+        "the other pod's claim stays prepared"
+    );
+    delete_and_wait_unprepared(&cluster, &ns, "after", &after_uid).await;
+}
