@@ -1,9 +1,9 @@
 //! The driver under the real kubelet v1.36.2 and containerd 2.4 ([`gpupool_e2e::plane::real_node`])
 //! on the real control plane: the kubelet's plugin watcher registers it, NodePrepareResources comes
 //! when the scheduler has placed a pod, containerd injects the claim's CDI device into a real
-//! container, NodeUnprepareResources comes when the pod is gone, and a driver killed under a
-//! running pod is registered again and unprepares that pod's claim. Nothing here is the kubelet
-//! emulator. Root only; where `GPUPOOL_KUBE_REQUIRED=1` (CI) a skip is a failure.
+//! container, NodeUnprepareResources comes when the pod is gone, a driver killed under a running
+//! pod is registered again and unprepares that pod's claim, and a rolling update hands the node
+//! from one driver pod to the next (pod-UID sockets). Nothing here is the kubelet emulator. Root only; where `GPUPOOL_KUBE_REQUIRED=1` (CI) a skip is a failure.
 
 mod common;
 
@@ -12,7 +12,8 @@ use std::time::Duration;
 use common::*;
 use gpupool_e2e::harness::objects::Request;
 use gpupool_e2e::harness::{
-    plane_or_skip, wait_for, ClusterSpec, HarnessError, NodeSpec, TestCluster, TestNode,
+    find_binary, plane_or_skip, wait_for, ClusterSpec, HarnessError, ManagedProcess, NodeSpec,
+    TestCluster, TestNode,
 };
 use gpupool_e2e::plane::{binaries, PlaneError};
 use k8s_openapi::api::core::v1::Pod;
@@ -24,13 +25,15 @@ const NODE: &str = "node-real";
 /// have stopped; on a loaded machine it takes longer.
 const UNPREPARE_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// A cluster on the shared plane whose one node runs the real kubelet and containerd, or `None`
-/// after saying why this machine cannot run one.
-async fn real_node_cluster(test: &str) -> Option<TestCluster> {
+const PROFILE: &str = "a100-40gb:2";
+
+/// A cluster on the shared plane whose one node runs the real kubelet and containerd (the driver
+/// with `driver_args` added), or `None` after saying why this machine cannot run one.
+async fn real_node_cluster(test: &str, driver_args: &[&str]) -> Option<TestCluster> {
     plane_or_skip(test).await?;
-    let spec = ClusterSpec::new()
-        .on_control_plane()
-        .with_node(NodeSpec::new(NODE, "a100-40gb:2").with_real_kubelet());
+    let mut node = NodeSpec::new(NODE, PROFILE).with_real_kubelet();
+    node.extra_driver_args = driver_args.iter().map(|a| a.to_string()).collect();
+    let spec = ClusterSpec::new().on_control_plane().with_node(node);
     match TestCluster::start(spec).await {
         Ok(cluster) => Some(cluster),
         Err(HarnessError::Plane(PlaneError::Unavailable(why))) if !binaries::required() => {
@@ -135,7 +138,7 @@ fn env_value<'a>(env: &'a [String], key: &str) -> Option<&'a str> {
 #[tokio::test]
 async fn a_share_reaches_a_real_container_and_is_unprepared_when_its_pod_goes() {
     const TEST: &str = "a_share_reaches_a_real_container_and_is_unprepared_when_its_pod_goes";
-    let Some(cluster) = real_node_cluster(TEST).await else {
+    let Some(cluster) = real_node_cluster(TEST, &[]).await else {
         return;
     };
     let _logs = cluster.logs_on_failure();
@@ -215,7 +218,7 @@ async fn a_share_reaches_a_real_container_and_is_unprepared_when_its_pod_goes() 
 #[tokio::test]
 async fn a_driver_killed_under_a_running_pod_is_registered_again_and_unprepares_it() {
     const TEST: &str = "a_driver_killed_under_a_running_pod_is_registered_again_and_unprepares_it";
-    let Some(cluster) = real_node_cluster(TEST).await else {
+    let Some(cluster) = real_node_cluster(TEST, &[]).await else {
         return;
     };
     let _logs = cluster.logs_on_failure();
@@ -247,4 +250,82 @@ async fn a_driver_killed_under_a_running_pod_is_registered_again_and_unprepares_
         "the other pod's claim stays prepared"
     );
     delete_and_wait_unprepared(&cluster, &ns, "after", &after_uid).await;
+}
+
+/// A DaemonSet rolling update on a real node: the old driver pod (its sockets named by its pod UID)
+/// prepared a running pod's claim; the new pod's driver starts beside it on the same folders and
+/// the real kubelet registers it; the old one is stopped (SIGTERM). The new driver prepares the
+/// next pod and unprepares the claim the old one prepared: the node is handed over and no claim
+/// is lost.
+#[tokio::test]
+async fn a_rolling_update_hands_the_real_kubelets_claims_to_the_new_driver_pod() {
+    const TEST: &str = "a_rolling_update_hands_the_real_kubelets_claims_to_the_new_driver_pod";
+    let old_uid = uuid::Uuid::new_v4().to_string();
+    let Some(cluster) = real_node_cluster(TEST, &["--pod-uid", &old_uid]).await else {
+        return;
+    };
+    let _logs = cluster.logs_on_failure();
+    let node = cluster.node_at(0);
+    apply_device_class(&cluster).await;
+    let ns = cluster.create_namespace("e2e-real-upgrade").await.unwrap();
+    let share = || [Request::new("gpu").memory("2Gi").cores("30")];
+    apply_claim(&cluster, &ns, "old", &share()).await;
+    run_pod(&cluster, &ns, "old").await;
+    let prepared_line = |pod: &str| format!("prepared claim claim={ns}/{pod}");
+    let unprepared_line = |pod: &str| format!("unprepared claim claim={ns}/{pod}");
+    assert!(node.driver_log().contains(&prepared_line("old")));
+
+    // The new pod's driver: its own pod UID, the node's folders, as the DaemonSet starts it.
+    let new_uid = uuid::Uuid::new_v4().to_string();
+    let kubeconfig = cluster.driver_kubeconfig(NODE).await.unwrap();
+    let libs = cluster.workdir().join(NODE).join("libs");
+    let program = find_binary("gpupool-driver").unwrap_or_else(|e| panic!("{e}"));
+    let new_pod = ManagedProcess::new(
+        "gpupool-driver (new pod)",
+        &program,
+        node.dirs.driver_run_args(NODE, &kubeconfig, PROFILE, &libs),
+        cluster.workdir().join("driver-new-pod.log"),
+    )
+    .env("POD_UID", &new_uid)
+    .started()
+    .unwrap_or_else(|e| panic!("{e}"));
+    wait_for(
+        "the real kubelet to register the new pod's driver",
+        TIMEOUT,
+        || async {
+            new_pod
+                .log()
+                .contains("registered with kubelet")
+                .then_some(())
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}\n{}", new_pod.log(), node.real().kubelet_log()));
+    let status = cluster.stop_driver(NODE).await.unwrap();
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "the old pod's driver exits cleanly on SIGTERM: {status:?}"
+    );
+
+    apply_claim(&cluster, &ns, "new", &share()).await;
+    let env = run_pod(&cluster, &ns, "new").await;
+    assert_eq!(
+        env_value(&env, "CUDA_DEVICE_SM_LIMIT_0"),
+        Some("30"),
+        "{env:?}"
+    );
+    assert!(
+        new_pod.log().contains(&prepared_line("new")),
+        "the new pod's driver prepared the next claim:\n{}",
+        new_pod.log()
+    );
+    let old_uid_of_claim = claim(&cluster, &ns, "old").await.metadata.uid.unwrap();
+    delete_and_wait_unprepared(&cluster, &ns, "old", &old_uid_of_claim).await;
+    assert!(
+        new_pod.log().contains(&unprepared_line("old")),
+        "the new pod's driver unprepared the claim the old one prepared:\n{}",
+        new_pod.log()
+    );
+    let new_claim_uid = claim(&cluster, &ns, "new").await.metadata.uid.unwrap();
+    delete_and_wait_unprepared(&cluster, &ns, "new", &new_claim_uid).await;
 }

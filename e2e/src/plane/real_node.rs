@@ -82,7 +82,10 @@ const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 /// cgroup they made, when dropped.
 pub struct RealNode {
     name: String,
-    dir: PathBuf,
+    folders: NodeFolders,
+    /// The kubelet's root folder, kept short: a driver's sockets lie three levels below it, named
+    /// by its pod UID, and a socket path has at most 107 bytes.
+    _kubelet_root: tempfile::TempDir,
     ctr: Ctr,
     kubelet: ManagedProcess,
     containerd: ManagedProcess,
@@ -110,7 +113,11 @@ impl RealNode {
         for tool in ["unshare", "nsenter", "ip", "mount"] {
             find_tool(tool, "util-linux and iproute2")?;
         }
-        let node = NodeFolders::new(dir);
+        let kubelet_root = tempfile::Builder::new()
+            .prefix("gpupool-kl-")
+            .tempdir()
+            .map_err(io_err("creating the kubelet's root folder"))?;
+        let node = NodeFolders::new(dir, kubelet_root.path());
         node.create()?;
         write_executable(&node.cni_bin.join(CNI_PLUGIN_NAME), CNI_PLUGIN)?;
         write_file(
@@ -138,7 +145,8 @@ impl RealNode {
 
         let mut real = RealNode {
             name: name.to_string(),
-            dir: dir.to_path_buf(),
+            folders: NodeFolders::new(dir, kubelet_root.path()),
+            _kubelet_root: kubelet_root,
             ctr: Ctr {
                 program: binaries.ctr.clone(),
                 socket: node.containerd_socket(),
@@ -233,7 +241,7 @@ impl RealNode {
 
     /// The kubelet's `--root-dir`: `plugins_registry/` (where drivers register) and `plugins/`.
     pub fn kubelet_root(&self) -> PathBuf {
-        NodeFolders::new(&self.dir).kubelet_root
+        self.folders.kubelet_root.clone()
     }
 
     /// The folder where drivers put their registration sockets for the kubelet's plugin watcher.
@@ -248,7 +256,7 @@ impl RealNode {
 
     /// The folder containerd reads CDI specs from.
     pub fn cdi_dir(&self) -> PathBuf {
-        NodeFolders::new(&self.dir).cdi
+        self.folders.cdi.clone()
     }
 
     pub fn kubelet_log(&self) -> String {
@@ -263,9 +271,9 @@ impl RealNode {
     /// the kubelet's log files: with no pod network there is no `kubectl logs`. `None` before the
     /// container has started.
     pub fn container_output(&self, namespace: &str, pod: &str, container: &str) -> Option<String> {
-        let logs = NodeFolders::new(&self.dir).pod_logs;
+        let logs = &self.folders.pod_logs;
         let prefix = format!("{namespace}_{pod}_");
-        let pod_dir = std::fs::read_dir(&logs)
+        let pod_dir = std::fs::read_dir(logs)
             .ok()?
             .filter_map(|e| e.ok())
             .find(|e| e.file_name().to_string_lossy().starts_with(&prefix))?
@@ -353,7 +361,8 @@ impl Drop for RealNode {
         self.kill_containers();
         self.containerd.kill();
         kill_shims_of(&self.ctr.socket);
-        unmount_under(&self.dir);
+        unmount_under(&self.folders.kubelet_root);
+        unmount_under(&self.folders.base);
         // Deepest first: a cgroup is removed only once it has no child.
         let mut cgroups: Vec<PathBuf> = Vec::new();
         for made in kubepods_cgroups().difference(&self.cgroups_before) {
@@ -397,14 +406,14 @@ struct NodeFolders {
 }
 
 impl NodeFolders {
-    fn new(base: &Path) -> NodeFolders {
+    fn new(base: &Path, kubelet_root: &Path) -> NodeFolders {
         NodeFolders {
             base: base.to_path_buf(),
             containerd: base.join("containerd"),
             cni_bin: base.join("cni").join("bin"),
             cni_conf: base.join("cni").join("conf"),
             cdi: base.join("cdi"),
-            kubelet_root: base.join("kubelet"),
+            kubelet_root: kubelet_root.to_path_buf(),
             pod_logs: base.join("pod-logs"),
             sysctl: base.join("sysctl"),
         }
@@ -730,7 +739,7 @@ mod tests {
 
     #[test]
     fn the_kubelet_config_carries_every_gate_of_the_plane() {
-        let node = NodeFolders::new(Path::new("/n"));
+        let node = NodeFolders::new(Path::new("/n"), Path::new("/k"));
         let config: serde_json::Value =
             serde_yaml::from_str(&kubelet_config(&node, 1, 2)).expect("YAML");
         for gate in flags::FEATURE_GATES {
