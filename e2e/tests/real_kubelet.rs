@@ -2,8 +2,9 @@
 //! on the real control plane: the kubelet's plugin watcher registers it, NodePrepareResources comes
 //! when the scheduler has placed a pod, containerd injects the claim's CDI device into a real
 //! container, NodeUnprepareResources comes when the pod is gone, a driver killed under a running
-//! pod is registered again and unprepares that pod's claim, and a rolling update hands the node
-//! from one driver pod to the next (pod-UID sockets). Nothing here is the kubelet emulator. Root only; where `GPUPOOL_KUBE_REQUIRED=1` (CI) a skip is a failure.
+//! pod is registered again and unprepares that pod's claim, a rolling update hands the node from
+//! one driver pod to the next (pod-UID sockets), and the driver's health stream shows an XID in the
+//! pod's status. Nothing here is the kubelet emulator. Root only; where `GPUPOOL_KUBE_REQUIRED=1` (CI) a skip is a failure.
 
 mod common;
 
@@ -328,4 +329,82 @@ async fn a_rolling_update_hands_the_real_kubelets_claims_to_the_new_driver_pod()
     );
     let new_claim_uid = claim(&cluster, &ns, "new").await.metadata.uid.unwrap();
     delete_and_wait_unprepared(&cluster, &ns, "new", &new_claim_uid).await;
+}
+
+/// `allocatedResourcesStatus` of the pod's container, as the real kubelet writes it from the
+/// driver's health stream: (the pod's claim entry, each resource's health).
+async fn pod_health(cluster: &TestCluster, namespace: &str, pod: &str) -> Vec<(String, String)> {
+    let pods: Api<Pod> = Api::namespaced(cluster.client(), namespace);
+    let Ok(pod) = pods.get(pod).await else {
+        return Vec::new();
+    };
+    pod.status
+        .and_then(|s| s.container_statuses)
+        .unwrap_or_default()
+        .into_iter()
+        .flat_map(|c| c.allocated_resources_status.unwrap_or_default())
+        .flat_map(|entry| {
+            entry
+                .resources
+                .unwrap_or_default()
+                .into_iter()
+                .map(move |r| (entry.name.clone(), r.health.unwrap_or_default()))
+        })
+        .collect()
+}
+
+/// A card's health as the real kubelet shows it: the driver's health stream makes the running
+/// share's container report its device Healthy; an XID on that card (as `gpupool-driver
+/// inject-xid` reports one) turns it Unhealthy in the pod's status, through the real kubelet.
+#[tokio::test]
+async fn an_xid_on_a_shares_card_shows_unhealthy_in_the_pods_status() {
+    const TEST: &str = "an_xid_on_a_shares_card_shows_unhealthy_in_the_pods_status";
+    let Some(cluster) = real_node_cluster(TEST, &[]).await else {
+        return;
+    };
+    let _logs = cluster.logs_on_failure();
+    let node = cluster.node_at(0);
+    apply_device_class(&cluster).await;
+    let ns = cluster.create_namespace("e2e-real-health").await.unwrap();
+    apply_claim(
+        &cluster,
+        &ns,
+        "trainer",
+        &[Request::new("gpu").memory("4Gi").cores("25")],
+    )
+    .await;
+    run_pod(&cluster, &ns, "trainer").await;
+    let device = results(&claim(&cluster, &ns, "trainer").await)[0].2.clone();
+    let health = |want: &'static str| {
+        let ns = ns.clone();
+        let cluster = &cluster;
+        async move {
+            let what = format!("the real kubelet to show the share's card {want}");
+            let last = wait_for(&what, UNPREPARE_TIMEOUT, || async {
+                let health = pod_health(cluster, &ns, "trainer").await;
+                (health.iter().any(|(claim, _)| claim == "claim:gpu")
+                    && health.iter().all(|(_, h)| h == want))
+                .then_some(health)
+            })
+            .await;
+            last.unwrap_or_else(|e| {
+                panic!(
+                    "{e}\n--- kubelet ---\n{}",
+                    cluster.node_at(0).real().kubelet_log()
+                )
+            })
+        }
+    };
+    health("Healthy").await;
+
+    let binary = find_binary("gpupool-driver").unwrap_or_else(|e| panic!("{e}"));
+    let out = std::process::Command::new(binary)
+        .arg("inject-xid")
+        .arg("--run-dir")
+        .arg(&node.dirs.run)
+        .args([device.as_str(), "79"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    health("Unhealthy").await;
 }
