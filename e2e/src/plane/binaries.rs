@@ -37,19 +37,7 @@ pub struct KubeBinaries {
 impl KubeBinaries {
     /// The binaries in `dir`, or why they cannot be used (which are missing).
     pub fn in_dir(dir: &Path) -> Result<KubeBinaries, String> {
-        let missing: Vec<&str> = ALL
-            .iter()
-            .copied()
-            .filter(|name| !is_executable(&dir.join(name)))
-            .collect();
-        if !missing.is_empty() {
-            return Err(format!(
-                "{} lacks {} (needs {})",
-                dir.display(),
-                missing.join(", "),
-                ALL.join(", ")
-            ));
-        }
+        executables_in(dir, &ALL, "needs")?;
         Ok(KubeBinaries {
             etcd: dir.join(ETCD),
             apiserver: dir.join(KUBE_APISERVER),
@@ -60,14 +48,7 @@ impl KubeBinaries {
 
     /// The binaries the environment names, or the one line that says why there are none.
     pub fn from_env() -> Result<KubeBinaries, String> {
-        let dir = [env::KUBE_BIN, env::KUBEBUILDER_ASSETS]
-            .iter()
-            .find_map(|var| {
-                std::env::var_os(var)
-                    .filter(|v| !v.is_empty())
-                    .map(|v| (*var, PathBuf::from(v)))
-            });
-        match dir {
+        match dir_from_env() {
             None => Err(format!(
                 "no Kubernetes control plane binaries: set {} (or {}) to a folder with {}",
                 env::KUBE_BIN,
@@ -102,19 +83,7 @@ pub struct NodeBinaries {
 impl NodeBinaries {
     /// The node's binaries in `dir` and its images in `dir/images`, or why they cannot be used.
     pub fn in_dir(dir: &Path) -> Result<NodeBinaries, String> {
-        let missing: Vec<&str> = NODE
-            .iter()
-            .copied()
-            .filter(|name| !is_executable(&dir.join(name)))
-            .collect();
-        if !missing.is_empty() {
-            return Err(format!(
-                "{} lacks {} (a real node needs {})",
-                dir.display(),
-                missing.join(", "),
-                NODE.join(", ")
-            ));
-        }
+        executables_in(dir, &NODE, "a real node needs")?;
         let images_dir = dir.join("images");
         let mut images: Vec<PathBuf> = std::fs::read_dir(&images_dir)
             .map_err(|e| {
@@ -144,21 +113,14 @@ impl NodeBinaries {
 
     /// The node's binaries in the folder the environment names for the control plane.
     pub fn from_env() -> Result<NodeBinaries, String> {
-        let dir = [env::KUBE_BIN, env::KUBEBUILDER_ASSETS]
-            .iter()
-            .find_map(|var| {
-                std::env::var_os(var)
-                    .filter(|v| !v.is_empty())
-                    .map(PathBuf::from)
-            })
-            .ok_or_else(|| {
-                format!(
-                    "no Kubernetes binaries: set {} to a folder with {}, {} and images/",
-                    env::KUBE_BIN,
-                    ALL.join(", "),
-                    NODE.join(", ")
-                )
-            })?;
+        let (_, dir) = dir_from_env().ok_or_else(|| {
+            format!(
+                "no Kubernetes binaries: set {} to a folder with {}, {} and images/",
+                env::KUBE_BIN,
+                ALL.join(", "),
+                NODE.join(", ")
+            )
+        })?;
         Self::in_dir(&dir)
     }
 }
@@ -166,6 +128,35 @@ impl NodeBinaries {
 /// Whether a scenario without the binaries must fail rather than skip (`GPUPOOL_KUBE_REQUIRED=1`).
 pub fn required() -> bool {
     std::env::var(env::KUBE_REQUIRED).is_ok_and(|v| v == "1" || v == "true")
+}
+
+/// The folder `GPUPOOL_KUBE_BIN` names, else `KUBEBUILDER_ASSETS`, with the variable that named it.
+fn dir_from_env() -> Option<(&'static str, PathBuf)> {
+    [env::KUBE_BIN, env::KUBEBUILDER_ASSETS]
+        .into_iter()
+        .find_map(|var| {
+            std::env::var_os(var)
+                .filter(|v| !v.is_empty())
+                .map(|v| (var, PathBuf::from(v)))
+        })
+}
+
+/// Ok if every one of `names` is an executable file in `dir`, else the line that names the missing.
+fn executables_in(dir: &Path, names: &[&str], needs: &str) -> Result<(), String> {
+    let missing: Vec<&str> = names
+        .iter()
+        .copied()
+        .filter(|name| !is_executable(&dir.join(name)))
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    Err(format!(
+        "{} lacks {} ({needs} {})",
+        dir.display(),
+        missing.join(", "),
+        names.join(", ")
+    ))
 }
 
 fn is_executable(path: &Path) -> bool {
