@@ -45,8 +45,9 @@ async fn real_node_cluster(test: &str, driver_args: &[&str]) -> Option<TestClust
     }
 }
 
-/// A pod of busybox (imported, never pulled) that prints its environment and waits; it leaves
-/// at once on SIGTERM, so that deleting it does not wait out a grace period.
+/// A pod of busybox (imported, never pulled) that prints its environment (and, for an MPS share,
+/// whether the daemon's control socket is in the pipe folder it was given) and waits; it leaves at
+/// once on SIGTERM, so that deleting it does not wait out a grace period.
 fn pod_yaml(name: &str, claim: &str) -> String {
     format!(
         r#"apiVersion: v1
@@ -64,7 +65,17 @@ spec:
   - name: main
     image: docker.io/local/busybox:latest
     imagePullPolicy: Never
-    command: ["sh", "-c", "env | sort; echo printed-env; trap 'exit 0' TERM; sleep 3600 & wait"]
+    command:
+    - sh
+    - -c
+    - |
+      env | sort
+      if [ -n "${{CUDA_MPS_PIPE_DIRECTORY:-}}" ]; then
+        if [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ]; then echo mps-control=present; else echo mps-control=absent; fi
+      fi
+      echo printed-env
+      trap 'exit 0' TERM
+      sleep 3600 & wait
     resources:
       claims:
       - name: gpu
@@ -407,4 +418,81 @@ async fn an_xid_on_a_shares_card_shows_unhealthy_in_the_pods_status() {
         .unwrap();
     assert!(out.status.success(), "{out:?}");
     health("Unhealthy").await;
+}
+
+/// An MPS share (`compute: Mps`) through the real kubelet and containerd, with the stand-in
+/// `nvidia-cuda-mps-control`: the driver starts the card's daemon for the claim, containerd
+/// mounts the daemon's pipe folder into the container (its control socket is there) and sets the
+/// claim's SM percentage; when the pod goes, the kubelet unprepares the claim and the driver stops
+/// the daemon, the card's last MPS claim gone.
+#[tokio::test]
+async fn an_mps_share_reaches_its_daemon_from_a_real_container() {
+    const TEST: &str = "an_mps_share_reaches_its_daemon_from_a_real_container";
+    const CONTROL: &str = "nvidia-cuda-mps-control";
+    let standin = find_binary(CONTROL).unwrap_or_else(|e| {
+        panic!("{e} (the stand-in: cargo build -p gpupool-standin-mps; cargo test --workspace builds it)")
+    });
+    let standin = standin.display().to_string();
+    let Some(cluster) = real_node_cluster(TEST, &["--mps-control", &standin]).await else {
+        return;
+    };
+    let _logs = cluster.logs_on_failure();
+    let node = cluster.node_at(0);
+    let _daemons = StopDaemonsOnFailure(node.dirs.run.clone());
+    apply_device_class(&cluster).await;
+    let ns = cluster.create_namespace("e2e-real-mps").await.unwrap();
+    let mps = serde_json::json!({"apiVersion": "gpupool.dev/v1alpha1", "kind": "GpuConfig", "compute": "Mps"});
+    apply_claim(
+        &cluster,
+        &ns,
+        "mps",
+        &[Request::new("gpu")
+            .memory("4Gi")
+            .cores("30")
+            .gpu_config(mps)],
+    )
+    .await;
+    let env = run_pod(&cluster, &ns, "mps").await;
+    assert_eq!(
+        env_value(&env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+        Some("30"),
+        "{env:?}"
+    );
+    assert!(
+        env_value(&env, "CUDA_MPS_PIPE_DIRECTORY").is_some(),
+        "{env:?}"
+    );
+    assert_eq!(
+        env_value(&env, "mps-control"),
+        Some("present"),
+        "the daemon's control socket is in the container's pipe folder: {env:?}"
+    );
+    let daemons = || gpupool_driver::mps::daemon::daemons_under(&node.dirs.run, CONTROL);
+    assert_eq!(daemons().len(), 1, "one daemon for the card");
+
+    let claim_uid = claim(&cluster, &ns, "mps").await.metadata.uid.unwrap();
+    delete_and_wait_unprepared(&cluster, &ns, "mps", &claim_uid).await;
+    wait_for(
+        "the card's daemon to stop with its last claim",
+        TIMEOUT,
+        || async { daemons().is_empty().then_some(()) },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", node.driver_log()));
+}
+
+/// SIGKILLs the MPS daemons under a node's run folder when a test fails: a daemon outlives the
+/// driver killed at the end of a failed test (on a node, the restarted driver adopts it).
+struct StopDaemonsOnFailure(std::path::PathBuf);
+
+impl Drop for StopDaemonsOnFailure {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        for pid in gpupool_driver::mps::daemon::daemons_under(&self.0, "nvidia-cuda-mps-control") {
+            // SAFETY: kill(2) of a stand-in daemon this test's driver started, found just now.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
 }
