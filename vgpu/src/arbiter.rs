@@ -12,8 +12,11 @@
 //! - each process holds an OFD lock on its record's lock byte for life: a record whose byte is free
 //!   belongs to the dead, and a lease held by the dead is taken back at once;
 //! - decisions (grant, release, renew, registering) are made under the decision lock byte, held
-//!   for microseconds, with a 2 s bound (a holder that is stopped costs an unarbitrated launch,
-//!   never a hang);
+//!   for microseconds. A launch waits for it no longer than its own bound; registering, 2 s. A
+//!   process stopped inside it (SIGSTOP, a debugger, the cgroup freezer) therefore costs the
+//!   others one bounded wait, then [`LOCK_BACKOFF`] of launches that go ahead unarbitrated at
+//!   once (each tries the lock once, and arbitration resumes the moment it is free): never a
+//!   hang, never a wait per launch;
 //! - the holder and the lease's end are read without any lock on every launch (two loads);
 //! - waiters sleep on a futex in the file (`grant_seq`), the holder's keeper thread on another
 //!   (`waiting_seq`): a hand-over wakes the next holder at once, in any container.
@@ -36,8 +39,12 @@ pub const MAGIC: u64 = u64::from_le_bytes(*b"GPUPARB1");
 pub const VERSION: u32 = 1;
 pub const TENANTS: usize = 64;
 pub const PROCESSES: usize = 256;
-/// The decision lock is held for microseconds; reaching this means its holder is stopped.
+/// The decision lock is held for microseconds; reaching this means its holder is stopped. (The
+/// longest wait for it, when a process registers; a launch waits no longer than its bound.)
 pub const LOCK_TIMEOUT: Duration = Duration::from_secs(2);
+/// After a wait for the decision lock timed out, this process tries it once (no wait) for this
+/// long: a stopped holder must not cost every launch a bound's wait.
+pub const LOCK_BACKOFF_NS: u64 = 1_000_000_000;
 /// A lease whose holder is alive but has not given the card up this long after its end (stopped,
 /// or its queued work does not finish) is taken back by the next waiter.
 pub const STALE_NS: u64 = 1_000_000_000;
@@ -97,7 +104,10 @@ struct ProcessRecord {
     waiting_since_ns: AtomicU64,
     /// Launches that waited their whole bound and went ahead without the card.
     unarbitrated: AtomicU64,
-    _reserved: [u64; 5],
+    /// The last sign of its work on the card (a launch, queued work seen running, the end of its
+    /// drain): a holder is charged up to here, never for the idle time after it.
+    busy_until_ns: AtomicU64,
+    _reserved: [u64; 4],
 }
 
 #[repr(C)]
@@ -129,14 +139,17 @@ impl std::fmt::Display for ArbiterError {
                 failure: LockFailure::Timeout,
             } => write!(
                 f,
-                "the decision lock of {path} was not free within {LOCK_TIMEOUT:?} (its holder is stopped?)"
+                "the decision lock of {path} was not free in time (its holder is stopped?)"
             ),
             ArbiterError::Lock {
                 path,
                 failure: LockFailure::Errno(errno),
             } => write!(f, "cannot lock {path}: {}", sys::errno_text(*errno)),
             ArbiterError::NoTenantRecord { path } => {
-                write!(f, "{path}: all {TENANTS} tenant records are in use by live containers")
+                write!(
+                    f,
+                    "{path}: all {TENANTS} tenant records are in use by live containers"
+                )
             }
             ArbiterError::NoProcessRecord { path } => {
                 write!(f, "{path}: all {PROCESSES} process records are in use")
@@ -168,6 +181,8 @@ pub struct Arbiter {
     decide_mutex: Mutex<()>,
     slot: usize,
     tenant: usize,
+    /// Until when a wait for the decision lock is not worth it (it just timed out).
+    lock_stuck_until_ns: AtomicU64,
 }
 
 impl Arbiter {
@@ -181,6 +196,7 @@ impl Arbiter {
             decide_mutex: Mutex::new(()),
             slot: usize::MAX,
             tenant: usize::MAX,
+            lock_stuck_until_ns: AtomicU64::new(0),
         };
         let (slot, tenant) = arbiter.register(member)?;
         (arbiter.slot, arbiter.tenant) = (slot, tenant);
@@ -201,14 +217,26 @@ impl Arbiter {
         self.file.fd()
     }
 
-    fn decide_lock(&self) -> Result<sys::RangeGuard<'_>, ArbiterError> {
+    /// The decision lock, waiting at most `wait` (once, with no wait, while a recent wait timed
+    /// out: see [`LOCK_BACKOFF_NS`]).
+    fn decide_lock(&self, wait: Duration) -> Result<sys::RangeGuard<'_>, ArbiterError> {
         let (start, len) = LOCK_DECIDE;
-        sys::lock_range(self.fd(), &self.decide_mutex, start, len, LOCK_TIMEOUT).map_err(
-            |failure| ArbiterError::Lock {
+        let now = now_ns();
+        let wait = if now < self.lock_stuck_until_ns.load(Ordering::Relaxed) {
+            Duration::ZERO
+        } else {
+            wait.min(LOCK_TIMEOUT)
+        };
+        sys::lock_range(self.fd(), &self.decide_mutex, start, len, wait).map_err(|failure| {
+            if failure == LockFailure::Timeout && !wait.is_zero() {
+                self.lock_stuck_until_ns
+                    .store(now_ns().saturating_add(LOCK_BACKOFF_NS), Ordering::Relaxed);
+            }
+            ArbiterError::Lock {
                 path: self.path().to_string(),
                 failure,
-            },
-        )
+            }
+        })
     }
 
     fn alive(&self, slot: usize) -> bool {
@@ -228,7 +256,7 @@ impl Arbiter {
 
     /// Takes a process record (held by our lock for life) and a tenant record.
     fn register(&self, member: Member) -> Result<(usize, usize), ArbiterError> {
-        let _guard = self.decide_lock()?;
+        let _guard = self.decide_lock(LOCK_TIMEOUT)?;
         let layout = self.layout();
         if layout.header.magic.load(Ordering::Acquire) != MAGIC
             || layout.header.version.load(Ordering::Acquire) != VERSION
@@ -251,6 +279,13 @@ impl Arbiter {
             .ok_or_else(|| ArbiterError::NoProcessRecord {
                 path: self.path().to_string(),
             })?;
+        // A record left by a holder that died: the lease is taken back first (charged as a dead
+        // holder's), or this process would find itself holding a lease it never got.
+        if layout.header.holder.load(Ordering::Acquire) as usize == slot + 1 {
+            self.charge_holder(slot, now_ns());
+            layout.header.holder.store(0, Ordering::Release);
+            self.bump_grants();
+        }
         let key = member.key.max(1);
         let live_tenants: Vec<bool> = {
             let mut live = vec![false; TENANTS];
@@ -298,6 +333,7 @@ impl Arbiter {
         let process = &layout.processes[slot];
         process.waiting_since_ns.store(0, Ordering::Relaxed);
         process.unarbitrated.store(0, Ordering::Relaxed);
+        process.busy_until_ns.store(0, Ordering::Relaxed);
         process.tenant.store(tenant as u32 + 1, Ordering::Relaxed);
         process.pid.store(std::process::id(), Ordering::Release);
         Ok((slot, tenant))
@@ -341,8 +377,12 @@ impl Arbiter {
     }
 
     /// Marks this process as waiting (once; later calls keep the first time) and wakes the
-    /// holder's keeper.
+    /// holder's keeper. The holder never waits: marked, it would count as a waiter once it gave
+    /// the card up, be granted it while idle and keep it from the others.
     pub fn start_waiting(&self, now_ns: u64) {
+        if self.is_holder() {
+            return;
+        }
         let record = &self.layout().processes[self.slot];
         if record
             .waiting_since_ns
@@ -359,6 +399,14 @@ impl Arbiter {
         self.layout().processes[self.slot]
             .waiting_since_ns
             .store(0, Ordering::Release);
+    }
+
+    /// A sign of this process's work on the card now (see `ProcessRecord::busy_until_ns`).
+    #[inline]
+    pub fn note_busy(&self, now_ns: u64) {
+        self.layout().processes[self.slot]
+            .busy_until_ns
+            .fetch_max(now_ns, Ordering::Relaxed);
     }
 
     /// Counts a launch that went ahead without the card.
@@ -404,11 +452,20 @@ impl Arbiter {
             .store(tenant.last_active_ns, Ordering::Relaxed);
     }
 
-    /// Charges the holder's tenant for the lease so far (start to `now`) and restarts the
-    /// lease's clock there. Under the decision lock.
+    /// Charges the holder's tenant for the lease so far (from its start to the holder's last sign
+    /// of work: `schedule::used_ns`) and restarts the lease's clock at `now`. Under the decision
+    /// lock. A dead or stopped holder is charged up to its last launch, not up to the moment
+    /// someone noticed.
     fn charge_holder(&self, holder_slot: usize, now_ns: u64) {
         let header = &self.layout().header;
-        let used = now_ns.saturating_sub(header.lease_start_ns.load(Ordering::Acquire));
+        let busy_until = self.layout().processes[holder_slot]
+            .busy_until_ns
+            .load(Ordering::Relaxed);
+        let used = schedule::used_ns(
+            header.lease_start_ns.load(Ordering::Acquire),
+            busy_until,
+            now_ns,
+        );
         if let Some(t) = self.tenant_of(holder_slot) {
             let mut tenant = self.read_tenant(t);
             tenant.charge(used, now_ns);
@@ -436,6 +493,7 @@ impl Arbiter {
             let slot = holder - 1;
             let end = header.lease_end_ns.load(Ordering::Acquire);
             if slot == self.slot {
+                self.stop_waiting();
                 return Turn::Holding { until_ns: end };
             }
             let gone = slot >= PROCESSES || !self.alive(slot);
@@ -528,16 +586,16 @@ impl Arbiter {
 
     /// A waiter's turn at the decision lock: the card is granted if it is free and this
     /// process's tenant is next.
-    pub fn try_take(&self, now_ns: u64) -> Result<Turn, ArbiterError> {
-        let _guard = self.decide_lock()?;
+    pub fn try_take(&self, now_ns: u64, wait: Duration) -> Result<Turn, ArbiterError> {
+        let _guard = self.decide_lock(wait)?;
         Ok(self.settle(now_ns))
     }
 
     /// The holder's lease ran out: it goes on (charged for what it used) when nobody else waits,
     /// or when its container is still behind every waiting one (`schedule::keeps_card`), and its
     /// policy allows. Ok(None): it must give the card up ([`Arbiter::release`]).
-    pub fn renew(&self, now_ns: u64) -> Result<Option<u64>, ArbiterError> {
-        let _guard = self.decide_lock()?;
+    pub fn renew(&self, now_ns: u64, wait: Duration) -> Result<Option<u64>, ArbiterError> {
+        let _guard = self.decide_lock(wait)?;
         if !self.is_holder() {
             return Ok(None);
         }
@@ -551,14 +609,14 @@ impl Arbiter {
             return Ok(None);
         }
         let competing = schedule::competing_weight(&tenants, now_ns);
-        let mut tenant = tenants[t];
-        let lease = schedule::renew(&mut tenant, competing, now_ns);
-        self.write_tenant(t, &tenant);
-        // The holder keeps the card only while it is the furthest behind (or alone): the
-        // competing tenants' virtual time is its own. A tenant joining later starts level with
-        // it, not with where it stood when it was first granted the card.
+        let lease = schedule::renew(&mut tenants[t], competing, now_ns);
+        self.write_tenant(t, &tenants[t]);
+        // A tenant joining later starts level with the competing one furthest behind, not with
+        // where the virtual clock stood at the last grant.
         let header = &self.layout().header;
-        header.vclock.fetch_max(tenant.vtime, Ordering::AcqRel);
+        let mut vclock = header.vclock.load(Ordering::Acquire);
+        schedule::advance_vclock(&tenants, &mut vclock, now_ns);
+        header.vclock.fetch_max(vclock, Ordering::AcqRel);
         Ok(lease.map(|lease| {
             let end = now_ns + lease;
             self.layout()
@@ -571,8 +629,8 @@ impl Arbiter {
 
     /// The holder gives the card up (its queued work has finished): charged for the whole
     /// lease, and the card goes to the next waiter at once.
-    pub fn release(&self, now_ns: u64) -> Result<(), ArbiterError> {
-        let _guard = self.decide_lock()?;
+    pub fn release(&self, now_ns: u64, wait: Duration) -> Result<(), ArbiterError> {
+        let _guard = self.decide_lock(wait)?;
         if !self.is_holder() {
             return Ok(());
         }
@@ -585,7 +643,7 @@ impl Arbiter {
 
     /// This process leaves (it exits): the card is released if held, the record freed.
     pub fn leave(&self) {
-        let _ = self.release(now_ns());
+        let _ = self.release(now_ns(), LOCK_TIMEOUT);
         let record = &self.layout().processes[self.slot];
         record.waiting_since_ns.store(0, Ordering::Release);
         record.pid.store(0, Ordering::Release);
@@ -630,6 +688,7 @@ mod tests {
     use super::*;
 
     const MS: u64 = 1_000_000;
+    const W: Duration = LOCK_TIMEOUT;
 
     fn member(key: u64, weight: u32) -> Member {
         Member {
@@ -653,13 +712,13 @@ mod tests {
         let a = Arbiter::open(&path(&dir), member(1, 30)).unwrap();
         let now = now_ns();
         a.start_waiting(now);
-        let Turn::Holding { until_ns } = a.try_take(now).unwrap() else {
+        let Turn::Holding { until_ns } = a.try_take(now, W).unwrap() else {
             panic!("not granted")
         };
         assert_eq!(until_ns, now + schedule::ROUND_NS);
         assert!(a.holds(now + 1) && !a.holds(until_ns));
         assert_eq!(
-            a.renew(until_ns).unwrap(),
+            a.renew(until_ns, W).unwrap(),
             Some(until_ns + schedule::ROUND_NS)
         );
     }
@@ -671,13 +730,14 @@ mod tests {
         let b = Arbiter::open(&path(&dir), member(2, 70)).unwrap();
         let now = now_ns();
         a.start_waiting(now);
-        assert!(matches!(a.try_take(now).unwrap(), Turn::Holding { .. }));
+        assert!(matches!(a.try_take(now, W).unwrap(), Turn::Holding { .. }));
         b.start_waiting(now + 1);
-        assert!(matches!(b.try_take(now + 1).unwrap(), Turn::Wait { .. }));
+        assert!(matches!(b.try_take(now + 1, W).unwrap(), Turn::Wait { .. }));
         assert!(a.others_waiting());
-        // A lease cannot be renewed while someone waits.
-        assert_eq!(a.renew(now + 50 * MS).unwrap(), None);
-        a.release(now + 50 * MS).unwrap();
+        // A lease cannot be renewed while someone waits (a is behind b, but it is the holder).
+        a.note_busy(now + 50 * MS);
+        assert_eq!(a.renew(now + 50 * MS, W).unwrap(), None);
+        a.release(now + 50 * MS, W).unwrap();
         assert!(b.is_holder(), "granted by the release, before b asks again");
         assert!(b.holds(now + 51 * MS));
         assert_eq!(a.tenant_stats().0, 50 * MS);
@@ -690,11 +750,11 @@ mod tests {
         let b = Arbiter::open(&path(&dir), member(2, 50)).unwrap();
         let now = now_ns();
         a.start_waiting(now);
-        a.try_take(now).unwrap();
+        a.try_take(now, W).unwrap();
         b.start_waiting(now);
         drop(a); // its descriptor closes: the kernel drops its locks, as at a kill -9
         assert!(matches!(
-            b.try_take(now + MS).unwrap(),
+            b.try_take(now + MS, W).unwrap(),
             Turn::Holding { .. }
         ));
     }
@@ -728,7 +788,7 @@ mod tests {
         let a = Arbiter::open(&p, member(1, 30)).unwrap();
         let now = now_ns();
         a.start_waiting(now);
-        assert!(matches!(a.try_take(now).unwrap(), Turn::Holding { .. }));
+        assert!(matches!(a.try_take(now, W).unwrap(), Turn::Holding { .. }));
         // Now a tenant scribbles over everything but the magic: no crash, no endless wait.
         let layout = a.layout();
         layout.header.holder.store(u32::MAX, Ordering::Release);
@@ -745,7 +805,10 @@ mod tests {
         }
         let b = Arbiter::open(&path(&dir), member(2, 50)).unwrap();
         b.start_waiting(now);
-        assert!(matches!(b.try_take(now + 1).unwrap(), Turn::Holding { .. }));
+        assert!(matches!(
+            b.try_take(now + 1, W).unwrap(),
+            Turn::Holding { .. }
+        ));
     }
 
     #[test]
@@ -755,15 +818,142 @@ mod tests {
         let b = Arbiter::open(&path(&dir), member(2, 50)).unwrap();
         let now = now_ns();
         a.start_waiting(now);
-        let Turn::Holding { until_ns } = a.try_take(now).unwrap() else {
+        let Turn::Holding { until_ns } = a.try_take(now, W).unwrap() else {
             panic!()
         };
         b.start_waiting(now);
-        assert!(matches!(b.try_take(until_ns).unwrap(), Turn::Wait { .. }));
         assert!(matches!(
-            b.try_take(until_ns + STALE_NS + 1).unwrap(),
+            b.try_take(until_ns, W).unwrap(),
+            Turn::Wait { .. }
+        ));
+        assert!(matches!(
+            b.try_take(until_ns + STALE_NS + 1, W).unwrap(),
             Turn::Holding { .. }
         ));
+    }
+
+    #[test]
+    fn a_second_process_of_the_holders_container_gets_the_next_turn() {
+        let dir = tempfile::tempdir().unwrap();
+        let a1 = Arbiter::open(&path(&dir), member(7, 30)).unwrap();
+        let a2 = Arbiter::open(&path(&dir), member(7, 30)).unwrap();
+        let now = now_ns();
+        a1.start_waiting(now);
+        let Turn::Holding { until_ns } = a1.try_take(now, W).unwrap() else {
+            panic!("not granted")
+        };
+        a2.start_waiting(now + MS);
+        assert!(matches!(
+            a2.try_take(now + MS, W).unwrap(),
+            Turn::Wait { .. }
+        ));
+        // At the lease's end the holder does not go on while its sibling waits...
+        a1.note_busy(until_ns);
+        assert_eq!(a1.renew(until_ns, W).unwrap(), None);
+        // ...and its release hands the card to the sibling.
+        a1.release(until_ns, W).unwrap();
+        assert!(a2.is_holder());
+    }
+
+    #[test]
+    fn a_holder_is_charged_up_to_its_last_work_not_for_its_idle_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = Arbiter::open(&path(&dir), member(1, 30)).unwrap();
+        let b = Arbiter::open(&path(&dir), member(2, 70)).unwrap();
+        let now = now_ns();
+        a.start_waiting(now);
+        a.try_take(now, W).unwrap();
+        a.note_busy(now + 3 * MS);
+        // Ten minutes later (nobody waited), the other container wants the card; the holder is
+        // found stale and is charged its 3 ms, not ten minutes.
+        let later = now + 600_000 * MS;
+        b.start_waiting(later);
+        assert!(matches!(
+            b.try_take(later, W).unwrap(),
+            Turn::Holding { .. }
+        ));
+        assert_eq!(a.tenant_stats().0, 3 * MS);
+        // The same for a renewal after an idle lease.
+        b.note_busy(later + 5 * MS);
+        b.renew(later + 40 * MS + 600_000 * MS, W).unwrap();
+        assert_eq!(b.tenant_stats().0, 5 * MS);
+    }
+
+    #[test]
+    fn the_holder_never_marks_itself_waiting_and_is_not_granted_again_when_idle() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = Arbiter::open(&path(&dir), member(1, 50)).unwrap();
+        let b = Arbiter::open(&path(&dir), member(2, 50)).unwrap();
+        let now = now_ns();
+        a.start_waiting(now);
+        assert!(matches!(a.try_take(now, W).unwrap(), Turn::Holding { .. }));
+        // A thread of the holder that was waiting wakes up and asks again: no waiting mark.
+        a.start_waiting(now + MS);
+        assert!(matches!(
+            a.try_take(now + MS, W).unwrap(),
+            Turn::Holding { .. }
+        ));
+        assert!(!b.others_waiting(), "the holder counts as a waiter");
+        // Given up while idle, the card goes to nobody: the next to ask gets it at once.
+        a.release(now + 2 * MS, W).unwrap();
+        assert!(!a.is_holder());
+        b.start_waiting(now + 3 * MS);
+        assert!(matches!(
+            b.try_take(now + 3 * MS, W).unwrap(),
+            Turn::Holding { .. }
+        ));
+    }
+
+    #[test]
+    fn a_record_reused_after_its_holder_died_holds_no_lease() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = Arbiter::open(&path(&dir), member(1, 50)).unwrap();
+        let now = now_ns();
+        a.start_waiting(now);
+        a.try_take(now, W).unwrap();
+        let slot = a.slot;
+        drop(a); // killed while holding the card
+        let next = Arbiter::open(&path(&dir), member(1, 50)).unwrap();
+        assert_eq!(next.slot, slot);
+        assert!(!next.is_holder() && !next.holds(now_ns()));
+    }
+
+    /// A process stopped inside the decision lock (here: another open file description holding
+    /// its byte, as a SIGSTOPped process's would): a caller waits its own bound once, then tries
+    /// once without waiting until the backoff is over, and decides again the moment it is free.
+    #[test]
+    fn a_decision_lock_held_by_a_stopped_process_costs_one_bounded_wait() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = Arbiter::open(&path(&dir), member(1, 50)).unwrap();
+        let stopped = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path(&dir))
+            .unwrap();
+        use std::os::fd::AsRawFd;
+        assert!(sys::try_lock(
+            stopped.as_raw_fd(),
+            LOCK_DECIDE.0,
+            LOCK_DECIDE.1
+        ));
+        let started = std::time::Instant::now();
+        assert!(a.try_take(now_ns(), Duration::from_millis(30)).is_err());
+        let first = started.elapsed();
+        assert!(
+            first >= Duration::from_millis(30) && first < Duration::from_millis(500),
+            "{first:?}"
+        );
+        let started = std::time::Instant::now();
+        for _ in 0..100 {
+            assert!(a.try_take(now_ns(), Duration::from_millis(30)).is_err());
+        }
+        assert!(
+            started.elapsed() < Duration::from_millis(100),
+            "{:?}",
+            started.elapsed()
+        );
+        drop(stopped);
+        assert!(a.try_take(now_ns(), Duration::from_millis(30)).is_ok());
     }
 
     #[test]

@@ -18,24 +18,31 @@
 //! Captured launches (stream capture builds a graph, nothing runs) pass untouched and unmarked;
 //! the limiter's own event queries run in the relaxed capture mode, so that they never break a
 //! capture another thread is making in global mode.
+//!
+//! Every wait here is bounded, the holder's too: a launch waits at most its bound in all (for the
+//! card, for its queue to have room, for the decision lock, for a drain it does itself), then goes
+//! ahead, counted. The holder publishes its last sign of work (`Arbiter::note_busy`: each launch,
+//! queued work seen running, a drain's end), which is what it is charged up to; an idle holder
+//! gives the card up (`schedule::IDLE_NS` when someone waits, `schedule::IDLE_RELEASE_NS` when
+//! nobody does). Marks are forgotten before their context is destroyed (`forget_context`, called
+//! by the context hooks): the keeper never queries an event the driver has freed. A panic under
+//! `turn` leaves it poisoned, which is read as free, never as held forever.
 
-use crate::arbiter::{Arbiter, Turn};
+use crate::arbiter::{Arbiter, ArbiterError, Turn, LOCK_BACKOFF_NS};
 use crate::cuda::*;
 use crate::driver;
 use crate::env::MAX_DEVICES;
 use crate::process::{self, Process, GATE, GATE_PASS, GATE_REFUSED, GATE_THROTTLE};
+use crate::schedule::{IDLE_NS, IDLE_RELEASE_NS};
 use crate::sys::{futex_wait, now_ns};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard, TryLockError};
 use std::time::Duration;
 
 /// How much work (estimated) the holder may have queued on the card. Its lease's end is late by
 /// at most about this (and one launch), which is charged to it.
 pub const AHEAD_NS: u64 = 4_000_000;
-/// A holder that launched nothing for this long and has nothing queued gives the card up to a
-/// waiting container before its lease ends (a share nobody uses goes to whoever wants it).
-pub const IDLE_NS: u64 = 1_000_000;
 /// The longest a holder waits for its queued work before giving the card up anyway (a kernel that
 /// never ends, a collective waiting for a peer).
 pub const DRAIN_MAX_NS: u64 = 500_000_000;
@@ -92,6 +99,8 @@ pub struct DeviceLimiter {
 static DEVICES: [AtomicPtr<DeviceLimiter>; MAX_DEVICES] =
     [const { AtomicPtr::new(std::ptr::null_mut()) }; MAX_DEVICES];
 static KEEPER_STARTED: AtomicBool = AtomicBool::new(false);
+/// When this process last said that the decision lock was not free (said once per backoff).
+static LOCK_REPORTED_NS: AtomicU64 = AtomicU64::new(0);
 static ATFORK_REGISTERED: AtomicBool = AtomicBool::new(false);
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -106,8 +115,12 @@ pub fn before_launch(stream: CUstream, per_thread: bool) -> Result<Option<Ticket
         GATE_PASS => Ok(None),
         GATE_THROTTLE => Ok(throttle(stream, per_thread)),
         GATE_REFUSED => Err(CUDA_ERROR_NOT_INITIALIZED),
+        // Not decided yet (or another thread is publishing it): decided from the state itself,
+        // never by asking the gate again (a thread that asked while another one initialises
+        // would recurse until it did).
         _ => match process::get() {
-            Some(_) => before_launch(stream, per_thread),
+            Some(process) if process.config.throttles() => Ok(throttle(stream, per_thread)),
+            Some(_) => Ok(None),
             None => Err(CUDA_ERROR_NOT_INITIALIZED),
         },
     }
@@ -156,7 +169,7 @@ fn throttle(stream: CUstream, per_thread: bool) -> Option<Ticket> {
             && !device.would_outlast_lease(arbiter, now)
         {
             if device.room_to_queue(arbiter, deadline) {
-                device.last_launch_ns.store(now_ns(), Ordering::Relaxed);
+                device.launched(arbiter);
                 device.launched_in_lease.fetch_add(1, Ordering::Relaxed);
                 return Some(Ticket { device, stream });
             }
@@ -164,20 +177,42 @@ fn throttle(stream: CUstream, per_thread: bool) -> Option<Ticket> {
             continue; // the lease ended while the queue drained
         }
         device.in_gate.fetch_sub(1, Ordering::SeqCst);
-        if arbiter.is_holder() {
-            device.end_of_lease(arbiter);
-            continue;
-        }
-        if !device.wait_turn(arbiter, deadline) {
+        let decided = if now_ns() >= deadline {
+            false
+        } else if arbiter.is_holder() {
+            device.end_of_lease(arbiter, deadline)
+        } else {
+            device.wait_turn(arbiter, deadline)
+        };
+        if !decided {
             arbiter.count_unarbitrated();
             log_debug!(
                 "a launch on device {index} waited its bound ({} ms) for the card and went ahead",
                 (now_ns() - start) / 1_000_000
             );
             device.in_gate.fetch_add(1, Ordering::SeqCst);
-            device.last_launch_ns.store(now_ns(), Ordering::Relaxed);
+            device.launched(arbiter);
             return Some(Ticket { device, stream });
         }
+    }
+}
+
+/// What is left of a wait that must end at `deadline`.
+fn until(deadline: u64) -> Duration {
+    Duration::from_nanos(deadline.saturating_sub(now_ns()))
+}
+
+/// The decision lock was not free: said once per backoff, not on every launch (and never while
+/// `turn` is held: see `log.rs`, a write to stderr never blocks).
+fn report(error: &ArbiterError) {
+    let now = now_ns();
+    let last = LOCK_REPORTED_NS.load(Ordering::Relaxed);
+    if (last == 0 || now.saturating_sub(last) >= LOCK_BACKOFF_NS)
+        && LOCK_REPORTED_NS
+            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+    {
+        log_warn!("{error}; launches go ahead unarbitrated until it is free");
     }
 }
 
@@ -189,18 +224,7 @@ fn device(process: &'static Process, index: usize) -> Option<&'static DeviceLimi
     }
     process.arbiter(index)?;
     register_atfork();
-    let created = Box::into_raw(Box::new(DeviceLimiter {
-        index,
-        closing: AtomicBool::new(false),
-        in_gate: AtomicU32::new(0),
-        last_launch_ns: AtomicU64::new(0),
-        launch_ns: AtomicU64::new(INITIAL_LAUNCH_NS),
-        held_since_ns: AtomicU64::new(0),
-        waiting_threads: AtomicU32::new(0),
-        launched_in_lease: AtomicU64::new(0),
-        marks: Mutex::new(Marks::default()),
-        turn: Mutex::new(()),
-    }));
+    let created = Box::into_raw(Box::new(DeviceLimiter::new(index)));
     match DEVICES[index].compare_exchange(
         std::ptr::null_mut(),
         created,
@@ -218,6 +242,21 @@ fn device(process: &'static Process, index: usize) -> Option<&'static DeviceLimi
 }
 
 impl DeviceLimiter {
+    fn new(index: usize) -> DeviceLimiter {
+        DeviceLimiter {
+            index,
+            closing: AtomicBool::new(false),
+            in_gate: AtomicU32::new(0),
+            last_launch_ns: AtomicU64::new(0),
+            launch_ns: AtomicU64::new(INITIAL_LAUNCH_NS),
+            held_since_ns: AtomicU64::new(0),
+            waiting_threads: AtomicU32::new(0),
+            launched_in_lease: AtomicU64::new(0),
+            marks: Mutex::new(Marks::default()),
+            turn: Mutex::new(()),
+        }
+    }
+
     /// The holder may launch when its queue has room; waits (polling its marks) while it has
     /// about [`AHEAD_NS`] of work queued. False: the lease ended meanwhile.
     fn room_to_queue(&self, arbiter: &Arbiter, deadline: u64) -> bool {
@@ -227,7 +266,7 @@ impl DeviceLimiter {
             if self.outstanding() < budget {
                 return true;
             }
-            self.poll_marks();
+            self.poll_marks(arbiter);
             if self.outstanding() < budget {
                 return true;
             }
@@ -257,6 +296,23 @@ impl DeviceLimiter {
 
     fn outstanding(&self) -> usize {
         lock(&self.marks).outstanding.len()
+    }
+
+    /// A launch goes ahead: a sign of work.
+    fn launched(&self, arbiter: &Arbiter) {
+        let now = now_ns();
+        self.last_launch_ns.store(now, Ordering::Relaxed);
+        arbiter.note_busy(now);
+    }
+
+    /// `turn`, if free. A panic under it (caught at the entry point) leaves it poisoned: that is
+    /// free too, or the holder would find it busy forever.
+    fn try_turn(&self) -> Option<MutexGuard<'_, ()>> {
+        match self.turn.try_lock() {
+            Ok(guard) => Some(guard),
+            Err(TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        }
     }
 
     /// Records an event after a launch, in the current context, on the launch's stream.
@@ -293,12 +349,14 @@ impl DeviceLimiter {
         }
     }
 
-    /// Takes the completed marks off the queue.
-    fn poll_marks(&self) {
+    /// Takes the completed marks off the queue. Work that was queued (finished or not) is a sign
+    /// of work until now.
+    fn poll_marks(&self, arbiter: &Arbiter) {
         let mut marks = lock(&self.marks);
         if marks.outstanding.is_empty() {
             return;
         }
+        arbiter.note_busy(now_ns());
         let Marks {
             outstanding,
             spare,
@@ -325,55 +383,74 @@ impl DeviceLimiter {
 
     /// The lease ran out (or the card must be handed over): renew it when nobody else waits,
     /// otherwise drain and give the card up. One thread of the process does it; others wait.
-    fn end_of_lease(&self, arbiter: &Arbiter) {
-        let Ok(_turn) = self.turn.try_lock() else {
+    /// False: nothing could be decided before `deadline` (the decision lock is not free): the
+    /// launch goes ahead.
+    fn end_of_lease(&self, arbiter: &Arbiter, deadline: u64) -> bool {
+        let Some(_turn) = self.try_turn() else {
             std::thread::sleep(POLL);
-            return;
+            return true;
         };
         if !arbiter.is_holder() {
-            return;
+            return true;
         }
         let now = now_ns();
         if now < arbiter.lease_end_ns() && !self.would_outlast_lease(arbiter, now) {
-            return; // renewed by another thread meanwhile
+            return true; // renewed by another thread meanwhile
         }
-        match arbiter.renew(now) {
+        self.poll_marks(arbiter);
+        match arbiter.renew(now, until(deadline)) {
             Ok(Some(_)) => {
                 self.learn_launch_cost(now);
                 self.launched_in_lease.store(0, Ordering::Relaxed);
-                return;
+                true
             }
-            Ok(None) => {}
-            Err(error) => log_error!("{error}; the card is given up"),
+            Ok(None) => self.hand_over(arbiter, deadline),
+            Err(error) => {
+                report(&error);
+                false
+            }
         }
-        self.hand_over(arbiter);
     }
 
-    /// Stops launching, waits for the queued work (bounded), gives the card up.
-    fn hand_over(&self, arbiter: &Arbiter) {
+    /// Stops launching, waits for the queued work (until `deadline`), gives the card up. False:
+    /// the work did not finish or the decision lock was not free in time; the card is kept (the
+    /// keeper, or the next launch, tries again), its lease over.
+    fn hand_over(&self, arbiter: &Arbiter, deadline: u64) -> bool {
         self.closing.store(true, Ordering::SeqCst);
-        let deadline = now_ns().saturating_add(DRAIN_MAX_NS);
-        loop {
-            self.poll_marks();
+        let queued = self.outstanding() > 0;
+        let drained = loop {
+            self.poll_marks(arbiter);
             if self.outstanding() == 0 && self.in_gate.load(Ordering::SeqCst) == 0 {
-                break;
+                break true;
             }
             if now_ns() >= deadline {
-                log_warn!(
-                    "device {}: queued work did not finish within {} ms; the card is given up anyway",
-                    self.index,
-                    DRAIN_MAX_NS / 1_000_000
+                log_debug!(
+                    "device {}: queued work did not finish in time; the card is kept for now",
+                    self.index
                 );
-                break;
+                break false;
             }
             std::thread::sleep(DRAIN_POLL);
-        }
+        };
         let now = now_ns();
-        self.learn_launch_cost(now);
-        if let Err(error) = arbiter.release(now) {
-            log_error!("{error}");
-        }
+        let released = if drained {
+            if queued {
+                // Its work ran until now.
+                arbiter.note_busy(now);
+            }
+            self.learn_launch_cost(now);
+            arbiter.release(now, until(deadline))
+        } else {
+            Ok(())
+        };
         self.closing.store(false, Ordering::SeqCst);
+        match released {
+            Ok(()) => drained,
+            Err(error) => {
+                report(&error);
+                false
+            }
+        }
     }
 
     /// The card time per launch, from the lease that just ended or was renewed: its length
@@ -394,16 +471,20 @@ impl DeviceLimiter {
         self.waiting_threads.fetch_add(1, Ordering::AcqRel);
         let granted = loop {
             let now = now_ns();
+            if arbiter.is_holder() {
+                break true; // granted by the holder's release while this thread slept
+            }
             arbiter.start_waiting(now);
             let seq = arbiter.grant_seq().load(Ordering::Acquire);
-            let until = match arbiter.try_take(now) {
+            let until = match arbiter.try_take(now, until(deadline)) {
                 Ok(Turn::Holding { .. }) => break true,
                 Ok(Turn::Wait { until_ns }) => until_ns,
                 Err(error) => {
-                    log_error!("{error}");
+                    report(&error);
                     break false;
                 }
             };
+            let now = now_ns();
             if now >= deadline {
                 break false;
             }
@@ -424,26 +505,36 @@ impl DeviceLimiter {
         granted
     }
 
-    /// The keeper's look at this device: a holder that another container waits for gives the
-    /// card up at its lease's end, or earlier when it is idle.
+    /// The keeper's look at this device: a holder that another process waits for gives the card
+    /// up at its lease's end, or earlier when it is idle; an idle holder that nobody waits for
+    /// gives it up after [`IDLE_RELEASE_NS`] (nothing of its idle time is charged either way).
     fn keep(&self, arbiter: &Arbiter) -> bool {
         if !arbiter.is_holder() {
             return false;
         }
-        self.poll_marks();
+        self.poll_marks(arbiter);
+        let now = now_ns();
+        let idle_for = if self.outstanding() == 0 && self.in_gate.load(Ordering::SeqCst) == 0 {
+            now.saturating_sub(self.last_launch_ns.load(Ordering::Relaxed))
+        } else {
+            0
+        };
+        let drain_by = now.saturating_add(DRAIN_MAX_NS);
         if arbiter.others_waiting() {
-            let now = now_ns();
-            let idle = self.outstanding() == 0
-                && self.in_gate.load(Ordering::SeqCst) == 0
-                && now.saturating_sub(self.last_launch_ns.load(Ordering::Relaxed)) >= IDLE_NS;
-            if idle {
-                if let Ok(_turn) = self.turn.try_lock() {
+            if idle_for >= IDLE_NS {
+                if let Some(_turn) = self.try_turn() {
                     if arbiter.is_holder() {
-                        self.hand_over(arbiter);
+                        self.hand_over(arbiter, drain_by);
                     }
                 }
             } else if now >= arbiter.lease_end_ns() {
-                self.end_of_lease(arbiter);
+                self.end_of_lease(arbiter, drain_by);
+            }
+        } else if idle_for >= IDLE_RELEASE_NS {
+            if let Some(_turn) = self.try_turn() {
+                if arbiter.is_holder() {
+                    self.hand_over(arbiter, drain_by);
+                }
             }
         }
         true
@@ -543,6 +634,81 @@ extern "C" fn after_fork_in_child() {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::arbiter::{Member, LOCK_TIMEOUT};
+
+    fn card(dir: &tempfile::TempDir, key: u64, weight: u32) -> Arbiter {
+        let path = dir.path().join("card").to_str().unwrap().to_string();
+        Arbiter::open(
+            &path,
+            Member {
+                key,
+                weight,
+                force: false,
+            },
+        )
+        .unwrap()
+    }
+
+    fn take(arbiter: &Arbiter) {
+        arbiter.start_waiting(now_ns());
+        assert!(matches!(
+            arbiter.try_take(now_ns(), LOCK_TIMEOUT).unwrap(),
+            Turn::Holding { .. }
+        ));
+    }
+
+    /// A panic under `turn` (caught at the entry point, as every panic of the library is)
+    /// poisons it: the holder must still renew and hand over, not find it busy forever.
+    #[test]
+    fn a_panic_under_the_turn_leaves_the_holder_able_to_renew_and_hand_over() {
+        let dir = tempfile::tempdir().unwrap();
+        let arbiter = card(&dir, 1, 30);
+        let device = DeviceLimiter::new(0);
+        std::thread::scope(|s| {
+            let poisoned = s.spawn(|| {
+                let _turn = device.turn.lock().unwrap();
+                panic!("injected under the turn");
+            });
+            assert!(poisoned.join().is_err());
+        });
+        assert!(device.turn.is_poisoned());
+        take(&arbiter);
+        // The lease ran out while nobody waited: renewed.
+        std::thread::sleep(Duration::from_millis(45));
+        let before = arbiter.lease_end_ns();
+        assert!(device.end_of_lease(&arbiter, now_ns() + 100_000_000));
+        assert!(arbiter.lease_end_ns() > before, "not renewed");
+        // Someone else waits and the holder is idle: the keeper hands the card over.
+        let other = card(&dir, 2, 70);
+        other.start_waiting(now_ns());
+        assert!(device.keep(&arbiter));
+        assert!(!arbiter.is_holder() && other.is_holder());
+    }
+
+    /// The holder's own path is bounded too: with the decision lock held by a stopped process,
+    /// the end of a lease gives up by the launch's deadline (the launch then goes ahead).
+    #[test]
+    fn the_end_of_a_lease_waits_no_longer_than_the_launch_may() {
+        let dir = tempfile::tempdir().unwrap();
+        let arbiter = card(&dir, 1, 30);
+        let device = DeviceLimiter::new(0);
+        take(&arbiter);
+        std::thread::sleep(Duration::from_millis(45));
+        let stopped = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(arbiter.path())
+            .unwrap();
+        use std::os::fd::AsRawFd;
+        assert!(crate::sys::try_lock(stopped.as_raw_fd(), (1 << 40) + 1, 1));
+        let started = std::time::Instant::now();
+        assert!(!device.end_of_lease(&arbiter, now_ns() + 20_000_000));
+        assert!(
+            started.elapsed() < Duration::from_millis(200),
+            "{:?}",
+            started.elapsed()
+        );
+    }
 
     #[test]
     fn a_null_stream_is_named_for_what_it_means() {

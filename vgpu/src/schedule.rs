@@ -12,6 +12,17 @@
 //! Policies: `DEFAULT` is work-conserving (a share nobody uses goes to whoever wants it: only
 //! waiting tenants compete). `FORCE` also caps a tenant at its share of wall time, alone or not,
 //! through a credit that fills at its share.
+//!
+//! Real workloads idle (an inference server between requests, a training loop waiting on its data
+//! loader) and run several processes per container. So:
+//! - a tenant is charged for the time its work held the card ([`used_ns`]: from the lease's start
+//!   to its last sign of work), never for time it held an idle card; an idle holder gives the
+//!   card up ([`IDLE_NS`] when someone waits, [`IDLE_RELEASE_NS`] when nobody does);
+//! - a tenant that was idle for a round rejoins level with the competing ones (`vclock`): no debt
+//!   for what it used before, no credit for the time it did not compete ([`Tenant::join`]);
+//!   `FORCE` debt is bounded ([`MAX_DEBT_NS`]);
+//! - processes of one tenant share its turns: at a lease's end a waiting process of the same
+//!   tenant goes before the holder goes on ([`keeps_card`]).
 
 /// One turn around the tenants of a card that all want it: each lease is its share of this.
 pub const ROUND_NS: u64 = 40_000_000;
@@ -19,6 +30,15 @@ pub const ROUND_NS: u64 = 40_000_000;
 pub const MIN_LEASE_NS: u64 = 2_000_000;
 /// Weights are percent of the card.
 pub const FULL_WEIGHT: u64 = 100;
+/// A holder that launched nothing for this long and has nothing queued gives the card up to a
+/// waiting process before its lease ends (a share nobody uses goes to whoever wants it).
+pub const IDLE_NS: u64 = 1_000_000;
+/// A holder idle this long gives the card up even when nobody waits: the card is then free for
+/// whoever comes next, and nothing of the idle time is charged.
+pub const IDLE_RELEASE_NS: u64 = ROUND_NS;
+/// The most a `FORCE` tenant can owe (its credit's floor): a kernel that overran its lease by
+/// seconds is paid back for one second at most, so a tenant is never shut out for long.
+pub const MAX_DEBT_NS: i64 = 1_000_000_000;
 
 /// A tenant's scheduling state, as the arbiter file holds it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -116,15 +136,29 @@ impl Tenant {
         if self.force {
             self.credit_ns = self
                 .credit_ns
-                .saturating_sub(used_ns.min(i64::MAX as u64) as i64);
+                .saturating_sub(used_ns.min(i64::MAX as u64) as i64)
+                .max(-MAX_DEBT_NS);
         }
     }
 
-    /// A tenant that starts competing again does not bring the credit of its idle time: it starts
-    /// level with those already competing (`vclock`), never behind them.
+    /// A tenant that starts competing again after a round or more without the card starts level
+    /// with those already competing (`vclock`): it brings no credit for the time it did not
+    /// compete (it would shut the others out) and no debt for what it used before (a container
+    /// restarted in the same claim, or an inference server after a quiet minute, would be shut
+    /// out). A `FORCE` tenant's credit starts from zero at worst, never from a debt.
     pub fn join(&mut self, vclock: u64) {
-        self.vtime = self.vtime.max(vclock);
+        self.vtime = vclock;
+        if self.force {
+            self.credit_ns = self.credit_ns.clamp(0, self.credit_cap());
+        }
     }
+}
+
+/// What the holder of a lease that started at `lease_start_ns` is charged for at `now_ns`: the
+/// card's time up to its last sign of work (`busy_until_ns`: its last launch, its last queued
+/// work seen running, the end of its drain), never the time after it, when it held an idle card.
+pub fn used_ns(lease_start_ns: u64, busy_until_ns: u64, now_ns: u64) -> u64 {
+    busy_until_ns.min(now_ns).saturating_sub(lease_start_ns)
 }
 
 /// A lease for a tenant of weight `weight` while tenants of `competing_weight` in all (itself
@@ -171,10 +205,10 @@ pub fn decide(
         .filter(valid)
         .filter(|w| tenants[w.tenant].eligible())
         .min_by_key(|w| (tenants[w.tenant].vtime, w.since_ns, w.process));
+    advance_vclock(tenants, vclock, now_ns);
     match best {
         Some(w) => {
             let tenant = &tenants[w.tenant];
-            *vclock = (*vclock).max(tenant.vtime);
             Decision::Grant {
                 process: w.process,
                 lease_ns: lease_ns(tenant, competing_weight),
@@ -204,7 +238,9 @@ pub fn renew(tenant: &mut Tenant, competing_weight: u64, now_ns: u64) -> Option<
 /// The holder's lease ran out while others wait: it keeps the card (a lease more) when its tenant
 /// is still behind every waiting tenant in virtual time, as the scheduler would pick it again;
 /// otherwise it gives the card up. Without this, two tenants would simply alternate, and what
-/// each overran its leases by would skew their shares.
+/// each overran its leases by would skew their shares. A waiting process of the holder's own
+/// tenant always goes first: the tenant's turns are its processes' turns, one after the other
+/// (the scheduler then picks among the waiters, that process's tenant by its virtual time).
 pub fn keeps_card(tenants: &mut [Tenant], holder: usize, waiters: &[Waiter], now_ns: u64) -> bool {
     if holder >= tenants.len() {
         return false;
@@ -215,14 +251,30 @@ pub fn keeps_card(tenants: &mut [Tenant], holder: usize, waiters: &[Waiter], now
     }
     let own = tenants[holder].vtime;
     let count = tenants.len();
-    waiters
+    if waiters.iter().any(|w| w.tenant == holder) {
+        return false;
+    }
+    waiters.iter().filter(|w| w.tenant < count).all(|w| {
+        let t = &mut tenants[w.tenant];
+        t.refill(now_ns);
+        !t.eligible() || own < t.vtime
+    })
+}
+
+/// Moves the virtual clock up to the virtual time of the competing tenant furthest behind (never
+/// back): a tenant that joins starts there, level with that one, so it neither waits for others'
+/// saved-up turns nor jumps ahead of anyone. (Up to the furthest *ahead* would let a tenant that
+/// competed all along keep the card from a newcomer for as long as a light tenant's leases, at a
+/// hundred times their length in virtual time, had pushed the clock on.)
+pub fn advance_vclock(tenants: &[Tenant], vclock: &mut u64, now_ns: u64) {
+    if let Some(behind) = tenants
         .iter()
-        .filter(|w| w.tenant < count && w.tenant != holder)
-        .all(|w| {
-            let t = &mut tenants[w.tenant];
-            t.refill(now_ns);
-            !t.eligible() || own < t.vtime
-        })
+        .filter(|t| t.active(now_ns))
+        .map(|t| t.vtime)
+        .min()
+    {
+        *vclock = (*vclock).max(behind);
+    }
 }
 
 /// The weight of the tenants active within the last round.
@@ -323,6 +375,496 @@ mod tests {
         held.iter().map(|h| *h as f64 / now as f64).collect()
     }
 
+    /// A card as the arbiter and the limiter run it, for workloads that are not always busy:
+    /// processes (several per tenant) with busy phases, which may die while holding the card; the
+    /// holder is charged by [`used_ns`], gives an idle card up after [`IDLE_NS`] when someone
+    /// waits and after [`IDLE_RELEASE_NS`] when nobody does, renews or hands over at its lease's
+    /// end as `Arbiter::renew` does; a dead holder's lease is taken back when someone waits, as
+    /// `Arbiter::settle` does. Time advances in steps of `STEP`, and jumps over stretches when
+    /// nothing happens (idle for minutes costs nothing).
+    struct Card {
+        tenants: Vec<Tenant>,
+        processes: Vec<Process>,
+        vclock: u64,
+        holder: Option<usize>,
+        lease_start: u64,
+        lease_end: u64,
+        busy_until: u64,
+        now: u64,
+        /// Per tenant: card time held; per tenant and process: [(start, end)] of every piece.
+        held: Vec<u64>,
+        pieces: Vec<Vec<(u64, u64)>>,
+        /// The longest any process waited, from the start of a busy phase to its first turn.
+        worst_first_turn: u64,
+    }
+
+    struct Process {
+        tenant: usize,
+        /// Sorted, disjoint [start, end) phases when it has work for the card.
+        busy: Vec<(u64, u64)>,
+        /// It dies (kill -9) at this time: from then on it neither works nor waits.
+        dies_at: u64,
+        waiting_since: u64,
+        /// When its current busy phase began waiting for its first turn (0: it had one).
+        phase_wait_since: u64,
+    }
+
+    const STEP: u64 = 250_000;
+
+    impl Process {
+        fn new(tenant: usize, busy: Vec<(u64, u64)>) -> Process {
+            Process {
+                tenant,
+                busy,
+                dies_at: u64::MAX,
+                waiting_since: 0,
+                phase_wait_since: 0,
+            }
+        }
+
+        fn busy_at(&self, t: u64) -> bool {
+            t < self.dies_at && self.busy.iter().any(|&(a, b)| a <= t && t < b)
+        }
+
+        fn next_change_after(&self, t: u64) -> u64 {
+            self.busy
+                .iter()
+                .flat_map(|&(a, b)| [a, b])
+                .chain([self.dies_at])
+                .filter(|&x| x > t)
+                .min()
+                .unwrap_or(u64::MAX)
+        }
+    }
+
+    impl Card {
+        fn new(tenants: Vec<Tenant>, processes: Vec<Process>) -> Card {
+            let count = processes.len();
+            Card {
+                held: vec![0; tenants.len()],
+                pieces: vec![Vec::new(); count],
+                tenants,
+                processes,
+                vclock: 0,
+                holder: None,
+                lease_start: 0,
+                lease_end: 0,
+                busy_until: 0,
+                now: 1,
+                worst_first_turn: 0,
+            }
+        }
+
+        fn waiters(&self, except: Option<usize>) -> Vec<Waiter> {
+            self.processes
+                .iter()
+                .enumerate()
+                .filter(|&(i, p)| p.waiting_since != 0 && Some(i) != except)
+                .map(|(i, p)| Waiter {
+                    process: i,
+                    tenant: p.tenant,
+                    since_ns: p.waiting_since,
+                })
+                .collect()
+        }
+
+        fn charge_holder(&mut self, h: usize) {
+            let used = used_ns(self.lease_start, self.busy_until, self.now);
+            let t = self.processes[h].tenant;
+            self.tenants[t].charge(used, self.now);
+            self.lease_start = self.now;
+        }
+
+        fn release(&mut self, h: usize) {
+            self.charge_holder(h);
+            self.holder = None;
+            self.grant(Some(h));
+        }
+
+        fn grant(&mut self, except: Option<usize>) {
+            let waiters = self.waiters(except);
+            if let Decision::Grant { process, lease_ns } =
+                decide(&mut self.tenants, &waiters, &mut self.vclock, self.now)
+            {
+                let p = &mut self.processes[process];
+                p.waiting_since = 0;
+                if p.phase_wait_since != 0 {
+                    self.worst_first_turn =
+                        self.worst_first_turn.max(self.now - p.phase_wait_since);
+                    p.phase_wait_since = 0;
+                }
+                self.holder = Some(process);
+                self.lease_start = self.now;
+                self.lease_end = self.now + lease_ns;
+                self.busy_until = self.now;
+            }
+        }
+
+        fn run_until(&mut self, end: u64) {
+            while self.now < end {
+                self.step();
+            }
+        }
+
+        fn step(&mut self) {
+            let now = self.now;
+            // Processes that have work and do not hold the card wait; those without work do not.
+            for (i, p) in self.processes.iter_mut().enumerate() {
+                let busy = p.busy_at(now);
+                let starts = busy && !p.busy_at(now.saturating_sub(STEP));
+                if starts && Some(i) != self.holder {
+                    p.phase_wait_since = now;
+                }
+                if !busy {
+                    p.phase_wait_since = 0;
+                }
+                if Some(i) != self.holder && busy {
+                    if p.waiting_since == 0 {
+                        p.waiting_since = now;
+                    }
+                } else {
+                    p.waiting_since = 0;
+                }
+            }
+            if let Some(h) = self.holder {
+                let others = !self.waiters(Some(h)).is_empty();
+                let dead = now >= self.processes[h].dies_at;
+                if dead {
+                    // Its locks went with it: the next waiter takes the lease back at once.
+                    if others {
+                        self.release(h);
+                    }
+                } else if self.processes[h].busy_at(now) {
+                    if now >= self.lease_end {
+                        self.end_of_lease(h, others);
+                    }
+                } else {
+                    let idle = now - self.busy_until;
+                    if (others && idle >= IDLE_NS) || idle >= IDLE_RELEASE_NS {
+                        self.release(h);
+                    } else if others && now >= self.lease_end {
+                        self.end_of_lease(h, others);
+                    }
+                }
+            }
+            if self.holder.is_none() {
+                self.grant(None);
+            }
+            // The holder's work runs for this step.
+            if let Some(h) = self.holder {
+                if self.processes[h].busy_at(now) {
+                    let t = self.processes[h].tenant;
+                    self.held[t] += STEP;
+                    self.busy_until = now + STEP;
+                    match self.pieces[h].last_mut() {
+                        Some(last) if last.1 == now => last.1 = now + STEP,
+                        _ => self.pieces[h].push((now, now + STEP)),
+                    }
+                }
+            }
+            self.now += STEP;
+            // Nothing happens until the next phase starts: jump there.
+            let quiet = self.holder.is_none()
+                && self
+                    .processes
+                    .iter()
+                    .all(|p| !p.busy_at(self.now) && p.waiting_since == 0);
+            if quiet {
+                let next = self
+                    .processes
+                    .iter()
+                    .map(|p| p.next_change_after(self.now))
+                    .min()
+                    .unwrap_or(u64::MAX);
+                if next != u64::MAX && next > self.now {
+                    self.now += (next - self.now) / STEP * STEP;
+                }
+            }
+        }
+
+        fn end_of_lease(&mut self, h: usize, others: bool) {
+            self.charge_holder(h);
+            let t = self.processes[h].tenant;
+            let waiters = self.waiters(Some(h));
+            if others && !keeps_card(&mut self.tenants, t, &waiters, self.now) {
+                self.holder = None;
+                self.grant(Some(h));
+                return;
+            }
+            let competing = competing_weight(&self.tenants, self.now);
+            match renew(&mut self.tenants[t], competing, self.now) {
+                Some(lease) => {
+                    advance_vclock(&self.tenants, &mut self.vclock, self.now);
+                    self.lease_end = self.now + lease;
+                }
+                None => {
+                    self.holder = None;
+                    self.grant(Some(h));
+                }
+            }
+        }
+
+        /// Card time process `p` held within [from, to).
+        fn held_by(&self, p: usize, from: u64, to: u64) -> u64 {
+            self.pieces[p]
+                .iter()
+                .map(|&(a, b)| b.min(to).saturating_sub(a.max(from)))
+                .sum()
+        }
+
+        /// Tenant `t`'s share of the card within [from, to).
+        fn share(&self, t: usize, from: u64, to: u64) -> f64 {
+            let held: u64 = (0..self.processes.len())
+                .filter(|&p| self.processes[p].tenant == t)
+                .map(|p| self.held_by(p, from, to))
+                .sum();
+            held as f64 / (to - from) as f64
+        }
+    }
+
+    const S: u64 = 1_000 * MS;
+
+    fn always(from: u64, to: u64) -> Vec<(u64, u64)> {
+        vec![(from, to)]
+    }
+
+    #[test]
+    fn a_tenant_idle_for_minutes_while_holding_the_card_is_not_charged_for_it() {
+        // The 30 % tenant works a second, then idles ten minutes (the card was its own: nobody
+        // waited); the 70 % tenant arrives meanwhile; then both work.
+        let mut card = Card::new(
+            vec![tenant(30, false), tenant(70, false)],
+            vec![
+                Process::new(0, vec![(0, S), (600 * S, 640 * S)]),
+                Process::new(1, always(300 * S, 640 * S)),
+            ],
+        );
+        card.run_until(640 * S);
+        let (a, b) = (
+            card.share(0, 610 * S, 640 * S),
+            card.share(1, 610 * S, 640 * S),
+        );
+        assert!(
+            (a - 0.30).abs() < 0.02 && (b - 0.70).abs() < 0.02,
+            "{a} / {b}"
+        );
+        // Its first turn after ten minutes came within a round.
+        assert!(
+            card.worst_first_turn <= ROUND_NS,
+            "{}",
+            card.worst_first_turn
+        );
+    }
+
+    #[test]
+    fn a_force_tenant_idle_for_minutes_gets_its_share_when_it_comes_back() {
+        // Its work stops at moments spread over a round: in some it holds the card, in some not.
+        for stop in 0..8 {
+            let stop = 2 * S + stop * 5 * MS;
+            let mut card = Card::new(
+                vec![tenant(25, true)],
+                vec![Process::new(0, vec![(0, stop), (600 * S, 630 * S)])],
+            );
+            card.run_until(630 * S);
+            let share = card.share(0, 601 * S, 630 * S);
+            assert!((share - 0.25).abs() < 0.02, "stopped at {stop}: {share}");
+        }
+    }
+
+    #[test]
+    fn a_force_tenant_owes_at_most_a_second() {
+        let mut t = tenant(25, true);
+        t.charge(600 * S, 600 * S);
+        assert_eq!(t.credit_ns, -MAX_DEBT_NS);
+        t.join(0);
+        assert_eq!(t.credit_ns, 0, "a tenant that comes back brings no debt");
+    }
+
+    #[test]
+    fn a_container_restarted_after_its_holder_was_killed_gets_its_share() {
+        // The 30 % tenant's process is killed while it holds the card and nobody waits; the other
+        // tenant comes back five seconds later and takes the card back; the container restarts
+        // (same claim, same tenant) two seconds after that.
+        let mut victim = Process::new(0, always(0, 10 * S));
+        victim.dies_at = 5 * S;
+        let mut card = Card::new(
+            vec![tenant(30, false), tenant(70, false)],
+            vec![
+                victim,
+                Process::new(1, vec![(0, 4 * S), (10 * S, 40 * S)]),
+                Process::new(0, always(12 * S, 40 * S)),
+            ],
+        );
+        card.run_until(40 * S);
+        let (a, b) = (card.share(0, 13 * S, 40 * S), card.share(1, 13 * S, 40 * S));
+        assert!(
+            (a - 0.30).abs() < 0.02 && (b - 0.70).abs() < 0.02,
+            "{a} / {b}"
+        );
+        assert!((card.share(1, 10 * S + 10 * MS, 12 * S) - 1.0).abs() < 0.01);
+    }
+
+    #[test]
+    fn processes_of_one_container_share_its_turns() {
+        // Two processes of the 30 % container, one of the 70 % container, all busy.
+        let mut card = Card::new(
+            vec![tenant(30, false), tenant(70, false)],
+            vec![
+                Process::new(0, always(0, 30 * S)),
+                Process::new(0, always(0, 30 * S)),
+                Process::new(1, always(0, 30 * S)),
+            ],
+        );
+        card.run_until(30 * S);
+        let (a, b) = (card.share(0, S, 30 * S), card.share(1, S, 30 * S));
+        assert!(
+            (a - 0.30).abs() < 0.02 && (b - 0.70).abs() < 0.02,
+            "{a} / {b}"
+        );
+        for p in 0..2 {
+            let own = card.held_by(p, S, 30 * S) as f64 / (29 * S) as f64;
+            assert!((own - 0.15).abs() < 0.03, "process {p}: {own}");
+        }
+        // Alone, the container's two processes take turns too.
+        let mut alone = Card::new(
+            vec![tenant(30, false)],
+            vec![
+                Process::new(0, always(0, 10 * S)),
+                Process::new(0, always(0, 10 * S)),
+            ],
+        );
+        alone.run_until(10 * S);
+        for p in 0..2 {
+            let own = alone.held_by(p, S, 10 * S) as f64 / (9 * S) as f64;
+            assert!((own - 0.5).abs() < 0.05, "process {p}: {own}");
+        }
+    }
+
+    /// A small deterministic generator (the tests must not vary from run to run).
+    struct Lcg(u64);
+
+    impl Lcg {
+        fn next(&mut self) -> u64 {
+            self.0 = self
+                .0
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            self.0 >> 33
+        }
+
+        /// Log-uniform in [lo, hi]: as many short phases as long ones, from milliseconds to
+        /// minutes.
+        fn between(&mut self, lo: u64, hi: u64) -> u64 {
+            let f = (self.next() % 1_000_000) as f64 / 1_000_000.0;
+            ((lo as f64).ln() + f * ((hi as f64).ln() - (lo as f64).ln())).exp() as u64
+        }
+
+        fn phases(&mut self, end: u64, busy: (u64, u64), idle: (u64, u64)) -> Vec<(u64, u64)> {
+            let mut t = self.between(idle.0, idle.1);
+            let mut phases = Vec::new();
+            while t < end {
+                let b = self.between(busy.0, busy.1);
+                phases.push((t, (t + b).min(end)));
+                t += b + self.between(idle.0, idle.1);
+            }
+            phases
+        }
+    }
+
+    #[test]
+    fn real_workloads_with_idle_phases_get_their_shares_and_nobody_starves() {
+        let end = 400 * S;
+        for seed in 1..=4 {
+            let mut rng = Lcg(seed);
+            // Three inference servers (bursts of 40 ms to 10 s, quiet from 1 ms to two minutes, two
+            // processes for the second), one training job (busy for seconds, waits for its data
+            // loader from 1 to 100 ms, a quiet stretch of minutes).
+            let weights = [20u32, 30, 10, 40];
+            let mut processes = vec![
+                Process::new(0, rng.phases(end, (40 * MS, 10 * S), (MS, 120 * S))),
+                Process::new(1, rng.phases(end, (40 * MS, 10 * S), (MS, 120 * S))),
+                Process::new(1, rng.phases(end, (40 * MS, 10 * S), (MS, 120 * S))),
+                Process::new(2, rng.phases(end, (40 * MS, 10 * S), (MS, 120 * S))),
+            ];
+            let mut training = rng.phases(150 * S, (S, 10 * S), (MS, 100 * MS));
+            training.extend(
+                rng.phases(end - 250 * S, (S, 10 * S), (MS, 100 * MS))
+                    .iter()
+                    .map(|&(a, b)| (a + 250 * S, b + 250 * S)),
+            );
+            processes.push(Process::new(3, training));
+            // A fifth tenant that always works: whatever the others do, its share is at least
+            // its own (it fills what they leave).
+            let mut tenants: Vec<Tenant> = weights.iter().map(|&w| tenant(w, false)).collect();
+            tenants.push(tenant(0, false));
+            tenants[4].weight = 1;
+            processes.push(Process::new(4, always(0, end)));
+            let mut card = Card::new(tenants, processes);
+            card.run_until(end);
+            let busy_throughout = |t: usize, from: u64, to: u64| {
+                card.processes
+                    .iter()
+                    .any(|p| p.tenant == t && p.busy.iter().any(|&(a, b)| a <= from && to <= b))
+            };
+            let idle_throughout = |t: usize, from: u64, to: u64| {
+                card.processes
+                    .iter()
+                    .all(|p| p.tenant != t || p.busy.iter().all(|&(a, b)| b <= from || to <= a))
+            };
+            // Over every second in which a tenant worked throughout, it got at least its share
+            // (less 5 points): the others' weights, busy or not, never take more than theirs.
+            // In a second in which each tenant worked throughout or not at all, the card went to
+            // those that worked in proportion to their weights (the always-busy one's included),
+            // within 5 points.
+            let mut settled = 0;
+            for second in 0..end / S {
+                let (from, to) = (second * S, (second + 1) * S);
+                let busy: Vec<bool> = (0..=weights.len())
+                    .map(|t| busy_throughout(t, from, to))
+                    .collect();
+                let steady = (0..=weights.len()).all(|t| busy[t] || idle_throughout(t, from, to));
+                let busy_weight: u32 = weights
+                    .iter()
+                    .chain([&1])
+                    .zip(&busy)
+                    .filter(|(_, &b)| b)
+                    .map(|(w, _)| w)
+                    .sum();
+                settled += steady as u32;
+                for (t, &weight) in weights.iter().enumerate() {
+                    if !busy[t] {
+                        continue;
+                    }
+                    let share = card.share(t, from, to);
+                    let limit = weight as f64 / 100.0;
+                    let proportional = weight as f64 / busy_weight as f64;
+                    assert!(
+                        share >= limit - 0.05 && (!steady || (share - proportional).abs() <= 0.05),
+                        "seed {seed}: tenant {t} ({limit}, {proportional:.3} of those busy) got {share:.3} in second {second}"
+                    );
+                }
+            }
+            eprintln!("seed {seed}: {settled} seconds in which each tenant worked throughout or not at all");
+            for t in 0..weights.len() {
+                assert!(
+                    (0..end / S).any(|s| busy_throughout(t, s * S, (s + 1) * S)),
+                    "seed {seed}: tenant {t} never worked a whole second"
+                );
+            }
+            // A burst waits at most three rounds for its first turn (the holder's lease, then the tenants
+            // behind it in virtual time).
+            eprintln!(
+                "seed {seed}: worst first turn {} ms",
+                card.worst_first_turn / MS
+            );
+            assert!(
+                card.worst_first_turn <= 3 * ROUND_NS,
+                "seed {seed}: a burst waited {} ms",
+                card.worst_first_turn / MS
+            );
+        }
+    }
+
     #[test]
     fn saturating_tenants_get_their_weights_whatever_they_overrun() {
         for weights in [[30, 70], [10, 90], [50, 50], [1, 99]] {
@@ -397,11 +939,14 @@ mod tests {
         let mut vclock = busy.vtime;
         idle.join(vclock);
         assert_eq!(idle.vtime, busy.vtime);
-        // It does not lose what it had either.
-        idle.vtime = vclock + 5;
+        // Nor does it bring a debt: what it used before its idle time is not held against it.
+        idle.vtime = vclock + 10_000 * MS;
         idle.join(vclock);
-        assert_eq!(idle.vtime, vclock + 5);
-        vclock = 0;
+        assert_eq!(idle.vtime, vclock);
+        // Both wait; the idle one joins level with the last grant's (the busy one's): a tie,
+        // which goes to the longest waiting.
+        idle.vtime = 0;
+        vclock = busy.vtime;
         let mut tenants = [busy, idle];
         let waiters = [
             Waiter {
