@@ -11,8 +11,9 @@
 //! Coordination, as in the accounting file, without any process-shared mutex:
 //! - each process holds an OFD lock on its record's lock byte for life: a record whose byte is free
 //!   belongs to the dead, and a lease held by the dead is taken back at once;
-//! - decisions (grant, release, renew, registering) are made under the decision lock byte, held
-//!   for microseconds. A launch waits for it no longer than its own bound; registering, 2 s. A
+//! - decisions (grant, release, renew) are made under the decision lock byte, held for
+//!   microseconds; registering takes records without it (OFD lock, compare-and-swap), so a new
+//!   process never waits for it. A launch waits for it no longer than its own bound. A
 //!   process stopped inside it (SIGSTOP, a debugger, the cgroup freezer) therefore costs the
 //!   others one bounded wait, then [`LOCK_BACKOFF`] of launches that go ahead unarbitrated at
 //!   once (each tries the lock once, and arbitration resumes the moment it is free): never a
@@ -254,20 +255,14 @@ impl Arbiter {
             && sys::held_elsewhere(self.fd(), start, len)
     }
 
-    /// Takes a process record (held by our lock for life) and a tenant record.
+    /// Takes a process record (held by our lock for life) and a tenant record, without the
+    /// decision lock: a process stopped inside it must not keep the card's other containers from
+    /// starting programs. Records are taken by an OFD lock (process) and compare-and-swap of the
+    /// key (tenant); two processes of one container registering at once end up in one record
+    /// (the lowest that holds its key).
     fn register(&self, member: Member) -> Result<(usize, usize), ArbiterError> {
-        let _guard = self.decide_lock(LOCK_TIMEOUT)?;
+        self.start_afresh_if_foreign()?;
         let layout = self.layout();
-        if layout.header.magic.load(Ordering::Acquire) != MAGIC
-            || layout.header.version.load(Ordering::Acquire) != VERSION
-        {
-            // New, foreign or of another version: start it afresh (no live process can use a
-            // layout it does not recognise).
-            // SAFETY: the mapping is FILE_SIZE bytes; every field is an atomic of plain data.
-            unsafe { std::ptr::write_bytes(self.file.base(), 0, FILE_SIZE) };
-            layout.header.version.store(VERSION, Ordering::Release);
-            layout.header.magic.store(MAGIC, Ordering::Release);
-        }
         // A process record: free, or left by a dead process.
         let slot = (0..PROCESSES)
             .find(|&s| {
@@ -279,64 +274,141 @@ impl Arbiter {
             .ok_or_else(|| ArbiterError::NoProcessRecord {
                 path: self.path().to_string(),
             })?;
-        // A record left by a holder that died: the lease is taken back first (charged as a dead
+        let process = &layout.processes[slot];
+        process.waiting_since_ns.store(0, Ordering::SeqCst);
+        process.tenant.store(0, Ordering::SeqCst);
+        process.unarbitrated.store(0, Ordering::Relaxed);
+        process.busy_until_ns.store(0, Ordering::Relaxed);
+        // Alive from here on (our lock and a PID): a registering process's tenant record is not
+        // taken for a dead one's.
+        process.pid.store(std::process::id(), Ordering::SeqCst);
+        // A record left by a holder that died: the lease is taken back (charged as a dead
         // holder's), or this process would find itself holding a lease it never got.
-        if layout.header.holder.load(Ordering::Acquire) as usize == slot + 1 {
+        if layout
+            .header
+            .holder
+            .compare_exchange(slot as u32 + 1, 0, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+        {
             self.charge_holder(slot, now_ns());
-            layout.header.holder.store(0, Ordering::Release);
             self.bump_grants();
         }
         let key = member.key.max(1);
-        let live_tenants: Vec<bool> = {
-            let mut live = vec![false; TENANTS];
-            for s in 0..PROCESSES {
-                let t = layout.processes[s].tenant.load(Ordering::Acquire) as usize;
-                if (1..=TENANTS).contains(&t) && s != slot && self.alive_for(s, slot) {
-                    live[t - 1] = true;
+        let tenant = loop {
+            let Some(claimed) = self.claim_tenant(key, slot) else {
+                sys::unlock(self.fd(), lock_process(slot).0, 1);
+                process.pid.store(0, Ordering::Release);
+                return Err(ArbiterError::NoTenantRecord {
+                    path: self.path().to_string(),
+                });
+            };
+            process.tenant.store(claimed as u32 + 1, Ordering::SeqCst);
+            // Still ours (not taken as left by the dead before our record named it), and the
+            // lowest record with our key (another process of the container may have claimed
+            // one at the same moment): otherwise again.
+            let lowest =
+                (0..TENANTS).find(|&t| layout.tenants[t].key.load(Ordering::SeqCst) == key);
+            match lowest {
+                Some(t) if t == claimed => break claimed,
+                Some(t) => {
+                    process.tenant.store(t as u32 + 1, Ordering::SeqCst);
+                    if !self.tenant_in_use(claimed, slot) {
+                        let _ = layout.tenants[claimed].key.compare_exchange(
+                            key,
+                            0,
+                            Ordering::SeqCst,
+                            Ordering::SeqCst,
+                        );
+                    }
+                    if layout.tenants[t].key.load(Ordering::SeqCst) == key {
+                        break t;
+                    }
                 }
+                None => {}
             }
-            live
-        };
-        let tenant = (0..TENANTS)
-            .find(|&t| layout.tenants[t].key.load(Ordering::Acquire) == key)
-            .or_else(|| {
-                (0..TENANTS).find(|&t| {
-                    layout.tenants[t].key.load(Ordering::Acquire) == 0 || !live_tenants[t]
-                })
-            });
-        let Some(tenant) = tenant else {
-            sys::unlock(self.fd(), lock_process(slot).0, 1);
-            return Err(ArbiterError::NoTenantRecord {
-                path: self.path().to_string(),
-            });
         };
         let record = &layout.tenants[tenant];
-        if record.key.load(Ordering::Acquire) != key {
+        record.weight.store(member.weight, Ordering::Relaxed);
+        record
+            .flags
+            .store(if member.force { FLAG_FORCE } else { 0 }, Ordering::Relaxed);
+        Ok((slot, tenant))
+    }
+
+    /// A file that is new, foreign or of another version is started afresh (no live process can
+    /// use a layout it does not recognise), under the lock that serialises its growth.
+    fn start_afresh_if_foreign(&self) -> Result<(), ArbiterError> {
+        let layout = self.layout();
+        let recognised = || {
+            layout.header.magic.load(Ordering::Acquire) == MAGIC
+                && layout.header.version.load(Ordering::Acquire) == VERSION
+        };
+        if recognised() {
+            return Ok(());
+        }
+        let mutex = Mutex::new(());
+        let (start, len) = LOCK_INIT;
+        let _guard =
+            sys::lock_range(self.fd(), &mutex, start, len, LOCK_TIMEOUT).map_err(|failure| {
+                ArbiterError::Lock {
+                    path: self.path().to_string(),
+                    failure,
+                }
+            })?;
+        if !recognised() {
+            // SAFETY: the mapping is FILE_SIZE bytes; every field is an atomic of plain data.
+            unsafe { std::ptr::write_bytes(self.file.base(), 0, FILE_SIZE) };
+            layout.header.version.store(VERSION, Ordering::Release);
+            layout.header.magic.store(MAGIC, Ordering::Release);
+        }
+        Ok(())
+    }
+
+    /// Whether a live process other than `own` belongs to tenant record `t`.
+    fn tenant_in_use(&self, t: usize, own: usize) -> bool {
+        (0..PROCESSES).any(|s| {
+            s != own
+                && self.layout().processes[s].tenant.load(Ordering::SeqCst) as usize == t + 1
+                && self.alive_for(s, own)
+        })
+    }
+
+    /// The tenant record of `key`: the one that holds it, or a free one (or one left by
+    /// containers whose processes are all gone) taken by compare-and-swap and started level with
+    /// the tenants competing. None: every record belongs to a live container.
+    fn claim_tenant(&self, key: u64, own: usize) -> Option<usize> {
+        let layout = self.layout();
+        if let Some(t) = (0..TENANTS).find(|&t| layout.tenants[t].key.load(Ordering::SeqCst) == key)
+        {
+            return Some(t);
+        }
+        for t in 0..TENANTS {
+            let record = &layout.tenants[t];
+            let old = record.key.load(Ordering::SeqCst);
+            if old != 0 && self.tenant_in_use(t, own) {
+                continue;
+            }
+            if record
+                .key
+                .compare_exchange(old, key, Ordering::SeqCst, Ordering::SeqCst)
+                .is_err()
+            {
+                continue;
+            }
             // A new tenant (or a record left by containers that are gone): it starts level with
             // the tenants already competing.
-            let now = now_ns();
             record.vtime.store(
                 layout.header.vclock.load(Ordering::Acquire),
                 Ordering::Relaxed,
             );
             record.credit_ns.store(0, Ordering::Relaxed);
-            record.credit_at_ns.store(now, Ordering::Relaxed);
+            record.credit_at_ns.store(now_ns(), Ordering::Relaxed);
             record.used_ns.store(0, Ordering::Relaxed);
             record.leases.store(0, Ordering::Relaxed);
             record.last_active_ns.store(0, Ordering::Relaxed);
-            record.key.store(key, Ordering::Release);
+            return Some(t);
         }
-        record.weight.store(member.weight, Ordering::Relaxed);
-        record
-            .flags
-            .store(if member.force { FLAG_FORCE } else { 0 }, Ordering::Relaxed);
-        let process = &layout.processes[slot];
-        process.waiting_since_ns.store(0, Ordering::Relaxed);
-        process.unarbitrated.store(0, Ordering::Relaxed);
-        process.busy_until_ns.store(0, Ordering::Relaxed);
-        process.tenant.store(tenant as u32 + 1, Ordering::Relaxed);
-        process.pid.store(std::process::id(), Ordering::Release);
-        Ok((slot, tenant))
+        None
     }
 
     /// The fast path of every launch: whether this process holds the card and its lease runs.
@@ -954,6 +1026,56 @@ mod tests {
         );
         drop(stopped);
         assert!(a.try_take(now_ns(), Duration::from_millis(30)).is_ok());
+    }
+
+    #[test]
+    fn a_process_registers_while_another_is_stopped_inside_the_decision_lock() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = Arbiter::open(&path(&dir), member(1, 50)).unwrap();
+        let stopped = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path(&dir))
+            .unwrap();
+        use std::os::fd::AsRawFd;
+        assert!(sys::try_lock(
+            stopped.as_raw_fd(),
+            LOCK_DECIDE.0,
+            LOCK_DECIDE.1
+        ));
+        let started = std::time::Instant::now();
+        let second = Arbiter::open(&path(&dir), member(2, 50)).unwrap();
+        assert!(started.elapsed() < Duration::from_millis(500));
+        assert_ne!(second.tenant, first.tenant);
+    }
+
+    #[test]
+    fn processes_of_one_container_starting_together_share_one_tenant_record() {
+        for _ in 0..20 {
+            let dir = tempfile::tempdir().unwrap();
+            let p = path(&dir);
+            let opened: Vec<Arbiter> = std::thread::scope(|s| {
+                let handles: Vec<_> = (0..8)
+                    .map(|i| {
+                        let p = p.clone();
+                        s.spawn(move || Arbiter::open(&p, member(1 + i % 2, 50)).unwrap())
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            let of_key = |k: usize| -> Vec<usize> {
+                opened
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| i % 2 == k)
+                    .map(|(_, a)| a.tenant)
+                    .collect()
+            };
+            let (one, two) = (of_key(0), of_key(1));
+            assert!(one.iter().all(|&t| t == one[0]), "{one:?}");
+            assert!(two.iter().all(|&t| t == two[0]), "{two:?}");
+            assert_ne!(one[0], two[0]);
+        }
     }
 
     #[test]
