@@ -154,6 +154,8 @@ fn environment() -> Vec<(String, Option<String>)> {
 }
 
 fn create() -> Option<Process> {
+    // First: a fork while this thread opens the shared files must close them in the child.
+    register_atfork();
     let vars = environment();
     let level = vars
         .iter()
@@ -213,7 +215,6 @@ fn create() -> Option<Process> {
         // SAFETY: registers a handler that gives the card and our records back.
         unsafe { libc::atexit(release_slot_at_exit) };
     }
-    register_atfork();
     Some(Process {
         config,
         file,
@@ -303,16 +304,10 @@ fn register_atfork() {
 /// re-attaches on first use with its own description. The parent's state is leaked in the child,
 /// never touched again (a mutex in it may be held by a thread that does not exist here).
 extern "C" fn after_fork_in_child() {
-    let old = PROCESS.swap(std::ptr::null_mut(), Ordering::AcqRel);
-    if !old.is_null() {
-        // SAFETY: the leaked state is never freed; close(2) is async-signal-safe.
-        if let Some(file) = unsafe { &(*old).file } {
-            unsafe { libc::close(file.fd()) };
-        }
-        for arbiter in unsafe { (*old).arbiters.iter().flatten() } {
-            unsafe { libc::close(arbiter.fd()) };
-        }
-    }
+    // The parent's shared files, its published state's and those another thread was opening
+    // when the fork happened alike.
+    PROCESS.store(std::ptr::null_mut(), Ordering::Release);
+    crate::sys::close_owned_after_fork();
     REFUSED.store(false, Ordering::Release);
     GATE.store(GATE_UNINIT, Ordering::Release);
     INIT_LOCK.store(false, Ordering::Release);
@@ -701,6 +696,11 @@ impl Process {
     /// it is reset or released for the last time).
     pub fn remember_primary(&self, device: CUdevice, context: usize) {
         self.inner().primaries.insert(device, context);
+    }
+
+    /// The handle of a device's primary context, as last retained.
+    pub fn primary_context(&self, device: CUdevice) -> Option<usize> {
+        self.inner().primaries.get(&device).copied()
     }
 
     /// A device's primary context is gone: its allocations with it, and its context memory,

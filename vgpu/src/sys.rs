@@ -204,6 +204,50 @@ impl std::fmt::Display for MapError {
     }
 }
 
+/// The descriptors of the library's shared files in this process. A child forked while another
+/// thread was still opening them (its state not yet published) would otherwise keep them open,
+/// and with them the parent's OFD locks: its slots would look alive after the parent died. The
+/// child closes every one of them ([`close_owned_after_fork`]).
+static OWNED_FDS: [std::sync::atomic::AtomicI32; 64] =
+    [const { std::sync::atomic::AtomicI32::new(-1) }; 64];
+
+fn own_fd(fd: libc::c_int) {
+    use std::sync::atomic::Ordering;
+    for slot in &OWNED_FDS {
+        if slot
+            .compare_exchange(-1, fd, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+        {
+            return;
+        }
+    }
+}
+
+fn disown_fd(fd: libc::c_int) {
+    use std::sync::atomic::Ordering;
+    for slot in &OWNED_FDS {
+        if slot
+            .compare_exchange(fd, -1, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+        {
+            return;
+        }
+    }
+}
+
+/// In a forked child (async-signal-safe: atomics and close(2)): closes the parent's descriptors
+/// of the library's shared files. The child opens its own on first use.
+pub fn close_owned_after_fork() {
+    use std::sync::atomic::Ordering;
+    for slot in &OWNED_FDS {
+        let fd = slot.swap(-1, Ordering::AcqRel);
+        if fd >= 0 {
+            // SAFETY: a descriptor the library opened in the parent; nothing in the child uses it.
+            unsafe { libc::close(fd) };
+        }
+    }
+}
+
 /// A file every process that uses it maps `MAP_SHARED`, `len` bytes from its start.
 pub struct MappedFile {
     path: String,
@@ -250,6 +294,7 @@ impl MappedFile {
                 errno: last_errno(),
             });
         }
+        own_fd(fd);
         // Failing (not the owner) is fine: the owner made it so.
         // SAFETY: fd is ours.
         unsafe { libc::fchmod(fd, 0o666) };
@@ -340,7 +385,46 @@ impl Drop for MappedFile {
             if !self.base.is_null() {
                 libc::munmap(self.base.cast(), self.len);
             }
+            disown_fd(self.fd);
             libc::close(self.fd);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn is_open(fd: libc::c_int) -> bool {
+        // SAFETY: F_GETFD on any number only reads the descriptor table.
+        unsafe { libc::fcntl(fd, libc::F_GETFD) != -1 }
+    }
+
+    /// A shared file opened in this process (published in the process state or not yet, as when
+    /// another thread is still initialising) is closed in a forked child, so the child keeps no
+    /// OFD lock of the parent's alive; the parent keeps it.
+    #[test]
+    fn a_forked_child_closes_the_shared_files_it_inherited() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("shared").to_str().unwrap().to_string();
+        let file =
+            MappedFile::open(&path, 4096, true, (1 << 40, 1), Duration::from_secs(1)).unwrap();
+        let fd = file.fd();
+        // SAFETY: the child only makes async-signal-safe calls (close, fcntl, _exit).
+        match unsafe { libc::fork() } {
+            0 => {
+                close_owned_after_fork();
+                let code = if is_open(fd) { 1 } else { 0 };
+                unsafe { libc::_exit(code) }
+            }
+            pid => {
+                let mut status = 0;
+                // SAFETY: waits for our own child.
+                assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+                assert!(libc::WIFEXITED(status));
+                assert_eq!(libc::WEXITSTATUS(status), 0, "the child kept the file open");
+            }
+        }
+        assert!(is_open(fd), "the parent lost its file");
     }
 }
