@@ -4,6 +4,7 @@
 use super::*;
 use crate::accounting::{array_bytes, mipmapped_bytes, Charged};
 use crate::driver;
+use crate::limiter;
 use crate::process::{self, Process};
 use crate::view::{clamp_u32, MemoryView};
 
@@ -696,6 +697,10 @@ pub(super) unsafe fn primary_ctx_reset(
     let Some(p) = process::get() else {
         return CUDA_ERROR_NOT_INITIALIZED;
     };
+    // The limiter's marks go first: its keeper must never query an event the reset frees.
+    if let Some(context) = p.primary_context(device) {
+        limiter::forget_context(context);
+    }
     let rc = real(device);
     if rc == CUDA_SUCCESS {
         p.primary_destroyed(device);
@@ -711,6 +716,12 @@ pub(super) unsafe fn primary_ctx_release(
     let Some(p) = process::get() else {
         return CUDA_ERROR_NOT_INITIALIZED;
     };
+    // Whether this release is the last is known only afterwards: the marks of the primary
+    // context are forgotten before any release (they only pace the holder's queue; a mark
+    // forgotten early costs nothing), so that none is queried after the driver freed it.
+    if let Some(context) = p.primary_context(device) {
+        limiter::forget_context(context);
+    }
     let rc = real(device);
     if rc == CUDA_SUCCESS {
         let (mut flags, mut active) = (0, 0);
@@ -726,6 +737,7 @@ pub(super) unsafe fn ctx_destroy(real: pfn::cuCtxDestroy_v2, ctx: CUcontext) -> 
     let Some(p) = process::get() else {
         return CUDA_ERROR_NOT_INITIALIZED;
     };
+    limiter::forget_context(ctx as usize);
     let rc = real(ctx);
     if rc == CUDA_SUCCESS {
         p.context_destroyed(ctx as usize);

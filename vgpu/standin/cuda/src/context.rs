@@ -109,6 +109,12 @@ fn activate(d: &Driver, ctx: &Ctx) -> Result<(), CUresult> {
 fn deactivate(d: &Driver, ctx: &Ctx) {
     ctx.synchronize();
     ctx.live.store(false, Ordering::Release);
+    d.state().exec.events.retain(|_, event| {
+        if event.context == ctx.handle {
+            event.freed.store(true, Ordering::Release);
+        }
+        true
+    });
     d.state()
         .mem
         .release_context(&d.sim, ctx.handle, ctx.physical);

@@ -218,6 +218,12 @@ impl Stream {
 
 pub struct Event {
     pub handle: usize,
+    /// The context it was created in: destroying that context frees it.
+    pub context: usize,
+    /// Its context was destroyed. A real driver has freed the event then, and a call with its
+    /// handle reads freed memory (or another object that took its place): the stand-in ends the
+    /// process, so that a library that queries such an event is seen, not forgiven.
+    pub freed: std::sync::atomic::AtomicBool,
     flags: u32,
     state: Mutex<EventState>,
     done: Condvar,
@@ -577,13 +583,15 @@ pub unsafe extern "C" fn cuEventCreate(out: *mut CUevent, flags: u32) -> CUresul
         if out.is_null() || flags & !CU_EVENT_FLAGS_MASK != 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        current()?;
+        let context = current()?.handle;
         let mut st = d.state();
         let h = st.handles.allocate();
         st.exec.events.insert(
             h,
             Arc::new(Event {
                 handle: h,
+                context,
+                freed: std::sync::atomic::AtomicBool::new(false),
                 flags,
                 state: Mutex::default(),
                 done: Condvar::new(),
@@ -595,12 +603,21 @@ pub unsafe extern "C" fn cuEventCreate(out: *mut CUevent, flags: u32) -> CUresul
 }
 
 fn event(d: &Driver, handle: CUevent) -> Result<Arc<Event>, CUresult> {
-    d.state()
+    let event = d
+        .state()
         .exec
         .events
         .get(handle as usize)
         .cloned()
-        .ok_or(CUDA_ERROR_INVALID_HANDLE)
+        .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+    if event.freed.load(std::sync::atomic::Ordering::Acquire) {
+        eprintln!(
+            "gpupool-standin-cuda: event {:#x} used after its context was destroyed (a use after free on a real driver)",
+            handle as usize
+        );
+        std::process::abort();
+    }
+    Ok(event)
 }
 
 fn event_record(ev: CUevent, stream: CUstream, ptsz: bool) -> Result<(), CUresult> {
