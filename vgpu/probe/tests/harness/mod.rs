@@ -53,8 +53,13 @@ pub fn built_library(stem: &str, package: &str) -> PathBuf {
         })
 }
 
+/// The library under test: the one cargo built, or another build named by
+/// `GPUPOOL_VGPU_LIBRARY` (a release build, or an older commit's to see a test fail on it).
 pub fn vgpu_library() -> PathBuf {
-    built_library("gpupool_vgpu", "gpupool-vgpu")
+    match std::env::var_os("GPUPOOL_VGPU_LIBRARY") {
+        Some(path) => PathBuf::from(path),
+        None => built_library("gpupool_vgpu", "gpupool-vgpu"),
+    }
 }
 
 /// A folder holding `libcuda.so.1` (and `libnvidia-ml.so.1` unless without NVML) as symlinks to

@@ -61,6 +61,41 @@ fn unix_ns() -> u64 {
         .map_or(0, |d| d.as_nanos() as u64)
 }
 
+/// `--phases B,I,B,I,...`: milliseconds of work, then of idleness, alternately from the start;
+/// after the last one, work until the end.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Phases {
+    /// The idle stretches, as [start, end) from the program's start.
+    idle: Vec<(Duration, Duration)>,
+}
+
+impl Phases {
+    pub fn parse(list: &str) -> Result<Phases, String> {
+        let mut at = Duration::ZERO;
+        let mut idle = Vec::new();
+        for (i, part) in list.split(',').enumerate() {
+            let ms: u64 = part
+                .trim()
+                .parse()
+                .map_err(|_| format!("--phases: {part:?} is not a number of milliseconds"))?;
+            let length = Duration::from_millis(ms);
+            if i % 2 == 1 {
+                idle.push((at, at + length));
+            }
+            at += length;
+        }
+        Ok(Phases { idle })
+    }
+
+    /// When the idle phase the program is in ends (None: it works now).
+    pub fn idle_until(&self, elapsed: Duration) -> Option<Duration> {
+        self.idle
+            .iter()
+            .find(|(from, to)| *from <= elapsed && elapsed < *to)
+            .map(|(_, to)| *to)
+    }
+}
+
 /// One launch's event: its slot, and the kernels it completes.
 struct Pending {
     event: Handle,
@@ -83,6 +118,10 @@ impl Session<'_> {
         let inflight = self.opts.num_or("inflight", 2)? as usize;
         let report = self.opts.num("report-ms")?;
         let drain = !self.opts.flag("no-drain");
+        let phases = match self.opts.str("phases") {
+            Some(list) => Phases::parse(list)?,
+            None => Phases::default(),
+        };
         let mut window = match (
             self.opts.num("window-start-unix-ms")?,
             self.opts.num("window-ms")?,
@@ -188,6 +227,12 @@ impl Session<'_> {
         let mut next_report = report.map(|ms| start + Duration::from_millis(ms));
         let (mut launches, mut result, mut max_call, mut sum_call) = (0u64, 0, 0f64, 0f64);
         while Instant::now() < deadline {
+            if let Some(idle_until) = phases.idle_until(start.elapsed()) {
+                // An idle phase: nothing launched (the queue drains by itself), as a server
+                // between requests or a training step waiting for its data.
+                std::thread::sleep((start + idle_until).saturating_duration_since(Instant::now()));
+                continue;
+            }
             let slot = launches as usize % ring;
             if let Some(p) = slots[slot].take() {
                 // SAFETY: an event recorded below. Bounded: wait for the launch `inflight` back;
@@ -304,7 +349,19 @@ impl Session<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::Window;
+    use super::{Phases, Window};
+    use std::time::Duration;
+
+    #[test]
+    fn phases_alternate_work_and_idleness_from_the_start() {
+        let p = Phases::parse("100,50,0,30").unwrap();
+        let ms = Duration::from_millis;
+        assert_eq!(p.idle_until(ms(99)), None);
+        assert_eq!(p.idle_until(ms(100)), Some(ms(150)));
+        assert_eq!(p.idle_until(ms(150)), Some(ms(180)), "no work in between");
+        assert_eq!(p.idle_until(ms(180)), None);
+        assert!(Phases::parse("10,x").is_err());
+    }
 
     #[test]
     fn a_window_counts_completions_inside_it_only() {

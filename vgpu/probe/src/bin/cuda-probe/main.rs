@@ -90,7 +90,7 @@ Subcommands (each prints one JSON object per line; "result" is the CUresult, "er
   launch [--mode eager|ex|cooperative|graph|capture] [--seconds T] [--kernel-us D] [--grid G]
          [--block B] [--graph-nodes K] [--inflight N] [--stream created|null|per-thread]
          [--report-ms R] [--window-start-unix-ms A --window-ms W] [--no-drain]
-         [--pre-launches P] [--capture-hold-ms H]
+         [--pre-launches P] [--capture-hold-ms H] [--phases B,I,B,I,...]
       runs kernels of D microseconds (default 1000) for T seconds (default 2), at most N (default 2)
       launch calls outstanding; N = 0: no bound, the program never waits (as PyTorch eager: the
       driver's launch queue paces it). graph: explicit kernel nodes, capture: stream capture (after
@@ -106,6 +106,14 @@ Subcommands (each prints one JSON object per line; "result" is the CUresult, "er
       the share of the card the process got), "window_covered" (the launches ran from before A to
       after A+W), "completion":"events". The run ends with cuStreamSynchronize, unless --no-drain:
       then it waits for the window to end and leaves what is still queued (the process exits).
+      --phases: milliseconds of work and of idleness (no launches), alternately from the start,
+      then work until the end: a server between requests, a training step waiting for data.
+  churn [--rounds R] [--launches L] [--kernel-us D] [--end-context destroy|reset|release]
+      R rounds (default 20) of: a context as --context says, its module and stream, L launches
+      (default 32) left queued, then the context ended with its work still queued (cuCtxDestroy
+      of a created one, cuDevicePrimaryCtxReset or cuDevicePrimaryCtxRelease of the primary, as
+      frameworks tear down and re-create theirs): {"op":"churn","rounds","launches","result",
+      "error"} (the first failure, or 0).
   capture-rules --call C [--capture-mode M] [--caller same|other] [--caller-mode M]
       launches a 1 ms kernel on a second stream and records an event after it (work outside the
       capture), begins a capture in mode M (global, thread-local, relaxed; default global) on a

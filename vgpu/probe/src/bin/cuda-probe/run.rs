@@ -107,6 +107,7 @@ pub fn run(sub: &str, opts: &Opts, cu: Cu) -> i32 {
         "bench-launch",
         "bench-alloc",
         "capture-rules",
+        "churn",
     ];
     if !known.contains(&sub) {
         return usage(format!("unknown subcommand {sub:?} (see --help)"));
@@ -132,6 +133,7 @@ pub fn run(sub: &str, opts: &Opts, cu: Cu) -> i32 {
         "bench-launch" => s.bench_launch(),
         "bench-alloc" => s.bench_alloc(),
         "capture-rules" => s.capture_rules(),
+        "churn" => s.churn(),
         _ => unreachable!(),
     };
     emit(json!({"op": "resolved", "entry_points": cu.resolutions()}));
@@ -255,6 +257,77 @@ impl Session<'_> {
                 other => return Err(format!("unknown --end-context {other}")),
             }
         })
+    }
+
+    /// `churn`: contexts made, given work and ended with the work still queued, round after
+    /// round (see the help).
+    fn churn(&self) -> Result<(), String> {
+        let rounds = self.opts.num_or("rounds", 20)?;
+        let launches = self.opts.num_or("launches", 32)?;
+        let mut ns: u64 = self.opts.num_or("kernel-us", 1000)? * 1000;
+        let how = self.opts.str("context").unwrap_or("primary").to_string();
+        let end = self
+            .opts
+            .str("end-context")
+            .unwrap_or(if how == "create" { "destroy" } else { "reset" })
+            .to_string();
+        let cu = self.cu;
+        let launch_kernel = need!(cu.launch_kernel());
+        let mut result = 0;
+        let mut done = 0;
+        'rounds: for round in 0..rounds {
+            if round > 0 {
+                self.make_context(&how);
+            }
+            let f = match self.module_function() {
+                Ok(f) => f,
+                Err(r) => {
+                    result = r;
+                    break;
+                }
+            };
+            let mut stream: Handle = std::ptr::null_mut();
+            // SAFETY: a valid out-pointer.
+            let r = unsafe { need!(cu.stream_create())(&mut stream, 0) };
+            if r != 0 {
+                result = r;
+                break;
+            }
+            let mut params: [*mut c_void; 1] = [&mut ns as *mut u64 as *mut c_void];
+            for _ in 0..launches {
+                // SAFETY: the ABI of cuda.h 12.9; params outlive the call.
+                let r = unsafe {
+                    launch_kernel(
+                        f,
+                        1,
+                        1,
+                        1,
+                        128,
+                        1,
+                        1,
+                        0,
+                        stream,
+                        params.as_mut_ptr(),
+                        std::ptr::null_mut(),
+                    )
+                };
+                if r != 0 {
+                    result = r;
+                    break 'rounds;
+                }
+            }
+            let r = self.end_context(&end)?;
+            if r != 0 {
+                result = r;
+                break;
+            }
+            done += 1;
+        }
+        emit(with_result(
+            json!({"op": "churn", "rounds": done, "launches": launches}),
+            result,
+        ));
+        Ok(())
     }
 
     fn devices(&self) -> Result<(), String> {
