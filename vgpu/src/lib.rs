@@ -2,10 +2,11 @@
 //! Preloaded (`LD_PRELOAD` or `/etc/ld.so.preload`); the design and its reasons are in
 //! `docs/enforcement.md`.
 //!
-//! Pure logic (no I/O, tested directly): [`env`], [`view`], [`layout`], [`controller`],
-//! [`symbols`], [`accounting`]. At the edges: [`shared`] (the file, OFD locks, mmap),
-//! [`interpose`] (our `dlsym`), [`hooks`] (the wrappers), [`process`], [`gate`], [`sampler`],
-//! [`nvml`], [`driver`].
+//! Pure logic (no I/O, tested directly): [`env`], [`view`], [`layout`], [`schedule`] (who holds
+//! the card next), [`symbols`], [`accounting`]. At the edges: [`sys`] (mmap, OFD locks, futexes),
+//! [`shared`] (the accounting file), [`arbiter`] (the card's turns), [`interpose`] (our `dlsym`),
+//! [`hooks`] (the wrappers), [`process`], [`limiter`] (the gate of every launch), [`nvml`],
+//! [`driver`].
 
 #[macro_use]
 pub mod log;
