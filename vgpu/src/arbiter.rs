@@ -15,7 +15,7 @@
 //!   microseconds; registering takes records without it (OFD lock, compare-and-swap), so a new
 //!   process never waits for it. A launch waits for it no longer than its own bound. A
 //!   process stopped inside it (SIGSTOP, a debugger, the cgroup freezer) therefore costs the
-//!   others one bounded wait, then [`LOCK_BACKOFF`] of launches that go ahead unarbitrated at
+//!   others one bounded wait, then [`LOCK_BACKOFF_NS`] of launches that go ahead unarbitrated at
 //!   once (each tries the lock once, and arbitration resumes the moment it is free): never a
 //!   hang, never a wait per launch;
 //! - the holder and the lease's end are read without any lock on every launch (two loads);
@@ -683,12 +683,10 @@ impl Arbiter {
         let competing = schedule::competing_weight(&tenants, now_ns);
         let lease = schedule::renew(&mut tenants[t], competing, now_ns);
         self.write_tenant(t, &tenants[t]);
-        // A tenant joining later starts level with the competing one furthest behind, not with
-        // where the virtual clock stood at the last grant.
+        // The renewal is the service in progress now: a tenant that starts competing starts no
+        // earlier than its virtual time (start-time fair queuing).
         let header = &self.layout().header;
-        let mut vclock = header.vclock.load(Ordering::Acquire);
-        schedule::advance_vclock(&tenants, &mut vclock, now_ns);
-        header.vclock.fetch_max(vclock, Ordering::AcqRel);
+        header.vclock.fetch_max(tenants[t].vtime, Ordering::AcqRel);
         Ok(lease.map(|lease| {
             let end = now_ns + lease;
             self.layout()
