@@ -210,12 +210,22 @@ impl Session<'_> {
         let events: Vec<Handle> = (0..ring).map(|_| new_event()).collect();
         let mut slots: Vec<Option<Pending>> = (0..ring).map(|_| None).collect();
         // When a completed launch's event says its kernels completed.
-        let harvest = |p: &Pending, window: &mut Option<Window>| {
+        let timeline_bin_ms = self.opts.num("timeline-ms")?.filter(|&b| b > 0);
+        let mut timeline: Vec<u64> = Vec::new();
+        let harvest = |p: &Pending, window: &mut Option<Window>, timeline: &mut Vec<u64>| {
             let mut ms = 0f32;
             // SAFETY: two recorded events of ours.
             if unsafe { elapsed(&mut ms, reference, p.event) } == 0 {
+                let at_ns = reference_ns + (ms as f64 * 1e6) as u64;
                 if let Some(w) = window.as_mut() {
-                    w.count(reference_ns + (ms as f64 * 1e6) as u64, p.kernels);
+                    w.count(at_ns, p.kernels);
+                }
+                if let Some(bin_ms) = timeline_bin_ms {
+                    let bin = (at_ns.saturating_sub(reference_ns) / (bin_ms * 1_000_000)) as usize;
+                    if timeline.len() <= bin {
+                        timeline.resize(bin + 1, 0);
+                    }
+                    timeline[bin] += p.kernels;
                 }
             }
         };
@@ -242,7 +252,7 @@ impl Session<'_> {
                         event_sync(p.event);
                     }
                 }
-                harvest(&p, &mut window);
+                harvest(&p, &mut window, &mut timeline);
             }
             let t = Instant::now();
             // SAFETY: the ABIs of cuda.h 12.9 for these entry points; params outlive the calls.
@@ -331,8 +341,17 @@ impl Session<'_> {
         for p in slots.iter().flatten() {
             // SAFETY: recorded events of ours.
             if unsafe { event_query(p.event) } == 0 {
-                harvest(p, &mut window);
+                harvest(p, &mut window, &mut timeline);
             }
+        }
+        if let Some(bin_ms) = timeline_bin_ms {
+            emit(json!({
+                "op": "timeline",
+                "start_unix_ms": reference_ns / 1_000_000,
+                "bin_ms": bin_ms,
+                "kernel_us": kernel_us,
+                "kernels": timeline,
+            }));
         }
         report_line(
             result,

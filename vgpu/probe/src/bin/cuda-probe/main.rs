@@ -90,7 +90,7 @@ Subcommands (each prints one JSON object per line; "result" is the CUresult, "er
   launch [--mode eager|ex|cooperative|graph|capture] [--seconds T] [--kernel-us D] [--grid G]
          [--block B] [--graph-nodes K] [--inflight N] [--stream created|null|per-thread]
          [--report-ms R] [--window-start-unix-ms A --window-ms W] [--no-drain]
-         [--pre-launches P] [--capture-hold-ms H] [--phases B,I,B,I,...]
+         [--pre-launches P] [--capture-hold-ms H] [--phases B,I,B,I,...] [--timeline-ms B]
       runs kernels of D microseconds (default 1000) for T seconds (default 2), at most N (default 2)
       launch calls outstanding; N = 0: no bound, the program never waits (as PyTorch eager: the
       driver's launch queue paces it). graph: explicit kernel nodes, capture: stream capture (after
@@ -108,6 +108,9 @@ Subcommands (each prints one JSON object per line; "result" is the CUresult, "er
       then it waits for the window to end and leaves what is still queued (the process exits).
       --phases: milliseconds of work and of idleness (no launches), alternately from the start,
       then work until the end: a server between requests, a training step waiting for data.
+      --timeline-ms B: also {"op":"timeline","start_unix_ms","bin_ms","kernel_us","kernels"}:
+      the kernels that completed in each B ms from start_unix_ms (the reference event's
+      completion, just before the first launch), seen through the events as for the window.
   churn [--rounds R] [--launches L] [--kernel-us D] [--end-context destroy|reset|release]
       R rounds (default 20) of: a context as --context says, its module and stream, L launches
       (default 32) left queued, then the context ended with its work still queued (cuCtxDestroy

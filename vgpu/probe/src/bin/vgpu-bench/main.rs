@@ -4,6 +4,8 @@
 //! on every configuration alike, and reports medians and their ratio to the run without the
 //! library. `vgpu-bench --help` says how; BENCHMARKS.md has figures and how to read them.
 
+mod soak;
+
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -11,6 +13,7 @@ use std::process::{Child, Command, Stdio};
 const HELP: &str = "vgpu-bench: the cost of gpupool-vgpu per launch and allocation, on the stand-in driver
 
 USAGE: vgpu-bench [--rounds R] [--launches N] [--allocs N] [--accuracy] [--accuracy-repeat K] [--json]
+       vgpu-bench --soak S [--seed N] [--json]
 
   --rounds R           ABBA rounds (default 5): each runs every configuration forward, then backward
   --launches N         launch calls per probe run (default 20000)
@@ -20,6 +23,12 @@ USAGE: vgpu-bench [--rounds R] [--launches N] [--allocs N] [--accuracy] [--accur
                        of 1.5 s (kernels completed in it x their duration / 3 s)
   --accuracy-repeat K  runs of each accuracy row (default 1)
   --json               one JSON object instead of the tables
+  --soak S             instead: four containers share one card for S seconds as a cluster's do
+                       (three inference servers with bursts and idle gaps from 1 ms to a minute,
+                       one of them two processes; a training job with data-loader waits), limits
+                       20/20/20/40, DEFAULT; each one's share over sliding windows of 2 s against
+                       its limit, the worst wait of a launch call, unarbitrated launches
+  --seed N             the soak's traffic (default 1): a run is repeated exactly with its seed
 
 Configurations: none (the stand-in alone), lib (the library preloaded, no limit), mem (a memory
 limit of 8 GiB), sm (an SM limit of 50 % with policy FORCE: every launch takes the throttling
@@ -124,6 +133,8 @@ struct Options {
     accuracy: bool,
     accuracy_repeat: usize,
     json: bool,
+    soak: Option<u64>,
+    seed: u64,
 }
 
 fn parse_options(args: &[String]) -> Result<Options, String> {
@@ -134,6 +145,8 @@ fn parse_options(args: &[String]) -> Result<Options, String> {
         accuracy: false,
         accuracy_repeat: 1,
         json: false,
+        soak: None,
+        seed: 1,
     };
     let mut i = 0;
     while i < args.len() {
@@ -147,6 +160,8 @@ fn parse_options(args: &[String]) -> Result<Options, String> {
             "--launches" => o.launches = value(i)?,
             "--allocs" => o.allocs = value(i)?,
             "--accuracy-repeat" => o.accuracy_repeat = value(i)?.max(1) as usize,
+            "--soak" => o.soak = Some(value(i)?.max(10)),
+            "--seed" => o.seed = value(i)?,
             "--accuracy" => {
                 o.accuracy = true;
                 i += 1;
@@ -523,6 +538,15 @@ fn main() {
     }
     let outcome = parse_options(&args).and_then(|o| {
         let machine = Machine::new()?;
+        if let Some(seconds) = o.soak {
+            let result = soak::soak(&machine, seconds, o.seed)?;
+            if o.json {
+                println!("{result}");
+            } else {
+                soak::print(&result);
+            }
+            return Ok(());
+        }
         let cost = costs(&machine, &o)?;
         let acc = if o.accuracy { accuracy(&machine, &o)? } else { Vec::new() };
         if o.json {
