@@ -349,3 +349,42 @@ fn contexts_destroyed_with_work_queued_leave_no_mark_behind() {
     }
     other.kill9();
 }
+
+/// A program forks (a web server's workers, a data loader) while another of its threads makes the
+/// first CUDA calls, which open the container's shared files: no child keeps the parent's files
+/// open (it would keep the parent's records alive after the parent died). Children forked after
+/// the start-up have always been fine; the storm repeats until some forks overlapped it.
+#[test]
+fn a_child_forked_during_start_up_keeps_none_of_the_parents_files() {
+    let sandbox = Sandbox::new("1x16g:108");
+    let mut overlapped = 0;
+    for _ in 0..10 {
+        let outcome = sandbox
+            .probe(
+                &sandbox.container(),
+                &[
+                    "fork-storm",
+                    "--no-init",
+                    "--marker",
+                    "vgpu.cache",
+                    "--forks",
+                    "200",
+                ],
+            )
+            .env("CUDA_DEVICE_SM_LIMIT", "50")
+            .env("CUDA_DEVICE_MEMORY_LIMIT", "4g")
+            .run_ok();
+        let line = outcome.one("fork_storm");
+        assert_eq!(
+            u(&line["children_with_parent_files"]),
+            0,
+            "{line}\n{}",
+            outcome.stderr
+        );
+        overlapped += u(&line["during_start_up"]);
+        if overlapped >= 5 {
+            break;
+        }
+    }
+    assert!(overlapped > 0, "no fork overlapped the start-up");
+}

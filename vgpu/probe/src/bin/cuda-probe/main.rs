@@ -111,6 +111,12 @@ Subcommands (each prints one JSON object per line; "result" is the CUresult, "er
       --timeline-ms B: also {"op":"timeline","start_unix_ms","bin_ms","kernel_us","kernels"}:
       the kernels that completed in each B ms from start_unix_ms (the reference event's
       completion, just before the first launch), seen through the events as for the window.
+  fork-storm --marker M [--forks N]
+      (with --no-init) one thread makes the process's first CUDA calls (cuInit, the primary
+      context) while the main thread forks N times (default 300), one child at a time; each child
+      counts the descriptors it inherited whose target path contains M and exits with the count:
+      {"op":"fork_storm","forks","during_start_up" (forks made before that thread was done),
+      "children_with_parent_files"}
   churn [--rounds R] [--launches L] [--kernel-us D] [--end-context destroy|reset|release]
       R rounds (default 20) of: a context as --context says, its module and stream, L launches
       (default 32) left queued, then the context ended with its work still queued (cuCtxDestroy

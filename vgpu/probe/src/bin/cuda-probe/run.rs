@@ -108,6 +108,7 @@ pub fn run(sub: &str, opts: &Opts, cu: Cu) -> i32 {
         "bench-alloc",
         "capture-rules",
         "churn",
+        "fork-storm",
     ];
     if !known.contains(&sub) {
         return usage(format!("unknown subcommand {sub:?} (see --help)"));
@@ -134,6 +135,7 @@ pub fn run(sub: &str, opts: &Opts, cu: Cu) -> i32 {
         "bench-alloc" => s.bench_alloc(),
         "capture-rules" => s.capture_rules(),
         "churn" => s.churn(),
+        "fork-storm" => s.fork_storm(),
         _ => unreachable!(),
     };
     emit(json!({"op": "resolved", "entry_points": cu.resolutions()}));
@@ -999,6 +1001,88 @@ impl Session<'_> {
         }
         // exit(3), not _exit: the child's atexit handlers run, as a program's would.
         std::process::exit(code);
+    }
+
+    /// `fork-storm`: forks again and again while another thread makes the process's first CUDA
+    /// calls (the library's start-up: its shared files opened); each child counts the descriptors
+    /// it inherited that name a file whose path contains --marker, and exits with that count.
+    fn fork_storm(&self) -> Result<(), String> {
+        let forks = self.opts.num_or("forks", 300)?;
+        let marker = self
+            .opts
+            .str("marker")
+            .ok_or("--marker is required")?
+            .as_bytes()
+            .to_vec();
+        let init = need!(self.cu.init());
+        let retain = need!(self.cu.primary_ctx_retain());
+        let device = self.device;
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let starting = {
+            let done = done.clone();
+            std::thread::spawn(move || {
+                let mut ctx: Handle = std::ptr::null_mut();
+                // SAFETY: cuInit(0) and a valid out-pointer.
+                unsafe {
+                    init(0);
+                    retain(&mut ctx, device);
+                }
+                done.store(true, std::sync::atomic::Ordering::Release);
+            })
+        };
+        let (mut during, mut with_files, mut made) = (0u64, 0u64, 0u64);
+        for _ in 0..forks {
+            let starting_now = !done.load(std::sync::atomic::Ordering::Acquire);
+            // SAFETY: fork(2); the child makes async-signal-safe calls only (readlink, _exit).
+            let pid = unsafe { libc::fork() };
+            if pid < 0 {
+                return Err(format!("fork: {}", std::io::Error::last_os_error()));
+            }
+            if pid == 0 {
+                let mut count = 0;
+                let mut link = [0u8; 64];
+                let mut target = [0u8; 4096];
+                for fd in 3..1024 {
+                    let mut w = std::io::Cursor::new(&mut link[..]);
+                    if write!(w, "/proc/self/fd/{fd}\0").is_err() {
+                        continue;
+                    }
+                    // SAFETY: a NUL-terminated path and a buffer we own.
+                    let n = unsafe {
+                        libc::readlink(
+                            link.as_ptr().cast(),
+                            target.as_mut_ptr().cast(),
+                            target.len(),
+                        )
+                    };
+                    if n > 0
+                        && target[..n as usize]
+                            .windows(marker.len())
+                            .any(|w| w == marker)
+                    {
+                        count += 1;
+                    }
+                }
+                // SAFETY: ends the child without running the parent's handlers.
+                unsafe { libc::_exit(count.min(100)) };
+            }
+            made += 1;
+            during += starting_now as u64;
+            let mut status = 0;
+            // SAFETY: waits for our own child.
+            unsafe { libc::waitpid(pid, &mut status, 0) };
+            if libc::WIFEXITED(status) && libc::WEXITSTATUS(status) > 0 {
+                with_files += 1;
+            }
+        }
+        let _ = starting.join();
+        emit(json!({
+            "op": "fork_storm",
+            "forks": made,
+            "during_start_up": during,
+            "children_with_parent_files": with_files,
+        }));
+        Ok(())
     }
 
     /// `dlsym --symbol NAME [--library cuda|nvml]`: `dlsym` on the library's handle, as a program
