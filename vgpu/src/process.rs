@@ -294,9 +294,14 @@ fn in_initial_pid_namespace() -> bool {
 
 fn register_atfork() {
     if !ATFORK_REGISTERED.swap(true, Ordering::AcqRel) {
-        // SAFETY: registers a handler that only does atomic stores and close(2).
-        unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
+        // SAFETY: registers handlers that only do atomic loads and stores and close(2).
+        unsafe { libc::pthread_atfork(Some(before_fork), None, Some(after_fork_in_child)) };
     }
+}
+
+/// The parent, before a fork: no shared file half opened (see `sys::before_fork`).
+extern "C" fn before_fork() {
+    crate::sys::before_fork();
 }
 
 /// The child of a fork starts over: it must not use the parent's slot (its OFD locks belong to

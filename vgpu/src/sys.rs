@@ -235,6 +235,20 @@ fn disown_fd(fd: libc::c_int) {
     }
 }
 
+/// Threads between open(2) of a shared file and its registration: a fork then would give the
+/// child a descriptor nobody knows of. The fork waits for them ([`before_fork`]).
+static OPENING: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// In the parent, just before a fork (the atfork prepare handler): waits while another thread is
+/// between opening a shared file and registering it (a system call and a compare-and-swap), at
+/// most 100 ms (an open(2) that hangs, on a stuck network file system, must not hang the fork).
+pub fn before_fork() {
+    let deadline = now_ns() + 100_000_000;
+    while OPENING.load(std::sync::atomic::Ordering::Acquire) > 0 && now_ns() < deadline {
+        std::hint::spin_loop();
+    }
+}
+
 /// In a forked child (async-signal-safe: atomics and close(2)): closes the parent's descriptors
 /// of the library's shared files. The child opens its own on first use.
 pub fn close_owned_after_fork() {
@@ -280,21 +294,30 @@ impl MappedFile {
         let flags = libc::O_RDWR | libc::O_CLOEXEC | if create { libc::O_CREAT } else { 0 };
         // SAFETY: a valid C string; O_CLOEXEC so that an exec'd program does not keep our
         // description (and with it our locks) alive.
-        let open = || unsafe { libc::open(c_path.as_ptr(), flags, 0o666) };
-        let mut fd = open();
-        if fd < 0 && create && last_errno() == libc::ENOENT {
+        // Opened and registered with no fork in between (see `before_fork`).
+        let open = || {
+            OPENING.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+            let fd = unsafe { libc::open(c_path.as_ptr(), flags, 0o666) };
+            let errno = last_errno();
+            if fd >= 0 {
+                own_fd(fd);
+            }
+            OPENING.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+            (fd, errno)
+        };
+        let (mut fd, mut errno) = open();
+        if fd < 0 && create && errno == libc::ENOENT {
             if let Some(parent) = std::path::Path::new(path).parent() {
                 let _ = std::fs::create_dir_all(parent);
             }
-            fd = open();
+            (fd, errno) = open();
         }
         if fd < 0 {
             return Err(MapError::Open {
                 path: path.into(),
-                errno: last_errno(),
+                errno,
             });
         }
-        own_fd(fd);
         // Failing (not the owner) is fine: the owner made it so.
         // SAFETY: fd is ours.
         unsafe { libc::fchmod(fd, 0o666) };
