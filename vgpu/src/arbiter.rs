@@ -741,6 +741,21 @@ pub fn unarbitrated_launches(file: &[u8]) -> u64 {
         .fold(0u64, u64::saturating_add)
 }
 
+/// Holds a card's decision lock through an open file description of its own, as a process
+/// stopped inside it would, until the returned file is dropped (for tests and diagnostics: what
+/// the others then do is what they do under a stopped peer). None: the file cannot be opened or
+/// the lock is held already.
+pub fn hold_decision_lock(path: &str) -> Option<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .ok()?;
+    let (start, len) = LOCK_DECIDE;
+    sys::try_lock(file.as_raw_fd(), start, len).then_some(file)
+}
+
 /// A tenant key from a file's identity (device, inode): never 0.
 pub fn tenant_key((dev, ino): (u64, u64)) -> u64 {
     // FNV-1a over both: cheap, and collisions need two accounting files on one card whose
@@ -995,17 +1010,7 @@ mod tests {
     fn a_decision_lock_held_by_a_stopped_process_costs_one_bounded_wait() {
         let dir = tempfile::tempdir().unwrap();
         let a = Arbiter::open(&path(&dir), member(1, 50)).unwrap();
-        let stopped = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path(&dir))
-            .unwrap();
-        use std::os::fd::AsRawFd;
-        assert!(sys::try_lock(
-            stopped.as_raw_fd(),
-            LOCK_DECIDE.0,
-            LOCK_DECIDE.1
-        ));
+        let stopped = hold_decision_lock(&path(&dir)).unwrap();
         let started = std::time::Instant::now();
         assert!(a.try_take(now_ns(), Duration::from_millis(30)).is_err());
         let first = started.elapsed();
@@ -1030,17 +1035,7 @@ mod tests {
     fn a_process_registers_while_another_is_stopped_inside_the_decision_lock() {
         let dir = tempfile::tempdir().unwrap();
         let first = Arbiter::open(&path(&dir), member(1, 50)).unwrap();
-        let stopped = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path(&dir))
-            .unwrap();
-        use std::os::fd::AsRawFd;
-        assert!(sys::try_lock(
-            stopped.as_raw_fd(),
-            LOCK_DECIDE.0,
-            LOCK_DECIDE.1
-        ));
+        let _stopped = hold_decision_lock(&path(&dir)).unwrap();
         let started = std::time::Instant::now();
         let second = Arbiter::open(&path(&dir), member(2, 50)).unwrap();
         assert!(started.elapsed() < Duration::from_millis(500));

@@ -26,4 +26,5 @@ pub mod schedule;
 pub mod shared;
 pub mod symbols;
 pub mod sys;
+pub mod traffic;
 pub mod view;

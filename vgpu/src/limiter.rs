@@ -694,13 +694,7 @@ mod tests {
         let device = DeviceLimiter::new(0);
         take(&arbiter);
         std::thread::sleep(Duration::from_millis(45));
-        let stopped = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(arbiter.path())
-            .unwrap();
-        use std::os::fd::AsRawFd;
-        assert!(crate::sys::try_lock(stopped.as_raw_fd(), (1 << 40) + 1, 1));
+        let _stopped = crate::arbiter::hold_decision_lock(arbiter.path()).unwrap();
         let started = std::time::Instant::now();
         assert!(!device.end_of_lease(&arbiter, now_ns() + 20_000_000));
         assert!(

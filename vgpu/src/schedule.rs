@@ -284,6 +284,7 @@ pub fn competing_weight(tenants: &[Tenant], now_ns: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::traffic::Lcg;
 
     const MS: u64 = 1_000_000;
 
@@ -764,37 +765,6 @@ mod tests {
             (a - 1.0 / 3.0).abs() < 0.02 && (b - 2.0 / 3.0).abs() < 0.02,
             "{a} / {b}"
         );
-    }
-
-    /// A small deterministic generator (the tests must not vary from run to run).
-    struct Lcg(u64);
-
-    impl Lcg {
-        fn next(&mut self) -> u64 {
-            self.0 = self
-                .0
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            self.0 >> 33
-        }
-
-        /// Log-uniform in [lo, hi]: as many short phases as long ones, from milliseconds to
-        /// minutes.
-        fn between(&mut self, lo: u64, hi: u64) -> u64 {
-            let f = (self.next() % 1_000_000) as f64 / 1_000_000.0;
-            ((lo as f64).ln() + f * ((hi as f64).ln() - (lo as f64).ln())).exp() as u64
-        }
-
-        fn phases(&mut self, end: u64, busy: (u64, u64), idle: (u64, u64)) -> Vec<(u64, u64)> {
-            let mut t = self.between(idle.0, idle.1);
-            let mut phases = Vec::new();
-            while t < end {
-                let b = self.between(busy.0, busy.1);
-                phases.push((t, (t + b).min(end)));
-                t += b + self.between(idle.0, idle.1);
-            }
-            phases
-        }
     }
 
     #[test]

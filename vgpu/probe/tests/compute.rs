@@ -223,20 +223,7 @@ fn a_killed_containers_share_comes_back_within_a_second() {
         kill_after + Duration::from_millis(1000),
         Duration::from_millis(1500),
     );
-    let victim_launch = [
-        "launch",
-        "--inflight",
-        "0",
-        "--kernel-us",
-        "2000",
-        "--seconds",
-        "30",
-        "--report-ms",
-        "100",
-    ];
-    let mut victim = sandbox
-        .limited("50", &victim_launch)
-        .start_until("progress");
+    let mut victim = sandbox.busy_neighbour("50", "30");
     let survivor = sandbox
         .limited("50", &args(&survivor_window.saturating("eager", 2000)))
         .spawn();
@@ -257,22 +244,7 @@ fn a_killed_containers_share_comes_back_within_a_second() {
 fn a_capture_in_a_limited_container_stays_valid() {
     let _serial = one_at_a_time();
     let sandbox = Sandbox::new("1x16g:108");
-    let mut other = sandbox
-        .limited(
-            "50",
-            &[
-                "launch",
-                "--inflight",
-                "0",
-                "--kernel-us",
-                "2000",
-                "--seconds",
-                "30",
-                "--report-ms",
-                "100",
-            ],
-        )
-        .start_until("progress");
+    let mut other = sandbox.busy_neighbour("50", "30");
     let outcome = sandbox
         .limited(
             "50",

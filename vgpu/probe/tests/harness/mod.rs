@@ -148,7 +148,33 @@ impl Sandbox {
     /// variables the driver gives every process of a limited container: the limit, the
     /// container's own shared file (its identity for the limiter) and the card's arbiter.
     pub fn limited(&self, percent: &str, args: &[&str]) -> Run {
-        self.probe(&self.container(), args)
+        self.limited_in(&self.container(), percent, args)
+    }
+
+    /// A container of `percent` that keeps card 0 busy (2 ms kernels, no bound on launches in
+    /// flight) for `seconds`, started and reporting progress: a neighbour for a test's program.
+    pub fn busy_neighbour(&self, percent: &str, seconds: &str) -> Started {
+        self.limited(
+            percent,
+            &[
+                "launch",
+                "--inflight",
+                "0",
+                "--kernel-us",
+                "2000",
+                "--seconds",
+                seconds,
+                "--report-ms",
+                "100",
+            ],
+        )
+        .start_until("progress")
+    }
+
+    /// The probe as one more process of `container` (its shared file) with an SM limit of
+    /// `percent` on card 0, like [`Sandbox::limited`].
+    pub fn limited_in(&self, container: &str, percent: &str, args: &[&str]) -> Run {
+        self.probe(container, args)
             .env("CUDA_DEVICE_SM_LIMIT", percent)
             .env("GPUPOOL_VGPU_ARBITER_0", &self.arbiter(0))
     }

@@ -13,6 +13,7 @@
 //! that waited their bound and went ahead unarbitrated.
 
 use super::{lines, Machine};
+use gpupool_vgpu::traffic::{alternating, Lcg};
 use serde_json::{json, Value};
 use std::process::Child;
 
@@ -30,43 +31,12 @@ struct Container {
     processes: Vec<Vec<u64>>,
 }
 
-/// A small deterministic generator: a run is repeated exactly with its seed.
-struct Lcg(u64);
-
-impl Lcg {
-    fn next(&mut self) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        self.0 >> 33
-    }
-
-    /// Log-uniform in [lo, hi]: as many short stretches as long ones.
-    fn between(&mut self, lo: u64, hi: u64) -> u64 {
-        let f = (self.next() % 1_000_000) as f64 / 1_000_000.0;
-        ((lo as f64).ln() + f * ((hi as f64).ln() - (lo as f64).ln())).exp() as u64
-    }
-
-    /// Work and idleness alternately (the first number is work), covering `total_ms`.
-    fn phases(&mut self, total_ms: u64, busy: (u64, u64), idle: (u64, u64)) -> Vec<u64> {
-        let mut phases = Vec::new();
-        let mut at = 0;
-        while at < total_ms {
-            let b = self.between(busy.0, busy.1);
-            let i = self.between(idle.0, idle.1);
-            phases.extend([b, i]);
-            at += b + i;
-        }
-        phases
-    }
-}
-
 fn plan(seconds: u64, seed: u64) -> Vec<Container> {
     let total = seconds * 1000;
     let mut rng = Lcg(seed);
-    let mut inference = || rng.phases(total, (100, 5_000), (1, 60_000));
+    let mut inference = || alternating(&rng.phases(total, (100, 5_000), (1, 60_000)));
     let (a, b1, b2, c) = (inference(), inference(), inference(), inference());
+    let training = alternating(&Lcg(seed ^ 0x5eed).phases(total, (2_000, 20_000), (1, 200)));
     vec![
         Container {
             name: "infer-a",
@@ -86,7 +56,7 @@ fn plan(seconds: u64, seed: u64) -> Vec<Container> {
         Container {
             name: "train",
             limit: 40,
-            processes: vec![Lcg(seed ^ 0x5eed).phases(total, (2_000, 20_000), (1, 200))],
+            processes: vec![training],
         },
     ]
 }
@@ -128,23 +98,35 @@ fn working(phases: &[u64], start_ms: u64, from: u64, to: u64) -> Option<bool> {
     }
 }
 
-/// What the card gives one program alone without the library, in kernels per bin.
-fn capacity(machine: &Machine) -> Result<f64, String> {
-    let args: Vec<String> = [
+/// `cuda-probe launch` keeping the card busy as PyTorch eager does, for `seconds`, reporting its
+/// timeline, with `extra` arguments.
+fn launch_args(seconds: u64, extra: &[&str]) -> Vec<String> {
+    let (kernel_us, seconds, bin) = (
+        KERNEL_US.to_string(),
+        seconds.to_string(),
+        BIN_MS.to_string(),
+    );
+    [
         "launch",
         "--inflight",
         "0",
         "--kernel-us",
-        &KERNEL_US.to_string(),
+        &kernel_us,
         "--seconds",
-        "3",
+        &seconds,
         "--timeline-ms",
-        &BIN_MS.to_string(),
+        &bin,
         "--no-drain",
     ]
     .iter()
+    .chain(extra)
     .map(|s| s.to_string())
-    .collect();
+    .collect()
+}
+
+/// What the card gives one program alone without the library, in kernels per bin.
+fn capacity(machine: &Machine) -> Result<f64, String> {
+    let args = launch_args(3, &[]);
     let line = machine.run(None, "capacity", &args, "timeline")?;
     let bins: Vec<f64> = line["kernels"]
         .as_array()
@@ -172,23 +154,7 @@ pub fn soak(machine: &Machine, seconds: u64, seed: u64) -> Result<Value, String>
                 .map(u64::to_string)
                 .collect::<Vec<_>>()
                 .join(",");
-            let args: Vec<String> = [
-                "launch",
-                "--inflight",
-                "0",
-                "--kernel-us",
-                &KERNEL_US.to_string(),
-                "--seconds",
-                &seconds.to_string(),
-                "--timeline-ms",
-                &BIN_MS.to_string(),
-                "--phases",
-                &phases,
-                "--no-drain",
-            ]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
+            let args = launch_args(seconds, &["--phases", &phases]);
             let env: [(&str, &str); 1] = [("CUDA_DEVICE_SM_LIMIT", &limit)];
             let child = machine
                 .command(Some(&env), container.name, &args)
