@@ -437,6 +437,73 @@ mod tests {
         assert!(problems[0].message.contains("\"gpu/v100\""), "{problems:?}");
     }
 
+    /// JSON shaped like a claim spec: the keys the checks read, with anything as their values.
+    fn arb_spec() -> impl proptest::strategy::Strategy<Value = Value> {
+        use proptest::prelude::*;
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(|n| json!(n)),
+            prop_oneof![
+                Just("gpupool.dev"),
+                Just("gpu"),
+                Just("8Gi"),
+                Just("50"),
+                Just("All"),
+                Just("gpupool.dev/v1alpha1"),
+                Just("GpuConfig"),
+                Just("Mps"),
+                Just("-1"),
+                Just("1e40"),
+            ]
+            .prop_map(|s| json!(s)),
+        ];
+        leaf.prop_recursive(7, 96, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+                prop::collection::btree_map(
+                    prop::sample::select(vec![
+                        "devices",
+                        "requests",
+                        "config",
+                        "opaque",
+                        "driver",
+                        "parameters",
+                        "name",
+                        "exactly",
+                        "firstAvailable",
+                        "capacity",
+                        "memory",
+                        "cores",
+                        "count",
+                        "allocationMode",
+                        "memoryLimit",
+                        "coreLimit",
+                        "compute",
+                        "apiVersion",
+                        "kind",
+                    ])
+                    .prop_map(str::to_string),
+                    inner,
+                    0..6,
+                )
+                .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_spec_is_checked_without_a_panic(spec in arb_spec()) {
+            for layout in [RequestLayout::Exactly, RequestLayout::Inline] {
+                for problem in check_claim_spec(&spec, "spec", layout) {
+                    proptest::prop_assert!(problem.field.starts_with("spec.devices.config["));
+                }
+            }
+            let _ = check_class_spec(&spec, "spec");
+        }
+    }
+
     #[test]
     fn a_class_config_is_decoded() {
         let class = json!({"config": [
