@@ -177,6 +177,7 @@ pub async fn start(
             current
         }
         CertSource::Files { cert, key, reload } => {
+            warn_if_others_may_read(key);
             let (cert_pem, key_pem) = read_pair(cert, key)?;
             let current = CurrentCert::new(certs::certified_key(
                 &cert_pem,
@@ -209,6 +210,22 @@ pub async fn start(
 /// Resolves once `stop` says so (or its sender is gone), holding no borrow of the channel.
 pub(crate) async fn stopped(stop: &mut watch::Receiver<bool>) {
     let _ = stop.wait_for(|s| *s).await;
+}
+
+/// A private key must be readable by its owner and (for a Secret mounted with fsGroup) the
+/// webhook's own group only; one that every user of the node may read is said so at start.
+fn warn_if_others_may_read(key: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt;
+    if let Ok(metadata) = std::fs::metadata(key) {
+        let mode = metadata.permissions().mode() & 0o777;
+        if mode & 0o007 != 0 {
+            warn!(
+                key = %key.display(),
+                mode = format!("{mode:04o}"),
+                "the webhook's private key is readable by other users: mount it with mode 0440 or tighter"
+            );
+        }
+    }
 }
 
 fn read_pair(cert: &PathBuf, key: &PathBuf) -> Result<(Vec<u8>, Vec<u8>), WebhookError> {

@@ -167,3 +167,52 @@ async fn a_stop_closes_connections_kept_alive() {
     let read = tokio::time::timeout(Duration::from_secs(5), tls.read_to_end(&mut rest)).await;
     assert!(read.is_ok(), "the kept-alive connection is closed on stop");
 }
+
+/// Whether the certificate the webhook presents verifies against `ca_pem`.
+async fn served_by(running: &Running, ca_pem: &str) -> bool {
+    let tcp = TcpStream::connect(running.addr).await.unwrap();
+    connector(ca_pem)
+        .connect(ServerName::try_from("127.0.0.1").unwrap(), tcp)
+        .await
+        .is_ok()
+}
+
+#[tokio::test]
+async fn a_rotation_puts_the_new_ca_in_the_bundle_before_serving_its_certificate() {
+    let (stop, stopped) = watch::channel(false);
+    let mut settings = Settings::new(
+        "127.0.0.1:0".parse().unwrap(),
+        CertSource::SelfSigned {
+            hosts: vec!["127.0.0.1".into()],
+            // Rotated at two thirds: after 2 s.
+            validity: Duration::from_secs(3),
+            webhook_configuration: None,
+        },
+    );
+    settings.rotation_grace = Duration::from_millis(1500);
+    let running = start(settings, None, stopped).await.unwrap();
+    let mut bundle = running.ca_bundle.clone().unwrap();
+    let first = bundle.borrow_and_update().clone();
+    assert!(served_by(&running, &first).await);
+
+    tokio::time::timeout(Duration::from_secs(10), bundle.changed())
+        .await
+        .expect("a new CA within the validity")
+        .unwrap();
+    let both = bundle.borrow_and_update().clone();
+    assert_eq!(both.matches("BEGIN CERTIFICATE").count(), 2, "{both}");
+    assert!(both.ends_with(&first), "the old CA stays in the bundle");
+    let new_ca = both.strip_suffix(&first).unwrap().to_string();
+    // During the grace the old certificate is still served: the API server may not have read the
+    // new bundle yet.
+    assert!(served_by(&running, &first).await);
+    assert!(!served_by(&running, &new_ca).await);
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    assert!(
+        served_by(&running, &new_ca).await,
+        "the new certificate after the grace"
+    );
+    assert!(served_by(&running, &both).await);
+    stop.send(true).unwrap();
+    running.join().await;
+}
