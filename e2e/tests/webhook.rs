@@ -19,7 +19,8 @@ use gpupool_e2e::harness::{
 use gpupool_e2e::plane::PlaneOptions;
 use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::Namespace;
-use kube::api::{ApiResource, DynamicObject, GroupVersionKind, PostParams};
+use k8s_openapi::api::resource::v1::DeviceClass;
+use kube::api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::{json, Value};
 use tokio::sync::watch;
@@ -381,6 +382,78 @@ async fn the_webhook_refuses_bad_gpupool_configs_on_the_real_api_server() {
         refused >= examples.len() as u64,
         "{refused} refusals counted"
     );
+
+    // A class's spec may change: a change to a bad config is refused, an update that keeps the
+    // spec (a label) is admitted.
+    let classes: Api<DeviceClass> = Api::all(admin.clone());
+    create(
+        &admin,
+        &class(
+            "upd.gpupool.dev",
+            gpu_config(json!({"enforcement": "None"})),
+        ),
+        false,
+    )
+    .await
+    .unwrap();
+    let bad_spec = json!({"spec": {"config": [{"opaque": {"driver": "gpupool.dev",
+        "parameters": gpu_config(json!({"enforcement": "Off"}))}}]}});
+    let message = refusal(
+        classes
+            .patch(
+                "upd.gpupool.dev",
+                &PatchParams::default(),
+                &Patch::Merge(&bad_spec),
+            )
+            .await
+            .map(|_| ()),
+    )
+    .expect("a class updated to a bad config is refused");
+    assert!(
+        message.contains("spec.config[0].opaque.parameters.enforcement: unsupported value \"Off\""),
+        "{message}"
+    );
+    let reviews = running.stats.reviews();
+    classes
+        .patch(
+            "upd.gpupool.dev",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {"team": "a"}}})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        running.stats.reviews(),
+        reviews + 1,
+        "the label update was reviewed, and admitted"
+    );
+
+    // A caBundle taken away (as an upgrade that renders the configuration might) is put back.
+    let mut emptied = configurations.get(CONFIGURATION).await.unwrap();
+    for webhook in emptied.webhooks.iter_mut().flatten() {
+        webhook.client_config.ca_bundle = None;
+    }
+    configurations
+        .replace(CONFIGURATION, &PostParams::default(), &emptied)
+        .await
+        .unwrap();
+    wait_for(
+        "the webhook to put its caBundle back",
+        Duration::from_secs(30),
+        || async {
+            let current = configurations.get(CONFIGURATION).await.ok()?;
+            current
+                .webhooks?
+                .iter()
+                .all(|w| {
+                    w.client_config.ca_bundle.as_ref().map(|b| b.0.as_slice())
+                        == Some(ca.as_bytes())
+                })
+                .then_some(())
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
 
     // As a user sees it: the real kubectl apply.
     match kubectl_path() {
