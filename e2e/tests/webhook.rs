@@ -7,14 +7,17 @@
 //!   and classes, in v1, v1beta2 and v1beta1, and through the real kubectl as a user sees it;
 //! - every claim, template and class in deploy/examples/ is admitted;
 //! - objects without a gpupool.dev config never reach the webhook (matchConditions);
-//! - with the webhook stopped, claims are still admitted (failurePolicy Ignore), gpupool's too.
+//! - with the webhook stopped, claims are still admitted (failurePolicy Ignore), gpupool's too;
+//! - the binary as its Deployment runs it does the same: its CA into the caBundle, a refusal, and
+//!   nothing waits on it once it is killed.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use gpupool_controller::webhook::{self, CertSource, Settings};
 use gpupool_e2e::harness::{
-    apply_objects, kubectl_path, own_plane_or_skip, parse_manifests, wait_for,
+    apply_objects, find_binary, kubectl_path, own_plane_or_skip, parse_manifests, wait_for,
+    ManagedProcess,
 };
 use gpupool_e2e::plane::PlaneOptions;
 use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
@@ -583,5 +586,63 @@ async fn the_webhook_refuses_bad_gpupool_configs_on_the_real_api_server() {
         "admissions with the webhook down took {:?}",
         admitted_at.elapsed()
     );
+
+    // The binary as its Deployment runs it (`gpupool-controller webhook`, self-signed, as its
+    // ServiceAccount): it makes its own CA, puts it in the caBundle, refuses; killed as a pod is,
+    // nothing waits on it.
+    let binary = find_binary("gpupool-controller").unwrap_or_else(|e| panic!("{e}"));
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut process = ManagedProcess::spawn(
+        "gpupool-webhook",
+        &binary,
+        [
+            "webhook",
+            "--kubeconfig",
+            webhook_kubeconfig.to_str().unwrap(),
+            &format!("--listen=127.0.0.1:{port}"),
+            "--cert-host=127.0.0.1",
+            "--webhook-configuration",
+            CONFIGURATION,
+            "--ca-bundle-interval=1s",
+        ]
+        .map(String::from)
+        .to_vec(),
+        dir.path().join("webhook.log"),
+    )
+    .unwrap();
+    let mut moved = configurations.get(CONFIGURATION).await.unwrap();
+    for webhook in moved.webhooks.iter_mut().flatten() {
+        webhook.client_config.url = Some(format!("https://127.0.0.1:{port}/validate"));
+    }
+    configurations
+        .replace(CONFIGURATION, &PostParams::default(), &moved)
+        .await
+        .unwrap();
+    let refused = wait_for(
+        "the binary to refuse a bad claim",
+        Duration::from_secs(30),
+        || async { refusal(create(&admin, &probe, true).await) },
+    )
+    .await
+    .unwrap_or_else(|e| {
+        process.print_log_tail(30);
+        panic!("{e}")
+    });
+    assert!(
+        refused.contains("spec.devices.config[0].opaque.parameters.coreLimit: 150"),
+        "{refused}"
+    );
+    process.kill();
+    let admitted_at = Instant::now();
+    let mut bad_after_kill = bad_while_down.clone();
+    bad_after_kill["metadata"]["name"] = json!("bad-after-kill");
+    create(&admin, &bad_after_kill, false)
+        .await
+        .unwrap_or_else(|e| panic!("with the webhook killed: {e}"));
+    assert!(admitted_at.elapsed() < Duration::from_secs(5));
     println!("webhook test took {:?}", started.elapsed());
 }
