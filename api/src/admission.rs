@@ -149,6 +149,20 @@ fn capacity_request(selection: &Selection<'_>, name: &str) -> Option<quantity::M
     quantity::parse(text).ok()
 }
 
+/// Whether a selection's DeviceClass is one of gpupool's by its name.
+fn is_gpupool_class(selection: &Selection<'_>) -> bool {
+    selection
+        .fields
+        .get("deviceClassName")
+        .and_then(Value::as_str)
+        .is_some_and(|class| {
+            class == DRIVER_NAME
+                || class
+                    .strip_suffix(DRIVER_NAME)
+                    .is_some_and(|prefix| prefix.ends_with('.') && prefix.len() > 1)
+        })
+}
+
 /// How many devices a selection asks for: `None` for `allocationMode: All` (any number).
 fn device_count(selection: &Selection<'_>) -> Option<i64> {
     match selection
@@ -260,13 +274,18 @@ pub fn check_claim_spec(spec: &Value, path: &str, layout: RequestLayout) -> Vec<
         .map(Vec::as_slice)
         .unwrap_or(&[]);
     for selection in selections(requests, &format!("{devices_path}.requests"), layout) {
-        let applies = entries.iter().any(|e| {
-            e.requests.is_empty()
-                || e.requests
-                    .iter()
-                    .any(|r| crate::config::request_matches(r, &selection.name))
+        // A config that names the request is meant for a gpupool device there. One that names no
+        // request applies to every request, but the driver reads it only for its own devices: a
+        // request of another driver (which may well have a capacity called memory) is held to it
+        // only where its class is, by name, one of gpupool's (the controller's `gpupool.dev` and
+        // `*.gpupool.dev`); other classes are left to prepare rather than refused wrongly.
+        let named = entries.iter().any(|e| {
+            e.requests
+                .iter()
+                .any(|r| crate::config::request_matches(r, &selection.name))
         });
-        if applies {
+        let unnamed = entries.iter().any(|e| e.requests.is_empty());
+        if named || (unnamed && is_gpupool_class(&selection)) {
             let effective = effective_config(&entries, &selection.name);
             problems.extend(check_selection(&selection, &effective));
         }
@@ -393,6 +412,41 @@ mod tests {
     }
 
     #[test]
+    fn another_drivers_request_is_held_only_to_a_config_that_names_it() {
+        let spec = |requests: Value| {
+            json!({"devices": {
+                "requests": [
+                    {"name": "gpu", "exactly": {"deviceClassName": "a100-sxm4-40gb.gpupool.dev",
+                                                "capacity": {"requests": {"memory": "16Gi"}}}},
+                    {"name": "nic", "exactly": {"deviceClassName": "rdma.example.com",
+                                                "capacity": {"requests": {"memory": "1Gi"}}}}
+                ],
+                "config": [{"requests": requests, "opaque": {"driver": "gpupool.dev",
+                            "parameters": gpu_config(json!({"memoryLimit": "8Gi"}))}}]
+            }})
+        };
+        assert_eq!(
+            check_claim_spec(&spec(json!([])), "spec", RequestLayout::Exactly),
+            [],
+            "no request named: only the gpupool class's request is checked"
+        );
+        let named = check_claim_spec(&spec(json!(["nic"])), "spec", RequestLayout::Exactly);
+        assert_eq!(
+            fields(&named),
+            ["spec.devices.config[0].opaque.parameters.memoryLimit"]
+        );
+        assert!(named[0].message.contains("request \"nic\""), "{named:?}");
+        let mut fraction = spec(json!([]));
+        fraction["devices"]["requests"][0]["exactly"]["capacity"]["requests"]["memory"] =
+            json!("4Gi");
+        assert_eq!(
+            fields(&check_claim_spec(&fraction, "spec", RequestLayout::Exactly)),
+            ["spec.devices.config[0].opaque.parameters.memoryLimit"],
+            "the gpupool class's request is"
+        );
+    }
+
+    #[test]
     fn v1beta1_requests_are_inline_and_subrequests_are_checked_each() {
         let beta = json!({"devices": {
             "requests": [{"name": "gpu", "deviceClassName": "gpupool.dev",
@@ -413,8 +467,8 @@ mod tests {
 
         let first_available = json!({"devices": {
             "requests": [{"name": "gpu", "firstAvailable": [
-                {"name": "a100", "deviceClassName": "a100", "capacity": {"requests": {"memory": "16Gi"}}},
-                {"name": "v100", "deviceClassName": "v100", "capacity": {"requests": {"memory": "8Gi"}}}
+                {"name": "a100", "deviceClassName": "a100.gpupool.dev", "capacity": {"requests": {"memory": "16Gi"}}},
+                {"name": "v100", "deviceClassName": "v100.gpupool.dev", "capacity": {"requests": {"memory": "8Gi"}}}
             ]}],
             "config": [
                 {"opaque": {"driver": "gpupool.dev", "parameters": gpu_config(json!({"memoryLimit": "12Gi"}))}},
