@@ -2,6 +2,7 @@
 //!
 //! Nothing here does I/O: every function takes values and returns values, so each rule is tested directly.
 
+pub mod admission;
 pub mod cdi;
 pub mod claim;
 pub mod config;

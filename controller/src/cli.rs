@@ -37,6 +37,114 @@ enum Command {
     },
     /// Run the controller.
     Run(Box<RunArgs>),
+    /// Serve the validating admission webhook (POST /validate, HTTPS) for gpupool.dev opaque configs.
+    Webhook(Box<WebhookArgs>),
+}
+
+#[derive(clap::Args, Debug)]
+struct WebhookArgs {
+    /// Kubeconfig file (self-signed mode keeps the webhook configuration's caBundle with it);
+    /// default: $KUBECONFIG, ~/.kube/config, or the in-cluster service account.
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
+    /// Address to serve HTTPS on: `host:port` or `:port` for every address.
+    #[arg(long, default_value = ":8443", value_parser = parse_webhook_addr)]
+    listen: std::net::SocketAddr,
+    /// Serving certificate (PEM, e.g. a cert-manager Secret's tls.crt); with --tls-key-file.
+    /// Without both, the webhook makes its own CA and certificate (self-signed mode).
+    #[arg(long, requires = "tls_key_file")]
+    tls_cert_file: Option<PathBuf>,
+    /// The certificate's private key (PEM, e.g. tls.key).
+    #[arg(long, requires = "tls_cert_file")]
+    tls_key_file: Option<PathBuf>,
+    /// How often the certificate files are read again (a renewed Secret is served without restart).
+    #[arg(long, default_value = "1m", value_parser = parse_duration)]
+    tls_reload_interval: Duration,
+    /// Self-signed mode: the names (and IP addresses) the certificate is made for; default: the
+    /// Service's DNS names from --service and --namespace.
+    #[arg(long = "cert-host")]
+    cert_hosts: Vec<String>,
+    /// Self-signed mode: the Service in front of the webhook.
+    #[arg(long, default_value = "gpupool-webhook")]
+    service: String,
+    /// Self-signed mode: the Service's namespace; default $POD_NAMESPACE, else gpupool.
+    #[arg(long)]
+    namespace: Option<String>,
+    /// Self-signed mode: how long a made certificate is valid; a new one is made at two thirds.
+    #[arg(long, default_value = "8760h", value_parser = parse_duration)]
+    cert_validity: Duration,
+    /// Self-signed mode: the ValidatingWebhookConfiguration whose caBundle this webhook keeps in
+    /// step with its CA; empty: none (the caBundle is someone else's to set).
+    #[arg(long, default_value = "gpupool-webhook")]
+    webhook_configuration: String,
+    /// Self-signed mode: how often the caBundle is checked and put back.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    ca_bundle_interval: Duration,
+    #[arg(long, value_enum, default_value = "text")]
+    log_format: LogFormat,
+}
+
+fn parse_webhook_addr(value: &str) -> Result<std::net::SocketAddr, String> {
+    metrics::parse_listen_addr(value)?
+        .0
+        .ok_or_else(|| "the webhook needs an address to listen on".to_string())
+}
+
+async fn webhook(args: WebhookArgs) -> anyhow::Result<()> {
+    use crate::webhook::{CertSource, Settings};
+    init_logging(args.log_format);
+    let certs = match (args.tls_cert_file, args.tls_key_file) {
+        (Some(cert), Some(key)) => CertSource::Files {
+            cert,
+            key,
+            reload: args.tls_reload_interval,
+        },
+        _ => {
+            let namespace = args
+                .namespace
+                .or_else(|| {
+                    std::env::var("POD_NAMESPACE")
+                        .ok()
+                        .filter(|n| !n.is_empty())
+                })
+                .unwrap_or_else(|| "gpupool".to_string());
+            let hosts = if args.cert_hosts.is_empty() {
+                let service = &args.service;
+                vec![
+                    format!("{service}.{namespace}.svc"),
+                    format!("{service}.{namespace}.svc.cluster.local"),
+                ]
+            } else {
+                args.cert_hosts
+            };
+            CertSource::SelfSigned {
+                hosts,
+                validity: args.cert_validity,
+                webhook_configuration: Some(args.webhook_configuration).filter(|n| !n.is_empty()),
+            }
+        }
+    };
+    let needs_client = matches!(
+        &certs,
+        CertSource::SelfSigned {
+            webhook_configuration: Some(_),
+            ..
+        }
+    );
+    let client = if needs_client {
+        Some(client(args.kubeconfig.as_ref(), "webhook").await?)
+    } else {
+        None
+    };
+    let mut settings = Settings::new(args.listen, certs);
+    settings.ca_bundle_interval = args.ca_bundle_interval;
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let running = crate::webhook::start(settings, client, stopped).await?;
+    shutdown_signal().await;
+    info!("shutting down");
+    let _ = stop.send(true);
+    running.join().await;
+    Ok(())
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -273,6 +381,9 @@ where
         Command::Run(args) => tokio::runtime::Runtime::new()
             .context("starting the async runtime")?
             .block_on(run(*args))?,
+        Command::Webhook(args) => tokio::runtime::Runtime::new()
+            .context("starting the async runtime")?
+            .block_on(webhook(*args))?,
     }
     Ok(())
 }

@@ -1,7 +1,8 @@
 //! gpupool's controller: GpuModel -> DeviceClass, ComputeProfile -> ResourceClaimTemplate, pool status.
 //!
 //! The decisions are pure functions (`models`, `profiles`, `status`, `plan`, the leader rules);
-//! `reconcile` and `leader` do the talking to the API server.
+//! `reconcile` and `leader` do the talking to the API server. `webhook` is the admission webhook
+//! (`gpupool-controller webhook`), a process of its own beside the controller.
 
 pub mod cli;
 pub mod crds;
@@ -16,3 +17,4 @@ pub mod reconcile;
 pub mod status;
 #[cfg(test)]
 pub(crate) mod testing;
+pub mod webhook;

@@ -170,3 +170,114 @@ async fn run_manages_classes_and_releases_the_lease_on_sigterm() {
         "lease not released"
     );
 }
+
+/// Whether the HTTPS server at `port` answers GET /healthz with a certificate `ca_pem` verifies.
+async fn healthz_verified_by(port: u16, ca_pem: &str) -> bool {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, ServerName};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let Ok(tcp) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
+        return false;
+    };
+    let Ok(mut tls) = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+        .connect(ServerName::try_from("127.0.0.1").unwrap(), tcp)
+        .await
+    else {
+        return false;
+    };
+    let request = b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+    if tls.write_all(request).await.is_err() {
+        return false;
+    }
+    let mut response = Vec::new();
+    let _ = tls.read_to_end(&mut response).await;
+    response.starts_with(b"HTTP/1.1 200")
+}
+
+/// `webhook` with a Secret's pair (cert-manager's mode): served, and a renewed pair is served
+/// without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhook_serves_certificate_files_and_reloads_them_when_renewed() {
+    use gpupool_controller::webhook::certs::self_signed;
+    use std::time::Duration;
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+    let write_pair = |pair: &gpupool_controller::webhook::certs::SelfSigned| {
+        // As the kubelet updates a Secret volume: the new files appear whole.
+        for (path, text) in [(&cert, &pair.cert_pem), (&key, &pair.key_pem)] {
+            let next = path.with_extension("new");
+            std::fs::write(&next, text).unwrap();
+            std::fs::rename(&next, path).unwrap();
+        }
+    };
+    let first = self_signed(&["127.0.0.1".into()], Duration::from_secs(3600)).unwrap();
+    write_pair(&first);
+    // A key any user may read, which the webhook must point out.
+    std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_gpupool-controller"))
+        .arg("webhook")
+        .arg(format!("--listen=127.0.0.1:{port}"))
+        .arg("--tls-cert-file")
+        .arg(&cert)
+        .arg("--tls-key-file")
+        .arg(&key)
+        .arg("--tls-reload-interval=200ms")
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !healthz_verified_by(port, &first.ca_pem).await {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the webhook never served its files"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let renewed = self_signed(&["127.0.0.1".into()], Duration::from_secs(3600)).unwrap();
+    write_pair(&renewed);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !healthz_verified_by(port, &renewed.ca_pem).await {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the renewed pair was never served"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(!healthz_verified_by(port, &first.ca_pem).await);
+    child.kill().await.unwrap();
+    let log = child.wait_with_output().await.unwrap().stderr;
+    let log = String::from_utf8_lossy(&log);
+    // Said at start.
+    assert!(
+        log.contains("the webhook's private key is readable by other users"),
+        "{log}"
+    );
+}
+
+#[test]
+fn webhook_needs_both_certificate_files() {
+    let output = binary()
+        .args(["webhook", "--tls-cert-file", "/nonexistent/tls.crt"])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("--tls-key-file"), "{stderr}");
+}

@@ -703,6 +703,30 @@ fn rbac_grants_least_privilege() {
         "metadata.namespace"
     );
 
+    // The webhook keeps its own configuration's caBundle, and may touch nothing else.
+    let webhook_role = find(&objects, "ClusterRole", "gpupool-webhook");
+    assert_eq!(
+        grants(webhook_role),
+        expect_grants(&[(
+            "admissionregistration.k8s.io",
+            "validatingwebhookconfigurations",
+            &["get", "patch"]
+        )]),
+        "webhook ClusterRole"
+    );
+    assert_eq!(
+        names_granted(webhook_role, "validatingwebhookconfigurations"),
+        [find(
+            &objects,
+            "ValidatingWebhookConfiguration",
+            "gpupool-webhook"
+        )["metadata"]["name"]
+            .as_str()
+            .expect("name")],
+        "the webhook patches its own configuration and no other"
+    );
+    let webhook_deployment = find(&objects, "Deployment", "gpupool-webhook");
+
     // Each binding gives its role to the ServiceAccount the workload runs as, and to nothing else.
     let daemonset = find(&objects, "DaemonSet", "gpupool-driver");
     for (binding_kind, binding, workload) in [
@@ -713,6 +737,7 @@ fn rbac_grants_least_privilege() {
             "gpupool-controller-leader-election",
             deployment,
         ),
+        ("ClusterRoleBinding", "gpupool-webhook", webhook_deployment),
     ] {
         let b = find(&objects, binding_kind, binding);
         let sa = workload["spec"]["template"]["spec"]["serviceAccountName"]
@@ -1094,6 +1119,17 @@ const VALUE_SETS: &[(&[&str], Option<&str>)] = &[
     (PATHS_AND_PORTS, None),
     (&["gpuModels=null"], None),
     (&["schedulerProfile.enabled=true"], None),
+    (&["webhook.enabled=false"], None),
+    (&["webhook.certManager.enabled=true"], None),
+    (
+        &[
+            "webhook.certManager.enabled=true",
+            "webhook.certManager.issuerRef.name=my-ca",
+            "webhook.certManager.issuerRef.kind=ClusterIssuer",
+            "webhook.replicas=2",
+        ],
+        None,
+    ),
 ];
 
 /// Every folder, port and name values.yaml lets a user move, moved at once.
@@ -1781,6 +1817,33 @@ async fn every_helm_value_set_applies_to_the_api_emulator() {
             .await;
             assert_succeeded(&out, "kubectl apply the ServiceMonitor CRD");
         }
+        let (cert_manager, rest): (Vec<Value>, Vec<Value>) = rest.into_iter().partition(|o| {
+            o["apiVersion"]
+                .as_str()
+                .is_some_and(|v| v.starts_with("cert-manager.io/"))
+        });
+        if !cert_manager.is_empty() {
+            // Without cert-manager a server knows no Certificate, and the install fails saying so
+            // (values.yaml: "With cert-manager installed"). Its CRDs are not in this repository,
+            // so the Certificate and Issuer are checked as rendered (helm_webhook_values_...).
+            let out = kubectl_at(
+                &kubeconfig,
+                &["apply", "--validate=false", "-f", "-"],
+                Some(to_yaml_stream(&cert_manager)),
+            )
+            .await;
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(
+                !out.status.success(),
+                "{origin}: applied without cert-manager"
+            );
+            assert!(
+                stderr.contains(
+                    "no matches for kind \"Certificate\" in version \"cert-manager.io/v1\""
+                ),
+                "{origin}: {stderr}"
+            );
+        }
         apply_and_read_back(&kubeconfig, &rest, &origin).await;
     }
 }
@@ -1908,6 +1971,12 @@ fn workload_args_are_flags_the_binaries_accept() {
             "Deployment",
             "gpupool-controller",
             "controller",
+        ),
+        (
+            "gpupool-controller",
+            "Deployment",
+            "gpupool-webhook",
+            "webhook",
         ),
     ] {
         let Some(path) = built_binary(binary) else {
@@ -2228,4 +2297,191 @@ fn the_grafana_dashboard_queries_only_metrics_the_binaries_export() {
             );
         }
     }
+}
+
+/// The webhook's Service, Deployment and configuration agree with one another: each webhook calls
+/// the Service on the port that reaches the container's HTTPS port at /validate, with the settings
+/// deploy/base/webhook.yaml justifies.
+fn assert_webhook_wired(objects: &[Value], origin: &str) {
+    let service = find(objects, "Service", "gpupool-webhook");
+    let deployment = find(objects, "Deployment", "gpupool-webhook");
+    let pod_labels = &deployment["spec"]["template"]["metadata"]["labels"];
+    for (label, value) in service["spec"]["selector"].as_object().expect("selector") {
+        assert_eq!(
+            &pod_labels[label], value,
+            "{origin}: the Service selects the pods"
+        );
+    }
+    let port = &service["spec"]["ports"][0];
+    let c = container(deployment, "webhook");
+    let container_port = c["ports"]
+        .as_array()
+        .expect("ports")
+        .iter()
+        .find(|p| p["name"] == port["targetPort"])
+        .unwrap_or_else(|| panic!("{origin}: no container port {}", port["targetPort"]));
+    assert_eq!(
+        flag(c, "--listen"),
+        Some(format!(":{}", container_port["containerPort"])),
+        "{origin}: the webhook listens on its container port"
+    );
+    let configuration = find(objects, "ValidatingWebhookConfiguration", "gpupool-webhook");
+    let webhooks = configuration["webhooks"].as_array().expect("webhooks");
+    let names: Vec<&str> = webhooks.iter().filter_map(|w| w["name"].as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "resourceclaims.gpupool.dev",
+            "resourceclaimtemplates.gpupool.dev",
+            "deviceclasses.gpupool.dev"
+        ],
+        "{origin}"
+    );
+    for webhook in webhooks {
+        let to = &webhook["clientConfig"]["service"];
+        assert_eq!(to["name"], service["metadata"]["name"], "{origin}");
+        assert_eq!(
+            to["namespace"], service["metadata"]["namespace"],
+            "{origin}"
+        );
+        assert_eq!(to["port"], port["port"], "{origin}");
+        assert_eq!(to["path"], "/validate", "{origin}");
+        assert_eq!(webhook["failurePolicy"], "Ignore", "{origin}");
+        assert_eq!(webhook["sideEffects"], "None", "{origin}");
+        assert_eq!(webhook["timeoutSeconds"], 5, "{origin}");
+        assert_eq!(
+            strings(&webhook["admissionReviewVersions"]),
+            ["v1"],
+            "{origin}"
+        );
+        assert_eq!(
+            strings(&webhook["rules"][0]["apiVersions"]),
+            ["v1", "v1beta2", "v1beta1"],
+            "{origin}"
+        );
+        let condition = webhook["matchConditions"][0]["expression"]
+            .as_str()
+            .expect("a match condition");
+        assert!(
+            condition.contains("c.opaque.driver == 'gpupool.dev'"),
+            "{origin}: {condition}"
+        );
+    }
+}
+
+#[test]
+fn helm_webhook_values_wire_it_take_cert_manager_and_turn_it_off() {
+    let Some(helm) = helm("helm_webhook_values_wire_it_take_cert_manager_and_turn_it_off") else {
+        return;
+    };
+    // Default: self-signed, the caBundle kept by the webhook (its flags name the configuration).
+    let objects = helm_template(&helm, &[]);
+    assert_webhook_wired(&objects, "helm (defaults)");
+    let c = container(find(&objects, "Deployment", "gpupool-webhook"), "webhook");
+    assert_eq!(
+        flag(c, "--webhook-configuration").as_deref(),
+        Some("gpupool-webhook")
+    );
+    assert!(find(
+        &objects,
+        "ValidatingWebhookConfiguration",
+        "gpupool-webhook"
+    )["webhooks"]
+        .as_array()
+        .expect("webhooks")
+        .iter()
+        .all(|w| w["clientConfig"].get("caBundle").is_none()));
+
+    // cert-manager: its Certificate for the Service's names, mounted where the flags read it, the
+    // key readable by the webhook's group only, the caBundle injected; no API access at all.
+    let origin = "helm --set webhook.certManager.enabled=true";
+    let objects = helm_template(&helm, &["webhook.certManager.enabled=true"]);
+    assert_webhook_wired(&objects, origin);
+    let configuration = find(
+        &objects,
+        "ValidatingWebhookConfiguration",
+        "gpupool-webhook",
+    );
+    assert_eq!(
+        configuration["metadata"]["annotations"]["cert-manager.io/inject-ca-from"],
+        "gpupool/gpupool-webhook"
+    );
+    let certificate = find(&objects, "Certificate", "gpupool-webhook");
+    assert_eq!(
+        strings(&certificate["spec"]["dnsNames"]),
+        [
+            "gpupool-webhook.gpupool.svc",
+            "gpupool-webhook.gpupool.svc.cluster.local"
+        ]
+    );
+    assert_eq!(
+        certificate["spec"]["issuerRef"]["name"],
+        "gpupool-webhook-selfsigned"
+    );
+    find(&objects, "Issuer", "gpupool-webhook-selfsigned");
+    let deployment = find(&objects, "Deployment", "gpupool-webhook");
+    let pod = &deployment["spec"]["template"]["spec"];
+    let volume = &pod["volumes"][0];
+    assert_eq!(
+        volume["secret"]["secretName"],
+        certificate["spec"]["secretName"]
+    );
+    assert_eq!(volume["secret"]["defaultMode"], 0o440, "{origin}: key mode");
+    assert_eq!(
+        pod["securityContext"]["fsGroup"],
+        pod["securityContext"]["runAsGroup"]
+    );
+    assert_eq!(pod["automountServiceAccountToken"], false);
+    let c = container(deployment, "webhook");
+    let mount = c["volumeMounts"][0]["mountPath"]
+        .as_str()
+        .expect("mountPath");
+    assert_eq!(flag(c, "--tls-cert-file"), Some(format!("{mount}/tls.crt")));
+    assert_eq!(flag(c, "--tls-key-file"), Some(format!("{mount}/tls.key")));
+    assert!(
+        of_kind(&objects, "ClusterRole")
+            .iter()
+            .all(|r| r["metadata"]["name"] != "gpupool-webhook"),
+        "{origin}: no RBAC for a webhook that calls no API"
+    );
+    let objects = helm_template(
+        &helm,
+        &[
+            "webhook.certManager.enabled=true",
+            "webhook.certManager.issuerRef.name=my-ca",
+            "webhook.certManager.issuerRef.kind=ClusterIssuer",
+            "webhook.replicas=2",
+        ],
+    );
+    let certificate = find(&objects, "Certificate", "gpupool-webhook");
+    assert_eq!(
+        certificate["spec"]["issuerRef"],
+        serde_json::json!({"name": "my-ca", "kind": "ClusterIssuer"})
+    );
+    assert!(of_kind(&objects, "Issuer").is_empty());
+    assert_eq!(
+        find(&objects, "Deployment", "gpupool-webhook")["spec"]["replicas"],
+        2
+    );
+
+    // Two self-signed replicas would make two CAs for one caBundle: refused, naming the way out.
+    let out = helm_template_output(&helm, "gpupool", &["webhook.replicas=2"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("needs webhook.certManager.enabled=true"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // Off: nothing of it is rendered.
+    let objects = helm_template(&helm, &["webhook.enabled=false"]);
+    let left: Vec<String> = objects
+        .iter()
+        .filter(|o| o.to_string().contains("gpupool-webhook"))
+        .map(key)
+        .collect();
+    assert!(
+        left.is_empty(),
+        "webhook.enabled=false still renders {left:?}"
+    );
 }

@@ -294,7 +294,11 @@ fn base_objects() -> Vec<Value> {
     // The base is plain YAML files; the manifests test checks it renders with kustomize.
     let dir = workspace_root().join("deploy/base");
     let mut objects = Vec::new();
-    for name in ["driver-daemonset.yaml", "controller-deployment.yaml"] {
+    for name in [
+        "driver-daemonset.yaml",
+        "controller-deployment.yaml",
+        "webhook.yaml",
+    ] {
         let text = std::fs::read_to_string(dir.join(name)).expect("read the base");
         for doc in serde_yaml::Deserializer::from_str(&text) {
             let value: Value = serde::Deserialize::deserialize(doc).expect("YAML");

@@ -552,6 +552,10 @@ async fn helm_uninstall_leaves_only_what_readme_says_to_remove_by_hand(backend: 
             ],
         )
         .await;
+    // The cluster-scoped webhook configuration is among what the uninstall must take away.
+    cluster
+        .kubectl(&["get", "validatingwebhookconfiguration", "gpupool-webhook"])
+        .await;
     wait_until_the_collector_watches_gpumodels(&cluster).await;
     cluster.kubectl(&["apply", "-f", PROFILE_EXAMPLE]).await;
     let mut controller = cluster.start_controller().await;
@@ -610,6 +614,9 @@ async fn kubectl_delete_k_leaves_only_the_users_objects(backend: Backend) {
     // README: the CRDs first, since the base holds GpuModels.
     cluster.kubectl(&["apply", "-f", "deploy/crds/"]).await;
     cluster.kubectl(&["apply", "-k", "deploy/base"]).await;
+    cluster
+        .kubectl(&["get", "validatingwebhookconfiguration", "gpupool-webhook"])
+        .await;
     wait_until_the_collector_watches_gpumodels(&cluster).await;
     cluster.kubectl(&["apply", "-f", PROFILE_EXAMPLE]).await;
     let mut controller = cluster.start_controller().await;

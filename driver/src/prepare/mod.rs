@@ -590,4 +590,6 @@ async fn run_blocking<T: Send + 'static>(
 }
 
 #[cfg(test)]
+mod admission_agrees;
+#[cfg(test)]
 mod tests;

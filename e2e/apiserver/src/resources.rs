@@ -204,6 +204,15 @@ const BUILTINS: &[(&str, &[Builtin])] = &[
                 &[],
                 false,
             ),
+            // Stored and decoded strictly, never called: the emulator has no admission chain, so
+            // what a webhook refuses is tested on the real kube-apiserver (e2e/tests/webhook.rs).
+            (
+                "validatingwebhookconfigurations",
+                "ValidatingWebhookConfiguration",
+                false,
+                &[],
+                false,
+            ),
         ],
     ),
     (
@@ -234,7 +243,9 @@ pub fn tracks_generation(def: &ResourceDef) -> bool {
                 | ("apps", "Deployment" | "DaemonSet")
                 | (
                     "admissionregistration.k8s.io",
-                    "ValidatingAdmissionPolicy" | "ValidatingAdmissionPolicyBinding"
+                    "ValidatingAdmissionPolicy"
+                        | "ValidatingAdmissionPolicyBinding"
+                        | "ValidatingWebhookConfiguration"
                 )
                 | ("apiextensions.k8s.io", "CustomResourceDefinition")
         )

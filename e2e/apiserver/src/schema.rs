@@ -88,6 +88,9 @@ pub fn decode_builtin(kind: &str, object: &mut Value) -> Result<Vec<String>, Dec
         "ValidatingAdmissionPolicyBinding" => {
             roundtrip::<admission::ValidatingAdmissionPolicyBinding>(object)?
         }
+        "ValidatingWebhookConfiguration" => {
+            roundtrip::<admission::ValidatingWebhookConfiguration>(object)?
+        }
         "CustomResourceDefinition" => roundtrip::<apiextensions::CustomResourceDefinition>(object)?,
         _ => return Ok(Vec::new()),
     };

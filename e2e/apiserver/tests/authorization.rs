@@ -1,7 +1,8 @@
 //! Authorization as kube-apiserver 1.36 does it, seen through a kube-rs client with a
 //! ServiceAccount's token: RBAC over the stored roles and bindings, and the DRA permissions a
 //! claim's status write needs (the synthetic subresource `resourceclaims/driver` with the
-//! node-aware verbs; DESIGN.md's observed refusal text).
+//! node-aware verbs, with the refusal text kube-apiserver 1.36.2 was seen to answer, which
+//! docs/architecture.md records).
 
 use gpupool_apiserver::ApiServer;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
@@ -142,7 +143,7 @@ async fn device_status_needs_the_driver_subresource_on_the_claims_node() {
     let claims: Api<ResourceClaim> =
         Api::namespaced(server.client_with_token(&on_a).await, "default");
 
-    // resourceclaims/status alone is what a 1.36 cluster refuses (DESIGN.md, observed).
+    // resourceclaims/status alone is what a 1.36 cluster refuses (docs/architecture.md, observed).
     let refused = api_error(
         claims
             .patch_status("c", &PatchParams::default(), &device_status("node-a"))
