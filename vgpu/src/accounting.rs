@@ -24,13 +24,25 @@ struct Owned {
     managed: bool,
 }
 
+/// A `cuMemCreate` handle's charge and what keeps its memory alive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Physical {
+    charge: Charged,
+    released: bool,
+    mappings: u32,
+}
+
 #[derive(Default)]
 pub struct Allocations {
     /// `cuMemAlloc*`, `cuMemAllocPitch*`, `cuMemAllocManaged`, `cuMemAllocAsync`,
     /// `cuMemAllocFromPoolAsync`: freed by `cuMemFree*` or `cuMemFreeAsync`.
     pointers: HashMap<CUdeviceptr, Owned>,
-    /// `cuMemCreate` handles, released by `cuMemRelease`.
-    handles: HashMap<CUmemGenericAllocationHandle, Charged>,
+    /// `cuMemCreate` handles. The driver frees the memory when the handle is released *and* its
+    /// last mapping is gone (the programming guide's own pattern releases right after mapping):
+    /// the charge stays until both.
+    handles: HashMap<CUmemGenericAllocationHandle, Physical>,
+    /// `cuMemMap` mappings: start -> (handle, size).
+    mappings: std::collections::BTreeMap<CUdeviceptr, (CUmemGenericAllocationHandle, u64)>,
     /// `cuArrayCreate*`, `cuArray3DCreate*`, destroyed by `cuArrayDestroy`.
     arrays: HashMap<usize, Owned>,
     /// `cuMipmappedArrayCreate`, destroyed by `cuMipmappedArrayDestroy`.
@@ -73,10 +85,57 @@ impl Allocations {
         self.pointers.remove(&ptr).map(|o| o.charge)
     }
     pub fn add_handle(&mut self, handle: CUmemGenericAllocationHandle, charge: Charged) {
-        self.handles.insert(handle, charge);
+        self.handles.insert(
+            handle,
+            Physical {
+                charge,
+                released: false,
+                mappings: 0,
+            },
+        );
     }
-    pub fn remove_handle(&mut self, handle: CUmemGenericAllocationHandle) -> Option<Charged> {
-        self.handles.remove(&handle)
+    /// `cuMemRelease` succeeded: the charge to give back now, if the memory is gone (no mapping
+    /// left); otherwise it goes with the last `cuMemUnmap`.
+    pub fn release_handle(&mut self, handle: CUmemGenericAllocationHandle) -> Option<Charged> {
+        let physical = self.handles.get_mut(&handle)?;
+        physical.released = true;
+        if physical.mappings > 0 {
+            return None;
+        }
+        self.handles.remove(&handle).map(|p| p.charge)
+    }
+    /// `cuMemMap` of `size` bytes at `ptr` onto `handle` succeeded (a handle we never saw, an
+    /// imported one, is not ours to count).
+    pub fn map_handle(
+        &mut self,
+        ptr: CUdeviceptr,
+        size: u64,
+        handle: CUmemGenericAllocationHandle,
+    ) {
+        if let Some(physical) = self.handles.get_mut(&handle) {
+            physical.mappings += 1;
+            self.mappings.insert(ptr, (handle, size));
+        }
+    }
+    /// `cuMemUnmap` of [ptr, ptr + size) succeeded: the mappings in it are gone; the charges of
+    /// released handles whose last mapping that was, to give back.
+    pub fn unmap_range(&mut self, ptr: CUdeviceptr, size: u64) -> Vec<Charged> {
+        let end = ptr.saturating_add(size);
+        let gone: Vec<CUdeviceptr> = self.mappings.range(ptr..end).map(|(&p, _)| p).collect();
+        let mut freed = Vec::new();
+        for start in gone {
+            let Some((handle, _)) = self.mappings.remove(&start) else {
+                continue;
+            };
+            let Some(physical) = self.handles.get_mut(&handle) else {
+                continue;
+            };
+            physical.mappings = physical.mappings.saturating_sub(1);
+            if physical.released && physical.mappings == 0 {
+                freed.extend(self.handles.remove(&handle).map(|p| p.charge));
+            }
+        }
+        freed
     }
     pub fn add_array(&mut self, array: usize, charge: Charged, context: usize) {
         self.arrays.insert(
@@ -139,7 +198,9 @@ impl Allocations {
             .values()
             .chain(self.arrays.values())
             .chain(self.mipmapped.values());
-        let all = owned.map(|o| &o.charge).chain(self.handles.values());
+        let all = owned
+            .map(|o| &o.charge)
+            .chain(self.handles.values().map(|p| &p.charge));
         all.filter(|c| c.device == device).map(|c| c.bytes).sum()
     }
 }
@@ -228,6 +289,39 @@ mod tests {
     use super::*;
 
     const MIB: u64 = 1 << 20;
+
+    /// The programming guide's pattern: create, map, set access, release at once, use, unmap.
+    /// The memory is the driver's until the last unmap, and so is the charge.
+    #[test]
+    fn memory_released_while_mapped_stays_charged_until_its_last_unmap() {
+        let mut a = Allocations::default();
+        let charge = Charged {
+            device: 0,
+            bytes: 512 * MIB,
+        };
+        a.add_handle(7, charge);
+        a.map_handle(0x1000_0000, 256 * MIB, 7);
+        a.map_handle(0x2000_0000, 256 * MIB, 7);
+        assert_eq!(a.release_handle(7), None, "still mapped twice");
+        assert_eq!(a.total_on(0), 512 * MIB);
+        assert_eq!(a.unmap_range(0x1000_0000, 256 * MIB), vec![]);
+        assert_eq!(a.total_on(0), 512 * MIB, "still mapped once");
+        assert_eq!(a.unmap_range(0x2000_0000, 256 * MIB), vec![charge]);
+        assert_eq!(a.total_on(0), 0);
+        // Released before any mapping: at once. Unmapping a range we never mapped: nothing.
+        a.add_handle(8, charge);
+        assert_eq!(a.release_handle(8), Some(charge));
+        assert_eq!(a.unmap_range(0, u64::MAX), vec![]);
+        // Unmapped first, released later: at the release.
+        a.add_handle(9, charge);
+        a.map_handle(0x3000_0000, 512 * MIB, 9);
+        assert_eq!(a.unmap_range(0x3000_0000, 512 * MIB), vec![]);
+        assert_eq!(a.release_handle(9), Some(charge));
+        // A handle we never saw (imported from another process) is not counted.
+        a.map_handle(0x4000_0000, MIB, 99);
+        assert_eq!(a.unmap_range(0x4000_0000, MIB), vec![]);
+        assert_eq!(a.release_handle(99), None);
+    }
 
     #[test]
     fn managed_memory_never_takes_the_contexts_out_of_the_account() {
@@ -324,7 +418,7 @@ mod tests {
             "unknown pointers pass through"
         );
         assert_eq!(
-            a.remove_handle(7),
+            a.release_handle(7),
             Some(Charged {
                 device: 1,
                 bytes: 2 << 20

@@ -30,6 +30,8 @@ macro_rules! for_each_entry_point {
             cuMemAllocManaged(dptr: *mut CUdeviceptr, bytes: usize, flags: c_uint) => mem_alloc_managed;
             cuMemCreate(handle: *mut CUmemGenericAllocationHandle, size: usize, prop: *const CUmemAllocationPropHead, flags: u64) => mem_create;
             cuMemRelease(handle: CUmemGenericAllocationHandle) => mem_release;
+            cuMemMap(ptr: CUdeviceptr, size: usize, offset: usize, handle: CUmemGenericAllocationHandle, flags: u64) => mem_map;
+            cuMemUnmap(ptr: CUdeviceptr, size: usize) => mem_unmap;
             cuMemAllocAsync(dptr: *mut CUdeviceptr, bytes: usize, stream: CUstream) => mem_alloc_async;
             cuMemAllocAsync_ptsz(dptr: *mut CUdeviceptr, bytes: usize, stream: CUstream) => mem_alloc_async;
             cuMemAllocFromPoolAsync(dptr: *mut CUdeviceptr, bytes: usize, pool: CUmemoryPool, stream: CUstream) => mem_alloc_from_pool_async;

@@ -87,6 +87,14 @@ pub const FAMILIES: &[Family] = &[
         variants: &[v("cuMemRelease", 10020)],
     },
     Family {
+        base: "cuMemMap",
+        variants: &[v("cuMemMap", 10020)],
+    },
+    Family {
+        base: "cuMemUnmap",
+        variants: &[v("cuMemUnmap", 10020)],
+    },
+    Family {
         base: "cuMemAllocAsync",
         variants: &[
             v("cuMemAllocAsync", 11020),

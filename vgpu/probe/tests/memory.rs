@@ -169,6 +169,56 @@ fn managed_memory_keeps_the_context_counted() {
     );
 }
 
+/// The CUDA programming guide's virtual memory pattern: create, reserve, map, set access, and
+/// release the handle at once; the mapping keeps the memory until it is unmapped. The limit holds
+/// across such allocations (before, the release uncharged memory that was still mapped: a 1 GiB
+/// limit let the process map 4 GiB this way), and freeing (the unmap) gives it back.
+#[test]
+fn memory_released_while_still_mapped_counts_until_unmapped() {
+    let sandbox = Sandbox::new("1x16g:108");
+    let container = sandbox.container();
+    let fill = || {
+        sandbox
+            .probe(
+                &container,
+                &[
+                    "fill",
+                    "--path",
+                    "cuMemCreate",
+                    "--chunk",
+                    &(64 * MIB).to_string(),
+                    "--map",
+                    "--release-after-map",
+                    "--limit",
+                    "64",
+                    "--views",
+                ],
+            )
+            .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+            .run_ok()
+    };
+    for run in 0..2 {
+        let outcome = fill();
+        let line = outcome.one("fill");
+        let allocated = u(&line["allocated"]);
+        assert_eq!(
+            line["result"], 2,
+            "run {run}: not refused at the limit: {line}"
+        );
+        assert!(
+            allocated + CONTEXT <= GIB && allocated + CONTEXT + 64 * MIB > GIB,
+            "run {run}: {} MiB mapped under a limit of 1 GiB:\n{}",
+            allocated / MIB,
+            outcome.stdout
+        );
+        assert!(
+            free_of(outcome.one("views")) < 64 * MIB,
+            "run {run}: {}",
+            outcome.stdout
+        );
+    }
+}
+
 /// A driver (or an interposer) whose `cuGetProcAddress` table resolves through symbol
 /// interposition hands out the library's own exported wrappers (the stand-in's
 /// `GPUPOOL_STANDIN_PROC_ADDRESS=interposed`). Wrapped once more, every allocation would be

@@ -457,7 +457,40 @@ pub(super) unsafe fn mem_release(
     };
     let rc = real(handle);
     if rc == CUDA_SUCCESS {
-        if let Some(charge) = p.with_allocations(|a| a.remove_handle(handle)) {
+        if let Some(charge) = p.with_allocations(|a| a.release_handle(handle)) {
+            p.release(charge);
+        }
+    }
+    rc
+}
+
+/// `cuMemMap`: a mapping keeps a released handle's memory alive (see `Allocations`).
+pub(super) unsafe fn mem_map(
+    real: pfn::cuMemMap,
+    ptr: CUdeviceptr,
+    size: usize,
+    offset: usize,
+    handle: CUmemGenericAllocationHandle,
+    flags: u64,
+) -> CUresult {
+    let Some(p) = process::get() else {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    };
+    let rc = real(ptr, size, offset, handle, flags);
+    if rc == CUDA_SUCCESS {
+        p.with_allocations(|a| a.map_handle(ptr, size as u64, handle));
+    }
+    rc
+}
+
+/// `cuMemUnmap`: the last mapping of a released handle frees its memory, and its charge.
+pub(super) unsafe fn mem_unmap(real: pfn::cuMemUnmap, ptr: CUdeviceptr, size: usize) -> CUresult {
+    let Some(p) = process::get() else {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    };
+    let rc = real(ptr, size);
+    if rc == CUDA_SUCCESS {
+        for charge in p.with_allocations(|a| a.unmap_range(ptr, size as u64)) {
             p.release(charge);
         }
     }

@@ -54,7 +54,8 @@ Subcommands (each prints one JSON object per line; "result" is the CUresult, "er
       and, with --views, shows the views (with --hold it holds instead, without a context). Pitch: --width (default --size) x --height (default 1), --element
       (default 4). Arrays: --width (default --size), --height, --depth (default 0), --format (default
       0x20 float), --channels (default 1), --flags, --levels (mipmapped, default 1). cuMemCreate
-      --map also reserves, maps and sets access. Async paths free with cuMemFreeAsync and synchronise.
+      --map also reserves, maps and sets access; --release-after-map then releases the handle at
+      once, as the programming guide does (the mapping keeps the memory; freeing unmaps it). Async paths free with cuMemFreeAsync and synchronise.
   fill --path P --chunk N [--limit K] [--views] [--hold]
       allocates chunks until one fails: {"op":"fill","path","chunk","count","allocated","result",
       "error"} (allocated: bytes of the successful chunks as "bytes" counts them)
@@ -184,6 +185,7 @@ const FLAGS: &[&str] = &[
     "sync",
     "child-hold",
     "no-drain",
+    "release-after-map",
 ];
 
 impl Opts {

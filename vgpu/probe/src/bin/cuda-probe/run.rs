@@ -619,7 +619,20 @@ impl Session<'_> {
                             va = Some((ptr, size as usize, rm == 0));
                         }
                     }
-                    (r, Held::Vmm { handle: h, va })
+                    // The programming guide's pattern: the handle released at once, the mapping
+                    // (and with it the memory) kept until it is unmapped.
+                    let released = r == 0 && self.opts.flag("release-after-map");
+                    if released {
+                        line["release_result"] = json!(need!(cu.mem_release())(h));
+                    }
+                    (
+                        r,
+                        Held::Vmm {
+                            handle: h,
+                            va,
+                            released,
+                        },
+                    )
                 }
                 "cuMemAllocAsync" | "cuMemAllocFromPoolAsync" => {
                     let stream = self.stream();
@@ -719,14 +732,23 @@ impl Session<'_> {
             match *held {
                 Held::Linear { ptr, v1: false } => need!(cu.mem_free_v2())(ptr),
                 Held::Linear { ptr, v1: true } => need!(cu.mem_free_v1())(ptr as u32),
-                Held::Vmm { handle, va } => {
+                Held::Vmm {
+                    handle,
+                    va,
+                    released,
+                } => {
+                    let mut unmapped = 0;
                     if let Some((ptr, size, mapped)) = va {
                         if mapped {
-                            need!(cu.mem_unmap())(ptr, size);
+                            unmapped = need!(cu.mem_unmap())(ptr, size);
                         }
                         need!(cu.mem_address_free())(ptr, size);
                     }
-                    need!(cu.mem_release())(handle)
+                    if released {
+                        unmapped
+                    } else {
+                        need!(cu.mem_release())(handle)
+                    }
                 }
                 Held::Async { ptr, stream } => {
                     let r = need!(cu.mem_free_async())(ptr, stream);
@@ -1420,6 +1442,8 @@ enum Held {
     Vmm {
         handle: u64,
         va: Option<(CUdeviceptr, usize, bool)>,
+        /// Released right after mapping (`--release-after-map`): unmapping frees it.
+        released: bool,
     },
     Async {
         ptr: CUdeviceptr,

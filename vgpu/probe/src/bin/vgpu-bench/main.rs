@@ -35,7 +35,8 @@ limit of 8 GiB), sm (an SM limit of 50 % with policy FORCE: every launch takes t
 path; the median is a launch that found the gate open). Limited processes get the card's arbiter
 file (GPUPOOL_VGPU_ARBITER_0), one per machine folder. It needs cuda-probe and the three
 libraries next to it: cargo build --release -p gpupool-vgpu -p gpupool-standin-cuda
--p gpupool-standin-nvml -p gpupool-vgpu-probe.
+-p gpupool-standin-nvml -p gpupool-vgpu-probe. GPUPOOL_VGPU_LIBRARY names another build of the
+library to measure instead (an older commit's, on the same stand-ins).
 ";
 
 /// A configuration: its name and the environment the probe gets (`None`: no library).
@@ -227,8 +228,14 @@ impl Machine {
             std::os::unix::fs::symlink(built_library(&here, stem)?, lib.join(soname))
                 .map_err(|e| e.to_string())?;
         }
+        // Another build of the library can be measured on the same stand-ins (an older commit's,
+        // side by side): GPUPOOL_VGPU_LIBRARY, as for the tests.
+        let library = match std::env::var_os("GPUPOOL_VGPU_LIBRARY") {
+            Some(path) => PathBuf::from(path),
+            None => built_library(&here, "gpupool_vgpu")?,
+        };
         Ok(Machine {
-            library: built_library(&here, "gpupool_vgpu")?,
+            library,
             probe,
             dir,
         })

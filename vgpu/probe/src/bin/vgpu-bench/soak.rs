@@ -1,9 +1,10 @@
 //! `--soak S`: four containers share one card for S seconds the way a cluster's workloads do:
 //! three inference servers (bursts of work from a tenth of a second to seconds, quiet from a
 //! millisecond to a minute; the second runs two worker processes, each with its own traffic) and
-//! one training job (steps of seconds, waits for its data loader of up to 200 ms). Each process
-//! reports when its kernels completed (`launch --timeline-ms`); over sliding windows of 2 s the
-//! soak judges each container's share of the card against its limit:
+//! one training job (steps of seconds, waits for its data loader of up to 200 ms, and a pause
+//! from a third to three fifths of the run, when the servers have the card to themselves). Each
+//! process reports when its kernels completed (`launch --timeline-ms`); over sliding windows of
+//! 2 s the soak judges each container's share of the card against its limit:
 //! - in a window in which a container worked throughout, it got at least its limit less 5 points
 //!   (DEFAULT: the others, busy or not, never take more than their limits from it);
 //! - in a window in which every container worked throughout or not at all, the card went to those
@@ -36,7 +37,17 @@ fn plan(seconds: u64, seed: u64) -> Vec<Container> {
     let mut rng = Lcg(seed);
     let mut inference = || alternating(&rng.phases(total, (100, 5_000), (1, 60_000)));
     let (a, b1, b2, c) = (inference(), inference(), inference(), inference());
-    let training = alternating(&Lcg(seed ^ 0x5eed).phases(total, (2_000, 20_000), (1, 200)));
+    // Training stops for the middle of the run (an evaluation, a checkpoint to slow storage):
+    // the servers then have the card to themselves, alone or in twos.
+    let mut steps = Lcg(seed ^ 0x5eed);
+    let mut training = steps.phases(total / 3, (2_000, 20_000), (1, 200));
+    training.extend(
+        steps
+            .phases(total - total * 3 / 5, (2_000, 20_000), (1, 200))
+            .into_iter()
+            .map(|(a, b)| (a + total * 3 / 5, b + total * 3 / 5)),
+    );
+    let training = alternating(&training);
     vec![
         Container {
             name: "infer-a",
