@@ -657,6 +657,20 @@ mod tests {
         ));
     }
 
+    /// A thread that finds the gate not yet decided while the process state already exists
+    /// (another thread published the state and is about to open the gate) decides from the state:
+    /// before, it asked the gate again, and again, recursing until the other thread caught up
+    /// (or the stack ran out). Here the gate is held undecided on purpose.
+    #[test]
+    fn an_undecided_gate_is_decided_from_the_process_state_without_recursing() {
+        let process = process::get().expect("the test's environment limits nothing");
+        assert!(!process.config.throttles());
+        let decided = GATE.swap(process::GATE_UNINIT, Ordering::AcqRel);
+        let answer = before_launch(std::ptr::null_mut(), false);
+        GATE.store(decided, Ordering::Release);
+        assert!(matches!(answer, Ok(None)));
+    }
+
     /// A panic under `turn` (caught at the entry point, as every panic of the library is)
     /// poisons it: the holder must still renew and hand over, not find it busy forever.
     #[test]

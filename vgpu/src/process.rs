@@ -92,6 +92,10 @@ pub struct Process {
     initial_pid_namespace: bool,
     /// The card's arbiter per claim index with an SM limit (the compute limiter's turns).
     arbiters: [Option<Arbiter>; MAX_DEVICES],
+    /// The claim's device map could not be read at the last try (the accounting file's header
+    /// lock held by a stopped process): a device then has no claim index, and an allocation on it
+    /// is refused, never let through uncharged.
+    claim_map_unreadable: AtomicBool,
 }
 
 /// The process state, created on first use; None when the environment is refused (fail closed).
@@ -234,6 +238,7 @@ fn create() -> Option<Process> {
         host_pid: AtomicU32::new(0),
         initial_pid_namespace: in_initial_pid_namespace(),
         arbiters,
+        claim_map_unreadable: AtomicBool::new(false),
     })
 }
 
@@ -408,10 +413,12 @@ impl Process {
         let (map, replaced) = match file.merge_uuid_map(&self.config.device_uuid, &proposed) {
             Ok(merged) => (merged.map, merged.replaced),
             Err(error) => {
-                log_error!("{error}");
+                self.claim_map_unreadable.store(true, Ordering::Release);
+                log_error!("{error}; allocations are refused until it can be read");
                 return None;
             }
         };
+        self.claim_map_unreadable.store(false, Ordering::Release);
         for (index, had, now) in replaced {
             log_warn!(
                 "{}: device {index} was recorded as {had}; {}_{index} says {now}",
@@ -617,7 +624,14 @@ impl Process {
     /// Charges an allocation before the driver is asked. `Ok(None)`: the device is not limited
     /// (nothing recorded); `Err(CUDA_ERROR_OUT_OF_MEMORY)`: over the limit (or the file failed).
     pub fn reserve(&self, device: Option<usize>, bytes: u64) -> Result<Option<Charged>, CUresult> {
-        let Some(index) = device else { return Ok(None) };
+        let Some(index) = device else {
+            // Outside the claim: not ours to count. Unless nobody could tell (the device map was
+            // unreadable): then it may be the claim's, and it is refused (fail closed).
+            if self.limits_memory() && self.claim_map_unreadable.load(Ordering::Acquire) {
+                return Err(CUDA_ERROR_OUT_OF_MEMORY);
+            }
+            return Ok(None);
+        };
         let (Some(limit), Some(file)) = (self.memory_limit(index), self.file.as_ref()) else {
             return Ok(None);
         };

@@ -516,6 +516,20 @@ pub enum Charge {
     Refused { charged: u64, reaped: Vec<Reaped> },
 }
 
+/// Holds an accounting file's header lock through an open file description of its own, as a
+/// process stopped inside it would, until the returned file is dropped (for tests and
+/// diagnostics). None: the file cannot be opened or the lock is held already.
+pub fn hold_header_lock(path: &str) -> Option<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .ok()?;
+    let (start, len) = layout::HEADER_LOCK;
+    sys::try_lock(file.as_raw_fd(), start, len).then_some(file)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -169,6 +169,48 @@ fn managed_memory_keeps_the_context_counted() {
     );
 }
 
+/// The container's accounting file's header lock is held by a stopped process (here the test
+/// holds it) when a process first looks up its claim's devices: nothing can be charged, and an
+/// allocation is refused after the lock's bound, never let through uncharged (before: the
+/// device had no claim index, and both allocations went through, 2 GiB past a 1 GiB limit).
+#[test]
+fn an_unreadable_device_map_never_lets_an_allocation_through_uncharged() {
+    let sandbox = Sandbox::new("1x16g:108");
+    let container = sandbox.container();
+    // The file exists once a first process has used it.
+    sandbox
+        .probe(
+            &container,
+            &["alloc", "--path", "cuMemAlloc", "--size", "1"],
+        )
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+        .run_ok();
+    let started = sandbox
+        .probe(
+            &container,
+            &[
+                "alloc",
+                "--path",
+                "cuMemAlloc",
+                "--size",
+                &format!("{},{}", 256 * MIB, 2 * GIB),
+                "--pause-after-init-ms",
+                "300",
+            ],
+        )
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+        .start_until("paused_after_init");
+    // The library has opened the file (at cuInit); its claim's devices are looked up next.
+    let held = gpupool_vgpu::shared::hold_header_lock(&container).expect("the header lock");
+    let lines = started.finish();
+    drop(held);
+    let allocs: Vec<_> = lines.iter().filter(|l| l["op"] == "alloc").collect();
+    assert_eq!(allocs.len(), 2, "{lines:?}");
+    for alloc in allocs {
+        assert_eq!(alloc["result"], 2, "let through uncharged: {alloc}");
+    }
+}
+
 /// The CUDA programming guide's virtual memory pattern: create, reserve, map, set access, and
 /// release the handle at once; the mapping keeps the memory until it is unmapped. The limit holds
 /// across such allocations (before, the release uncharged memory that was still mapped: a 1 GiB

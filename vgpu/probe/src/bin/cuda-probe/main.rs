@@ -32,6 +32,8 @@ How entry points are found (every subcommand):
         primary (default): cuDevicePrimaryCtxRetain + cuCtxSetCurrent, as the runtime does;
         create: cuCtxCreate (the form --cuda-version selects); none: no context
   --no-init          skip cuInit (to see what an uninitialised driver answers)
+  --pause-after-init-ms M   print {"op":"paused_after_init","ms"} and sleep M ms between cuInit
+                     and the context
 
 Subcommands (each prints one JSON object per line; "result" is the CUresult, "error" its name):
   devices

@@ -195,6 +195,11 @@ impl Session<'_> {
         if r != 0 {
             return;
         }
+        // A moment between cuInit and the context (a test changes the world meanwhile).
+        if let Ok(Some(ms)) = self.opts.num("pause-after-init-ms") {
+            emit(json!({"op": "paused_after_init", "ms": ms}));
+            std::thread::sleep(Duration::from_millis(ms));
+        }
         self.make_context(context);
     }
 
