@@ -199,6 +199,26 @@ fn refusal(result: Result<(), kube::Error>) -> Option<String> {
 }
 
 /// The shipped webhook configuration, its clientConfig pointed at `url`.
+/// Waits until every webhook of the configuration carries `ca` as its caBundle.
+async fn wait_for_ca_bundle(
+    configurations: &Api<ValidatingWebhookConfiguration>,
+    ca: &str,
+    what: &str,
+) {
+    wait_for(what, Duration::from_secs(30), || async {
+        let current = configurations.get(CONFIGURATION).await.ok()?;
+        current
+            .webhooks?
+            .iter()
+            .all(|w| {
+                w.client_config.ca_bundle.as_ref().map(|b| b.0.as_slice()) == Some(ca.as_bytes())
+            })
+            .then_some(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+}
+
 fn shipped_configuration(url: &str) -> Value {
     let text = std::fs::read_to_string(deploy_dir().join("base/webhook.yaml")).unwrap();
     let mut configuration = parse_manifests(&text)
@@ -327,23 +347,7 @@ async fn the_webhook_refuses_bad_gpupool_configs_on_the_real_api_server() {
     apply_objects(&admin, &[configuration], NS).await.unwrap();
     let ca = running.ca_bundle.as_ref().unwrap().borrow().clone();
     let configurations: Api<ValidatingWebhookConfiguration> = Api::all(admin.clone());
-    wait_for(
-        "the webhook to set its caBundle",
-        Duration::from_secs(30),
-        || async {
-            let current = configurations.get(CONFIGURATION).await.ok()?;
-            current
-                .webhooks?
-                .iter()
-                .all(|w| {
-                    w.client_config.ca_bundle.as_ref().map(|b| b.0.as_slice())
-                        == Some(ca.as_bytes())
-                })
-                .then_some(())
-        },
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    wait_for_ca_bundle(&configurations, &ca, "the webhook to set its caBundle").await;
 
     // The API server reads webhook configurations through an informer: wait until it calls.
     let probe = v1_claim("probe", json!({}), json!({"coreLimit": 150}));
@@ -440,23 +444,7 @@ async fn the_webhook_refuses_bad_gpupool_configs_on_the_real_api_server() {
         .replace(CONFIGURATION, &PostParams::default(), &emptied)
         .await
         .unwrap();
-    wait_for(
-        "the webhook to put its caBundle back",
-        Duration::from_secs(30),
-        || async {
-            let current = configurations.get(CONFIGURATION).await.ok()?;
-            current
-                .webhooks?
-                .iter()
-                .all(|w| {
-                    w.client_config.ca_bundle.as_ref().map(|b| b.0.as_slice())
-                        == Some(ca.as_bytes())
-                })
-                .then_some(())
-        },
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    wait_for_ca_bundle(&configurations, &ca, "the webhook to put its caBundle back").await;
 
     // As a user sees it: the real kubectl apply.
     match kubectl_path() {
