@@ -107,6 +107,11 @@ pub struct SharedFile {
     file: MappedFile,
     /// Serialises this process's threads in front of the header lock (see the module docs).
     header_mutex: Mutex<()>,
+    /// The slot this process claimed (usize::MAX: none), set under the header lock as it is
+    /// claimed. A reap never takes it, whatever its caller knows: our own lock on its range never
+    /// conflicts with us, so to our own eyes it always looks dead, and a thread asking for a view
+    /// while another claims it would otherwise reap it (every later charge then went unseen).
+    claimed: std::sync::atomic::AtomicUsize,
 }
 
 /// Holds the header lock (the process mutex and the OFD lock on byte 0) until dropped.
@@ -143,6 +148,7 @@ impl SharedFile {
             LOCK_TIMEOUT,
         )?;
         Ok(SharedFile {
+            claimed: std::sync::atomic::AtomicUsize::new(usize::MAX),
             file,
             header_mutex: Mutex::new(()),
         })
@@ -337,6 +343,7 @@ impl SharedFile {
                     .store(1, Ordering::Release);
                 self.u32_at(layout::H_SLOTS_HIGH)
                     .fetch_max(slot as u32 + 1, Ordering::AcqRel);
+                self.claimed.store(slot, Ordering::Release);
                 return Ok(slot);
             }
             if attempt == 0 {
@@ -395,8 +402,9 @@ impl SharedFile {
 
     fn reap_locked(&self, _guard: &HeaderGuard<'_>, own: Option<usize>) -> Vec<Reaped> {
         let mut reaped = Vec::new();
+        let claimed = self.claimed.load(Ordering::Acquire);
         for slot in 0..self.slots_high() {
-            if Some(slot) == own || !self.slot_in_use(slot) {
+            if Some(slot) == own || slot == claimed || !self.slot_in_use(slot) {
                 continue;
             }
             let (start, len) = Self::slot_range(slot);
@@ -697,9 +705,11 @@ mod tests {
         a.set_context(slot, 0, 7);
         assert!(a.reap(Some(slot)).unwrap().is_empty());
         assert_eq!(a.charged(0), 7);
-        // Without telling it which slot is its own, it would (wrongly) see itself as dead: the
-        // reason `own` exists.
-        assert_eq!(a.reap(None).unwrap(), vec![Reaped { pid: 1, bytes: 7 }]);
+        // Nor when the caller does not know it yet (a thread asking for a view while another
+        // claims the process's first slot): it used to see itself as dead and reap its own new
+        // slot, and every later charge of the process then went unseen by the others.
+        assert!(a.reap(None).unwrap().is_empty());
+        assert_eq!(a.charged(0), 7);
     }
 
     #[test]
