@@ -40,8 +40,9 @@ pub const MAGIC: u64 = u64::from_le_bytes(*b"GPUPARB1");
 pub const VERSION: u32 = 1;
 pub const TENANTS: usize = 64;
 pub const PROCESSES: usize = 256;
-/// The decision lock is held for microseconds; reaching this means its holder is stopped. (The
-/// longest wait for it, when a process registers; a launch waits no longer than its bound.)
+/// The decision lock is held for microseconds; reaching this means its holder is stopped. The
+/// longest wait for it (the keeper's, a process's exit), and for the lock that serialises the
+/// file's growth; a launch waits no longer than its bound.
 pub const LOCK_TIMEOUT: Duration = Duration::from_secs(2);
 /// After a wait for the decision lock timed out, this process tries it once (no wait) for this
 /// long: a stopped holder must not cost every launch a bound's wait.
@@ -473,12 +474,14 @@ impl Arbiter {
             .store(0, Ordering::Release);
     }
 
-    /// A sign of this process's work on the card now (see `ProcessRecord::busy_until_ns`).
+    /// A sign of this process's work on the card now (see `ProcessRecord::busy_until_ns`). A
+    /// plain store on every launch: only this process writes its record, and two of its threads
+    /// racing can only put it back by the nanoseconds between their clock reads.
     #[inline]
     pub fn note_busy(&self, now_ns: u64) {
         self.layout().processes[self.slot]
             .busy_until_ns
-            .fetch_max(now_ns, Ordering::Relaxed);
+            .store(now_ns, Ordering::Relaxed);
     }
 
     /// Counts a launch that went ahead without the card.
@@ -526,8 +529,8 @@ impl Arbiter {
 
     /// Charges the holder's tenant for the lease so far (from its start to the holder's last sign
     /// of work: `schedule::used_ns`) and restarts the lease's clock at `now`. Under the decision
-    /// lock. A dead or stopped holder is charged up to its last launch, not up to the moment
-    /// someone noticed.
+    /// lock, or after taking a dead holder's lease back by compare-and-swap (`register`). A dead
+    /// or stopped holder is charged up to its last launch, not up to the moment someone noticed.
     fn charge_holder(&self, holder_slot: usize, now_ns: u64) {
         let header = &self.layout().header;
         let busy_until = self.layout().processes[holder_slot]

@@ -417,7 +417,8 @@ impl DeviceLimiter {
     /// keeper, or the next launch, tries again), its lease over.
     fn hand_over(&self, arbiter: &Arbiter, deadline: u64) -> bool {
         self.closing.store(true, Ordering::SeqCst);
-        let queued = self.outstanding() > 0;
+        // Each poll of work still queued notes it as a sign of work: the charge runs to the end
+        // of the drain.
         let drained = loop {
             self.poll_marks(arbiter);
             if self.outstanding() == 0 && self.in_gate.load(Ordering::SeqCst) == 0 {
@@ -434,10 +435,6 @@ impl DeviceLimiter {
         };
         let now = now_ns();
         let released = if drained {
-            if queued {
-                // Its work ran until now.
-                arbiter.note_busy(now);
-            }
             self.learn_launch_cost(now);
             arbiter.release(now, until(deadline))
         } else {
@@ -520,22 +517,15 @@ impl DeviceLimiter {
             0
         };
         let drain_by = now.saturating_add(DRAIN_MAX_NS);
-        if arbiter.others_waiting() {
-            if idle_for >= IDLE_NS {
-                if let Some(_turn) = self.try_turn() {
-                    if arbiter.is_holder() {
-                        self.hand_over(arbiter, drain_by);
-                    }
-                }
-            } else if now >= arbiter.lease_end_ns() {
-                self.end_of_lease(arbiter, drain_by);
-            }
-        } else if idle_for >= IDLE_RELEASE_NS {
+        let others = arbiter.others_waiting();
+        if idle_for >= if others { IDLE_NS } else { IDLE_RELEASE_NS } {
             if let Some(_turn) = self.try_turn() {
                 if arbiter.is_holder() {
                     self.hand_over(arbiter, drain_by);
                 }
             }
+        } else if others && now >= arbiter.lease_end_ns() {
+            self.end_of_lease(arbiter, drain_by);
         }
         true
     }
