@@ -197,7 +197,7 @@ fn check_selection(selection: &Selection<'_>, effective: &EffectiveConfig) -> Ve
         .map(|c| c.ceil_units().clamp(0, 100) as u32)
         .unwrap_or(0);
     if let (Some(limit), Some(allocated)) = (c.memory_limit, allocated_memory) {
-        if limit > allocated {
+        if c.memory_limit_raises(allocated) {
             problems.push(problem(
                 field(&effective.memory_limit_field),
                 format!(
@@ -212,8 +212,7 @@ fn check_selection(selection: &Selection<'_>, effective: &EffectiveConfig) -> Ve
         }
     }
     if let Some(limit) = c.core_limit {
-        // 0 means "no SM limit": on a share with cores that is raising it, not lowering.
-        if cores > 0 && (limit == 0 || limit > cores) {
+        if c.core_limit_raises(cores) {
             problems.push(problem(
                 field(&effective.core_limit_field),
                 format!(

@@ -138,6 +138,21 @@ impl GpuConfig {
         self.compute = later.compute.or(self.compute);
         self.priority = later.priority.or(self.priority);
     }
+
+    /// Whether `memoryLimit` asks for more than the `allocated` bytes: a limit may only lower
+    /// what the scheduler gave. One rule for the admission webhook (against the request) and the
+    /// driver's prepare (against the allocation).
+    pub fn memory_limit_raises(&self, allocated: u64) -> bool {
+        self.memory_limit.is_some_and(|limit| limit > allocated)
+    }
+
+    /// Whether `coreLimit` asks for more than the `allocated` percent of SMs. 0 means "no SM
+    /// limit", so on a share with cores (allocated > 0) a coreLimit of 0 raises it too; without
+    /// cores there is no SM limit to lower and any coreLimit is a lowering.
+    pub fn core_limit_raises(&self, allocated: u32) -> bool {
+        self.core_limit
+            .is_some_and(|limit| allocated > 0 && (limit == 0 || limit > allocated))
+    }
 }
 
 /// Depth of nested arrays/objects; a scalar is 0. Iterative so hostile input cannot blow the stack.

@@ -148,7 +148,7 @@ pub fn device_limits(
     }
     let mut memory_bytes = allocated_memory;
     if let Some(limit) = c.memory_limit {
-        if limit > allocated_memory {
+        if c.memory_limit_raises(allocated_memory) {
             return Err(LimitsError::Override {
                 field: config.memory_limit_field.clone().unwrap_or_default(),
                 message: format!(
@@ -163,8 +163,7 @@ pub fn device_limits(
     }
     let mut cores = allocated_cores;
     if let Some(limit) = c.core_limit {
-        // 0 means "no SM limit": lowering to it is raising the share.
-        if allocated_cores > 0 && (limit == 0 || limit > allocated_cores) {
+        if c.core_limit_raises(allocated_cores) {
             return Err(LimitsError::Override {
                 field: config.core_limit_field.clone().unwrap_or_default(),
                 message: format!(
